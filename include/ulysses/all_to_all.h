@@ -1,0 +1,77 @@
+// Differentiable Ulysses all-to-alls between sequence sharding and head sharding.
+//
+// With P ranks, sequence partition S = sum_j S_j (rank j holds tokens [o_j, o_j + S_j)) and
+// head ranges R_j = [h_j, h_j + H_j) from a HeadPartition, in any Layout (BSHD shown):
+//   scatter_heads:  y_r[b, o_j + s, hl, d] = x_j[b, s, h_r + hl, d]       (seq -> heads)
+//   gather_heads:   x_r[b, s, h_j + hl, d] = sum_j y_j[b, o_r + s, hl, d] (heads -> seq)
+// The sum in gather_heads only has more than one term for kv heads that are replicated over
+// ranks (Hkv < P); there it is exactly the backward of scatter_heads.
+// Backward of each op is the other, using the AllToAllPlan saved with the autograd node: the
+// total head count is never read from anywhere else. Q, K and V may move in one collective.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+
+#include <string>
+#include <vector>
+
+#include "ulysses/group.h"
+#include "ulysses/partition.h"
+
+namespace ulysses {
+
+// Which heads of a HeadPartition a tensor carries.
+enum class Heads {
+  kQuery,     // Hq heads: Q, O, query-head masks.
+  kKeyValue,  // Hkv heads: K, V.
+};
+
+// One tensor to be checked by agree_plan: its role and its name for error messages.
+struct TensorSpec {
+  at::Tensor tensor;  // 4-D, sequence-sharded: [B, S_r, H, D] in BSHD.
+  Heads heads = Heads::kQuery;
+  std::string name = "x";
+};
+
+// Everything the all-to-alls of one attention call need, identical on every rank.
+struct AllToAllPlan {
+  HeadPartition heads;
+  SequencePartition seq;
+  Layout layout = Layout::kBSHD;
+
+  // The head ranges, one per rank, that tensors of kind `h` are split into.
+  const std::vector<Range>& ranges(Heads h) const {
+    return h == Heads::kQuery ? heads.q_ranges() : heads.kv_ranges();
+  }
+  int64_t total(Heads h) const { return h == Heads::kQuery ? heads.q_heads() : heads.kv_heads(); }
+};
+
+// Checks `tensors` on every rank and agrees on the plan in one small collective: each must be
+// 4-D in `layout` with all Hq (or Hkv) heads, and every rank must agree on head counts, batch,
+// head dims and dtype. Local sequence lengths are gathered (or checked against `seq` when
+// given). Any violation raises the same error on every rank before data moves.
+AllToAllPlan agree_plan(const Group& group, const HeadPartition& heads, Layout layout,
+                        const std::vector<TensorSpec>& tensors,
+                        const c10::optional<SequencePartition>& seq = c10::nullopt);
+
+// [S_r, all heads] -> [S, this rank's heads] (in `plan.layout`). Differentiable.
+at::Tensor scatter_heads(const at::Tensor& x, Heads heads, const AllToAllPlan& plan,
+                         const Group& group);
+// [S, this rank's heads] -> [S_r, all heads]; replicated kv heads are summed. Differentiable.
+at::Tensor gather_heads(const at::Tensor& y, Heads heads, const AllToAllPlan& plan,
+                        const Group& group);
+
+// Fused forms: the tensors (e.g. Q, K, V) move in one collective. Same dtype required.
+std::vector<at::Tensor> scatter_heads(const std::vector<at::Tensor>& xs,
+                                      const std::vector<Heads>& heads, const AllToAllPlan& plan,
+                                      const Group& group);
+std::vector<at::Tensor> gather_heads(const std::vector<at::Tensor>& ys,
+                                     const std::vector<Heads>& heads, const AllToAllPlan& plan,
+                                     const Group& group);
+
+// Convenience: agree_plan for `x` alone, then scatter_heads.
+at::Tensor scatter_heads(const at::Tensor& x, const HeadPartition& partition, Heads heads,
+                         Layout layout, const Group& group);
+
+}  // namespace ulysses

@@ -1,0 +1,116 @@
+// Head and sequence partitions: the pure plan layer of Ulysses sequence parallelism.
+//
+// A sequence of S tokens is split over the P ranks of a sequence-parallel (SP) group:
+//   S_r = S/P + (r < S%P),   tokens of rank r = [sum_{j<r} S_j, sum_{j<=r} S_j).
+// Around attention, heads are split instead. With r = Hq/Hkv query heads per kv head:
+//   Hkv >= P:  kv[i] = Hkv/P + (i < Hkv%P) contiguous kv heads, q[i] = r * kv[i]
+//              (a kv group is never torn apart);
+//   Hkv <  P:  q[i] = Hq/P + (i < Hq%P) contiguous query heads, and rank i holds every kv head
+//              its query heads use (kv heads are replicated over ranks).
+// Local query head j of rank i uses local kv head kv_map(i)[j] = (q_begin(i)+j)/r - kv_begin(i).
+//
+// Everything here is a value computed from integers: no tensors, no process group, no state.
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <vector>
+
+namespace ulysses {
+
+// Dimension order of a 4-D Q/K/V/O tensor. B = batch, S = sequence, H = heads, D = head dim.
+enum class Layout {
+  kBSHD,  // [B, S, H, D]: flash-attention, Hugging Face.
+  kSBHD,  // [S, B, H, D]: Megatron.
+  kBHSD,  // [B, H, S, D]: scaled_dot_product_attention.
+};
+
+// The sequence dimension of `layout` (0..3).
+int64_t seq_dim(Layout layout);
+// The head dimension of `layout` (0..3).
+int64_t head_dim(Layout layout);
+// "BSHD", "SBHD" or "BHSD".
+std::string to_string(Layout layout);
+// Parses "BSHD", "SBHD" or "BHSD" (case-insensitive); throws c10::ValueError otherwise.
+Layout parse_layout(const std::string& name);
+
+// A half-open range [begin, end) of indices.
+struct Range {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t size() const { return end - begin; }
+  bool operator==(const Range& o) const { return begin == o.begin && end == o.end; }
+  bool operator!=(const Range& o) const { return !(*this == o); }
+};
+std::ostream& operator<<(std::ostream& os, const Range& r);
+
+// How the heads of one attention instance are split over an SP group of `sp_size` ranks.
+// Computed identically on every rank from (Hq, Hkv, P); compare with ==, print with <<.
+class HeadPartition {
+ public:
+  // Partitions `q_heads` query and `kv_heads` key/value heads over `sp_size` ranks.
+  // Throws c10::ValueError when Hq % Hkv != 0, when Hq < P, or when a count is not positive.
+  static HeadPartition make(int64_t q_heads, int64_t kv_heads, int64_t sp_size);
+
+  int64_t q_heads() const { return q_heads_; }
+  int64_t kv_heads() const { return kv_heads_; }
+  int64_t sp_size() const { return static_cast<int64_t>(q_.size()); }
+  // Query heads that share one kv head (Hq / Hkv).
+  int64_t group_size() const { return q_heads_ / kv_heads_; }
+  // True when some kv head is held by more than one rank (Hkv < P).
+  bool replicates_kv() const { return kv_heads_ < sp_size(); }
+
+  // Global query heads [begin, end) held by `rank`.
+  Range q_range(int64_t rank) const { return q_.at(rank); }
+  // Global kv heads [begin, end) held by `rank`, replicas included.
+  Range kv_range(int64_t rank) const { return kv_.at(rank); }
+  // For each local query head of `rank`, the index of its kv head among the rank's kv heads.
+  std::vector<int64_t> kv_map(int64_t rank) const;
+  // Per-rank query (or kv) head ranges, in rank order.
+  const std::vector<Range>& q_ranges() const { return q_; }
+  const std::vector<Range>& kv_ranges() const { return kv_; }
+
+  bool operator==(const HeadPartition& o) const {
+    return q_heads_ == o.q_heads_ && kv_heads_ == o.kv_heads_ && q_ == o.q_ && kv_ == o.kv_;
+  }
+  bool operator!=(const HeadPartition& o) const { return !(*this == o); }
+
+ private:
+  HeadPartition() = default;
+  int64_t q_heads_ = 0;   // > 0, a multiple of kv_heads_.
+  int64_t kv_heads_ = 0;  // > 0.
+  std::vector<Range> q_;  // One per rank; disjoint, contiguous, non-empty, covering [0, Hq).
+  std::vector<Range> kv_; // One per rank; covers [0, Hkv); ranges overlap only if Hkv < P.
+};
+std::ostream& operator<<(std::ostream& os, const HeadPartition& p);
+
+// How S tokens are split over an SP group: contiguous, in rank order, S_r = S/P + (r < S%P),
+// or given explicitly as per-rank lengths (learned from the ranks themselves).
+class SequencePartition {
+ public:
+  // The even split of `seq_len` tokens over `sp_size` ranks. Throws c10::ValueError if
+  // seq_len < 0 or sp_size < 1.
+  static SequencePartition even(int64_t seq_len, int64_t sp_size);
+  // The partition with the given per-rank lengths (each >= 0).
+  static SequencePartition from_lengths(std::vector<int64_t> lengths);
+
+  int64_t seq_len() const { return offsets_.back(); }
+  int64_t sp_size() const { return static_cast<int64_t>(lengths_.size()); }
+  // Tokens held by `rank`.
+  int64_t length(int64_t rank) const { return lengths_.at(rank); }
+  // Global token positions [begin, end) held by `rank`.
+  Range range(int64_t rank) const { return {offsets_.at(rank), offsets_.at(rank + 1)}; }
+  const std::vector<int64_t>& lengths() const { return lengths_; }
+
+  bool operator==(const SequencePartition& o) const { return lengths_ == o.lengths_; }
+  bool operator!=(const SequencePartition& o) const { return !(*this == o); }
+
+ private:
+  SequencePartition() = default;
+  std::vector<int64_t> lengths_;  // One per rank, each >= 0.
+  std::vector<int64_t> offsets_;  // Prefix sums of lengths_; size P + 1, offsets_[0] == 0.
+};
+std::ostream& operator<<(std::ostream& os, const SequencePartition& p);
+
+}  // namespace ulysses

@@ -1,0 +1,311 @@
+#include "ulysses/all_to_all.h"
+
+#include <c10/util/Exception.h>
+
+#include <sstream>
+
+#include "detail/autograd.h"
+
+namespace ulysses {
+namespace {
+
+std::string shape_str(at::IntArrayRef sizes) {
+  std::ostringstream os;
+  os << sizes;
+  return os.str();
+}
+
+const char* heads_name(Heads h) { return h == Heads::kQuery ? "query" : "kv"; }
+
+// `like`'s sizes with the sequence dim set to `seq` and the head dim to `heads`.
+std::vector<int64_t> shape_with(const at::Tensor& like, Layout layout, int64_t seq,
+                                int64_t heads) {
+  std::vector<int64_t> s = like.sizes().vec();
+  s[seq_dim(layout)] = seq;
+  s[head_dim(layout)] = heads;
+  return s;
+}
+
+// True when every dim before `dim` has size 1, so slices along `dim` are contiguous blocks.
+bool leading_dims_trivial(at::IntArrayRef sizes, int64_t dim) {
+  for (int64_t i = 0; i < dim; ++i)
+    if (sizes[i] != 1) return false;
+  return true;
+}
+
+// All-to-all only moves bytes: bf16 travels as fp16, which Gloo knows (it has no bf16).
+at::Tensor wire(const at::Tensor& flat) {
+  if (flat.scalar_type() == at::kBFloat16) return flat.view(at::kHalf);
+  return flat;
+}
+
+bool overlapping(const std::vector<Range>& ranges) {
+  for (size_t i = 1; i < ranges.size(); ++i)
+    if (ranges[i].begin < ranges[i - 1].end) return true;
+  return false;
+}
+
+// Sequence-sharded -> head-sharded for every tensor in `xs`, in one collective.
+std::vector<at::Tensor> seq_to_heads(const std::vector<at::Tensor>& xs,
+                                     const std::vector<Heads>& kinds, const AllToAllPlan& plan,
+                                     const Group& group) {
+  const int P = group.size(), me = group.rank();
+  const Layout L = plan.layout;
+  const int64_t sdim = seq_dim(L), hdim = head_dim(L);
+  const int64_t S_me = plan.seq.length(me);
+  std::vector<int64_t> send_splits(P, 0), recv_splits(P, 0);
+  std::vector<at::Tensor> outs;
+  for (size_t t = 0; t < xs.size(); ++t) {
+    const auto& R = plan.ranges(kinds[t]);
+    const int64_t per_token_head = c10::multiply_integers(shape_with(xs[t], L, 1, 1));
+    for (int j = 0; j < P; ++j) {
+      send_splits[j] += S_me * R[j].size() * per_token_head;
+      recv_splits[j] += plan.seq.length(j) * R[me].size() * per_token_head;
+    }
+    outs.push_back(at::empty(shape_with(xs[t], L, plan.seq.seq_len(), R[me].size()),
+                             xs[t].options()));
+  }
+  int64_t send_total = 0, recv_total = 0;
+  for (int j = 0; j < P; ++j) send_total += send_splits[j], recv_total += recv_splits[j];
+
+  at::Tensor send = at::empty({send_total}, xs[0].options());
+  int64_t off = 0;
+  for (int j = 0; j < P; ++j) {
+    for (size_t t = 0; t < xs.size(); ++t) {
+      const Range r = plan.ranges(kinds[t])[j];
+      const auto shape = shape_with(xs[t], L, S_me, r.size());
+      const int64_t n = c10::multiply_integers(shape);
+      send.narrow(0, off, n).view(shape).copy_(xs[t].narrow(hdim, r.begin, r.size()));
+      off += n;
+    }
+  }
+  // One tensor whose per-source blocks are contiguous: receive straight into the output.
+  const bool direct = xs.size() == 1 && leading_dims_trivial(outs[0].sizes(), sdim);
+  at::Tensor recv = direct ? outs[0].view({-1}) : at::empty({recv_total}, xs[0].options());
+  at::Tensor send_w = wire(send), recv_w = wire(recv);
+  group.all_to_all(recv_w, send_w, recv_splits, send_splits);
+  if (direct) return outs;
+  off = 0;
+  for (int j = 0; j < P; ++j) {
+    const Range s = plan.seq.range(j);
+    for (size_t t = 0; t < xs.size(); ++t) {
+      const auto shape = shape_with(xs[t], L, s.size(), outs[t].size(hdim));
+      const int64_t n = c10::multiply_integers(shape);
+      outs[t].narrow(sdim, s.begin, s.size()).copy_(recv.narrow(0, off, n).view(shape));
+      off += n;
+    }
+  }
+  return outs;
+}
+
+// Head-sharded -> sequence-sharded for every tensor in `ys`, in one collective. Heads held by
+// several ranks (replicated kv) are summed.
+std::vector<at::Tensor> heads_to_seq(const std::vector<at::Tensor>& ys,
+                                     const std::vector<Heads>& kinds, const AllToAllPlan& plan,
+                                     const Group& group) {
+  const int P = group.size(), me = group.rank();
+  const Layout L = plan.layout;
+  const int64_t sdim = seq_dim(L), hdim = head_dim(L);
+  const int64_t S_me = plan.seq.length(me);
+  std::vector<int64_t> send_splits(P, 0), recv_splits(P, 0);
+  std::vector<at::Tensor> outs;
+  for (size_t t = 0; t < ys.size(); ++t) {
+    const auto& R = plan.ranges(kinds[t]);
+    const int64_t per_token_head = c10::multiply_integers(shape_with(ys[t], L, 1, 1));
+    for (int j = 0; j < P; ++j) {
+      send_splits[j] += plan.seq.length(j) * R[me].size() * per_token_head;
+      recv_splits[j] += S_me * R[j].size() * per_token_head;
+    }
+    auto shape = shape_with(ys[t], L, S_me, plan.total(kinds[t]));
+    outs.push_back(overlapping(R) ? at::zeros(shape, ys[t].options())
+                                  : at::empty(shape, ys[t].options()));
+  }
+  int64_t send_total = 0, recv_total = 0;
+  for (int j = 0; j < P; ++j) send_total += send_splits[j], recv_total += recv_splits[j];
+
+  // One contiguous tensor whose per-destination blocks are contiguous: send it as it is.
+  at::Tensor send;
+  if (ys.size() == 1 && ys[0].is_contiguous() && leading_dims_trivial(ys[0].sizes(), sdim)) {
+    send = ys[0].view({-1});
+  } else {
+    send = at::empty({send_total}, ys[0].options());
+    int64_t off = 0;
+    for (int j = 0; j < P; ++j) {
+      const Range s = plan.seq.range(j);
+      for (size_t t = 0; t < ys.size(); ++t) {
+        const auto shape = shape_with(ys[t], L, s.size(), ys[t].size(hdim));
+        const int64_t n = c10::multiply_integers(shape);
+        send.narrow(0, off, n).view(shape).copy_(ys[t].narrow(sdim, s.begin, s.size()));
+        off += n;
+      }
+    }
+  }
+  at::Tensor recv = at::empty({recv_total}, ys[0].options());
+  at::Tensor send_w = wire(send), recv_w = wire(recv);
+  group.all_to_all(recv_w, send_w, recv_splits, send_splits);
+  int64_t off = 0;
+  for (int j = 0; j < P; ++j) {
+    for (size_t t = 0; t < ys.size(); ++t) {
+      const auto& R = plan.ranges(kinds[t]);
+      const auto shape = shape_with(ys[t], L, S_me, R[j].size());
+      const int64_t n = c10::multiply_integers(shape);
+      at::Tensor dst = outs[t].narrow(hdim, R[j].begin, R[j].size());
+      at::Tensor src = recv.narrow(0, off, n).view(shape);
+      if (overlapping(R)) {
+        dst.add_(src);
+      } else {
+        dst.copy_(src);
+      }
+      off += n;
+    }
+  }
+  return outs;
+}
+
+// Checks that `xs` match the agreed plan on this rank (`seq_sharded`: before scatter).
+void check_against_plan(const char* op, const std::vector<at::Tensor>& xs,
+                        const std::vector<Heads>& kinds, const AllToAllPlan& plan,
+                        const Group& group, bool seq_sharded) {
+  TORCH_CHECK_VALUE(!xs.empty() && xs.size() == kinds.size(), op,
+                    ": need one Heads kind per tensor; got ", xs.size(), " tensors and ",
+                    kinds.size(), " kinds");
+  TORCH_CHECK_VALUE(plan.heads.sp_size() == group.size(), op, ": plan is for ",
+                    plan.heads.sp_size(), " ranks but the group has ", group.size());
+  const int me = group.rank();
+  const int64_t sdim = seq_dim(plan.layout), hdim = head_dim(plan.layout);
+  for (size_t t = 0; t < xs.size(); ++t) {
+    const at::Tensor& x = xs[t];
+    TORCH_CHECK_VALUE(x.dim() == 4, op, ": tensor ", t, " must be 4-D (", to_string(plan.layout),
+                      "); got shape ", shape_str(x.sizes()), " (rank ", me, ")");
+    TORCH_CHECK_TYPE(x.scalar_type() == xs[0].scalar_type(), op,
+                     ": fused tensors must share a dtype; got ", x.scalar_type(), " and ",
+                     xs[0].scalar_type());
+    const int64_t want_s = seq_sharded ? plan.seq.length(me) : plan.seq.seq_len();
+    const int64_t want_h = seq_sharded ? plan.total(kinds[t]) : plan.ranges(kinds[t])[me].size();
+    TORCH_CHECK_VALUE(x.size(sdim) == want_s && x.size(hdim) == want_h, op, ": tensor ", t,
+                      " must have ", want_s, " tokens in dim ", sdim, " and ", want_h, " ",
+                      heads_name(kinds[t]), " heads in dim ", hdim, " (layout ",
+                      to_string(plan.layout), "); got shape ", shape_str(x.sizes()), " (rank ",
+                      me, " of ", group.size(), ")");
+  }
+}
+
+}  // namespace
+
+AllToAllPlan agree_plan(const Group& group, const HeadPartition& heads, Layout layout,
+                        const std::vector<TensorSpec>& tensors,
+                        const c10::optional<SequencePartition>& seq) {
+  const int P = group.size(), me = group.rank();
+  const int64_t sdim = seq_dim(layout), hdim = head_dim(layout);
+  // Per rank: [Hq, Hkv, P, then per tensor: 4 sizes, dtype].
+  const size_t meta_size = 3 + 5 * tensors.size();
+  auto all = group.agree(
+      [&]() {
+        TORCH_CHECK_VALUE(!tensors.empty(), "agree_plan: need at least one tensor");
+        TORCH_CHECK_VALUE(heads.sp_size() == P, "agree_plan: head partition is for ",
+                          heads.sp_size(), " ranks but the SP group has ", P, " (rank ", me, ")");
+        std::vector<int64_t> meta{heads.q_heads(), heads.kv_heads(), P};
+        for (const TensorSpec& spec : tensors) {
+          const at::Tensor& x = spec.tensor;
+          TORCH_CHECK_VALUE(x.defined() && x.dim() == 4, "agree_plan: ", spec.name,
+                            " must be a 4-D tensor in layout ", to_string(layout), "; got ",
+                            x.defined() ? shape_str(x.sizes()) : "undefined", " (rank ", me,
+                            " of ", P, ")");
+          const int64_t want = spec.heads == Heads::kQuery ? heads.q_heads() : heads.kv_heads();
+          TORCH_CHECK_VALUE(x.size(hdim) == want, "agree_plan: ", spec.name, " must have ", want,
+                            " ", heads_name(spec.heads), " heads in dim ", hdim, " (layout ",
+                            to_string(layout), "); got shape ", shape_str(x.sizes()), " (rank ",
+                            me, " of ", P, ")");
+          TORCH_CHECK_VALUE(x.size(sdim) == tensors[0].tensor.size(sdim), "agree_plan: ",
+                            spec.name, " has ", x.size(sdim), " tokens but ",
+                            tensors[0].name, " has ", tensors[0].tensor.size(sdim), " (rank ",
+                            me, ")");
+          for (int64_t d = 0; d < 4; ++d) meta.push_back(x.size(d));
+          meta.push_back(static_cast<int64_t>(x.scalar_type()));
+        }
+        return meta;
+      },
+      meta_size);
+
+  // Every rank now checks the same gathered data, so every rank raises the same error.
+  const auto& first = all[0];
+  std::vector<int64_t> lengths;
+  for (int r = 0; r < P; ++r) {
+    const auto& m = all[r];
+    TORCH_CHECK_VALUE(m[0] == first[0] && m[1] == first[1],
+                      "agree_plan: ranks disagree on head counts: rank 0 has q_heads=", first[0],
+                      ", kv_heads=", first[1], " but rank ", r, " has q_heads=", m[0],
+                      ", kv_heads=", m[1]);
+    for (size_t t = 0; t < tensors.size(); ++t) {
+      const int64_t* a = &first[3 + 5 * t];
+      const int64_t* b = &m[3 + 5 * t];
+      for (int64_t d = 0; d < 4; ++d) {
+        TORCH_CHECK_VALUE(d == sdim || a[d] == b[d], "agree_plan: ranks disagree on ",
+                          tensors[t].name, "'s dim ", d, ": rank 0 has ", a[d], ", rank ", r,
+                          " has ", b[d], " (only the sequence dim ", sdim, " may differ)");
+      }
+      TORCH_CHECK_TYPE(a[4] == b[4], "agree_plan: ranks disagree on ", tensors[t].name,
+                       "'s dtype: rank 0 has ", static_cast<c10::ScalarType>(a[4]), ", rank ", r,
+                       " has ", static_cast<c10::ScalarType>(b[4]));
+    }
+    lengths.push_back(m[3 + sdim]);
+  }
+  if (seq) {
+    TORCH_CHECK_VALUE(seq->lengths() == lengths, "agree_plan: local sequence lengths ",
+                      SequencePartition::from_lengths(lengths), " do not match the given ",
+                      *seq);
+  }
+  return AllToAllPlan{heads, SequencePartition::from_lengths(lengths), layout};
+}
+
+std::vector<at::Tensor> scatter_heads(const std::vector<at::Tensor>& xs,
+                                      const std::vector<Heads>& kinds, const AllToAllPlan& plan,
+                                      const Group& group) {
+  check_against_plan("scatter_heads", xs, kinds, plan, group, /*seq_sharded=*/true);
+  if (group.size() == 1) return xs;
+  std::vector<at::Tensor> outs;
+  {
+    at::NoGradGuard no_grad;
+    outs = seq_to_heads(xs, kinds, plan, group);
+  }
+  detail::attach_backward(xs, outs, "ScatterHeadsBackward",
+                          [kinds, plan, group](std::vector<at::Tensor>&& grads) {
+                            return heads_to_seq(grads, kinds, plan, group);
+                          });
+  return outs;
+}
+
+std::vector<at::Tensor> gather_heads(const std::vector<at::Tensor>& ys,
+                                     const std::vector<Heads>& kinds, const AllToAllPlan& plan,
+                                     const Group& group) {
+  check_against_plan("gather_heads", ys, kinds, plan, group, /*seq_sharded=*/false);
+  if (group.size() == 1) return ys;
+  std::vector<at::Tensor> outs;
+  {
+    at::NoGradGuard no_grad;
+    outs = heads_to_seq(ys, kinds, plan, group);
+  }
+  detail::attach_backward(ys, outs, "GatherHeadsBackward",
+                          [kinds, plan, group](std::vector<at::Tensor>&& grads) {
+                            return seq_to_heads(grads, kinds, plan, group);
+                          });
+  return outs;
+}
+
+at::Tensor scatter_heads(const at::Tensor& x, Heads heads, const AllToAllPlan& plan,
+                         const Group& group) {
+  return scatter_heads(std::vector<at::Tensor>{x}, {heads}, plan, group)[0];
+}
+
+at::Tensor gather_heads(const at::Tensor& y, Heads heads, const AllToAllPlan& plan,
+                        const Group& group) {
+  return gather_heads(std::vector<at::Tensor>{y}, {heads}, plan, group)[0];
+}
+
+at::Tensor scatter_heads(const at::Tensor& x, const HeadPartition& partition, Heads heads,
+                         Layout layout, const Group& group) {
+  auto plan = agree_plan(group, partition, layout, {TensorSpec{x, heads, "x"}});
+  return scatter_heads(x, heads, plan, group);
+}
+
+}  // namespace ulysses

@@ -1,0 +1,54 @@
+// Attaching a hand-written backward to outputs computed without autograd. Our ops keep their
+// metadata (plans, groups) as C++ values in the node; torch::autograd::Function could only
+// keep IValues.
+#pragma once
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace ulysses::detail {
+
+using BackwardFn = std::function<std::vector<at::Tensor>(std::vector<at::Tensor>&&)>;
+
+// A node whose backward is `fn`; undefined incoming gradients are replaced by zeros.
+class FunctionNode : public torch::autograd::Node {
+ public:
+  FunctionNode(std::string name, BackwardFn fn) : name_(std::move(name)), fn_(std::move(fn)) {}
+  std::string name() const override { return name_; }
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (!grads[i].defined()) grads[i] = at::zeros(shapes_[i], options_[i]);
+    }
+    return fn_(std::move(grads));
+  }
+  void record_output(const at::Tensor& t) {
+    shapes_.push_back(t.sizes().vec());
+    options_.push_back(t.options());
+  }
+
+ private:
+  std::string name_;
+  BackwardFn fn_;                             // Maps output grads to input grads.
+  std::vector<std::vector<int64_t>> shapes_;  // Output shapes, for undefined grads.
+  std::vector<at::TensorOptions> options_;    // Output options, likewise.
+};
+
+// Makes `outputs` differentiable functions of `inputs` with backward `fn`, when grad mode is
+// on and some input requires grad. `fn` returns one gradient per input (undefined allowed).
+inline void attach_backward(const std::vector<at::Tensor>& inputs,
+                            std::vector<at::Tensor>& outputs, std::string name, BackwardFn fn) {
+  if (!torch::autograd::compute_requires_grad(inputs)) return;
+  auto node = std::shared_ptr<FunctionNode>(new FunctionNode(std::move(name), std::move(fn)),
+                                            torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+  for (at::Tensor& out : outputs) {
+    node->record_output(out);
+    torch::autograd::set_history(out, node);
+  }
+}
+
+}  // namespace ulysses::detail

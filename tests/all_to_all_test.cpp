@@ -1,0 +1,296 @@
+#include "ulysses/all_to_all.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <sstream>
+
+#include "testing.h"
+
+namespace ulysses {
+namespace {
+
+using testing::expect_ranks_fail_alike;
+using testing::expect_ranks_succeed;
+using testing::rel_error;
+using testing::run_ranks;
+using testing::where;
+
+at::Tensor randn(at::IntArrayRef shape, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, gen);
+}
+
+// A full (single-rank) tensor in `layout` with S tokens and H heads.
+std::vector<int64_t> full_shape(Layout layout, int64_t B, int64_t S, int64_t H, int64_t D) {
+  switch (layout) {
+    case Layout::kBSHD: return {B, S, H, D};
+    case Layout::kSBHD: return {S, B, H, D};
+    case Layout::kBHSD: return {B, H, S, D};
+  }
+  return {};
+}
+
+struct Case {
+  int P;
+  int64_t hq, hkv, S;
+  Layout layout;
+  int64_t B = 2, D = 8, Dv = 8;
+};
+
+std::string describe(const Case& c) {
+  std::ostringstream os;
+  os << "P" << c.P << "_q" << c.hq << "_kv" << c.hkv << "_S" << c.S << "_" << to_string(c.layout)
+     << "_B" << c.B << "_D" << c.D << "_Dv" << c.Dv;
+  return os.str();
+}
+std::string case_name(const ::testing::TestParamInfo<Case>& info) { return describe(info.param); }
+void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
+
+class AllToAll : public ::testing::TestWithParam<Case> {};
+
+// gather(scatter(x)) == x bit for bit for query heads; kv heads come back multiplied by the
+// number of ranks holding them (gather sums replicas, as backward needs).
+TEST_P(AllToAll, RoundTrip) {
+  const Case c = GetParam();
+  expect_ranks_succeed(c.P, [&](Group& g) {
+    auto part = HeadPartition::make(c.hq, c.hkv, c.P);
+    auto seq = SequencePartition::even(c.S, c.P);
+    const int64_t sdim = seq_dim(c.layout), hdim = head_dim(c.layout);
+    at::Tensor Q = randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 1);
+    at::Tensor K = randn(full_shape(c.layout, c.B, c.S, c.hkv, c.D), 2);
+    const Range mine = seq.range(g.rank());
+    at::Tensor q = Q.narrow(sdim, mine.begin, mine.size()).contiguous();
+    at::Tensor k = K.narrow(sdim, mine.begin, mine.size()).contiguous();
+    auto plan = agree_plan(g, part, c.layout,
+                           {{q, Heads::kQuery, "q"}, {k, Heads::kKeyValue, "k"}});
+    at::Tensor back_q = gather_heads(scatter_heads(q, Heads::kQuery, plan, g), Heads::kQuery,
+                                     plan, g);
+    EXPECT_TRUE(back_q.equal(q)) << where(g, q);
+    at::Tensor back_k = gather_heads(scatter_heads(k, Heads::kKeyValue, plan, g),
+                                     Heads::kKeyValue, plan, g);
+    std::vector<double> copies(c.hkv, 0.0);
+    for (const Range& r : part.kv_ranges())
+      for (int64_t h = r.begin; h < r.end; ++h) copies[h] += 1.0;
+    std::vector<int64_t> bshape(4, 1);
+    bshape[hdim] = c.hkv;
+    at::Tensor expected = k * at::tensor(copies, at::kFloat).view(bshape);
+    EXPECT_TRUE(back_k.equal(expected)) << where(g, k);
+  });
+}
+
+// scatter against the slice of the full tensor that the partition assigns to this rank, and
+// gradients of a random scalar loss against the single-rank reference's.
+TEST_P(AllToAll, MatchesSingleRankReference) {
+  const Case c = GetParam();
+  expect_ranks_succeed(c.P, [&](Group& g) {
+    auto part = HeadPartition::make(c.hq, c.hkv, c.P);
+    auto seq = SequencePartition::even(c.S, c.P);
+    const int64_t sdim = seq_dim(c.layout), hdim = head_dim(c.layout);
+    const int me = g.rank();
+    const Range mine = seq.range(me);
+    at::Tensor Q = randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 11);
+    at::Tensor K = randn(full_shape(c.layout, c.B, c.S, c.hkv, c.D), 12);
+    at::Tensor V = randn(full_shape(c.layout, c.B, c.S, c.hkv, c.Dv), 13);
+    auto shard = [&](const at::Tensor& X) {
+      return X.narrow(sdim, mine.begin, mine.size()).contiguous().requires_grad_();
+    };
+    at::Tensor q = shard(Q), k = shard(K), v = shard(V);
+    auto plan = agree_plan(
+        g, part, c.layout,
+        {{q, Heads::kQuery, "q"}, {k, Heads::kKeyValue, "k"}, {v, Heads::kKeyValue, "v"}});
+    // Per-rank loss weights, reproducible on every rank: W[t][r] for tensor t on rank r.
+    auto weight = [&](const at::Tensor& X, Heads h, int r, uint64_t salt) {
+      const Range hr = plan.ranges(h)[r];
+      return randn(X.narrow(hdim, hr.begin, hr.size()).sizes(), 100 * salt + r);
+    };
+    for (bool fused : {false, true}) {
+      std::vector<at::Tensor> ys;
+      if (fused) {
+        ys = scatter_heads({q, k, v}, {Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue}, plan, g);
+      } else {
+        ys = {scatter_heads(q, Heads::kQuery, plan, g), scatter_heads(k, Heads::kKeyValue, plan, g),
+              scatter_heads(v, Heads::kKeyValue, plan, g)};
+      }
+      const std::vector<at::Tensor> X{Q, K, V};
+      const std::vector<Heads> kinds{Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue};
+      at::Tensor loss = at::zeros({});
+      for (int t = 0; t < 3; ++t) {
+        const Range hr = plan.ranges(kinds[t])[me];
+        EXPECT_TRUE(ys[t].equal(X[t].narrow(hdim, hr.begin, hr.size())))
+            << "tensor " << t << " fused=" << fused << " " << where(g, ys[t]);
+        loss = loss + (ys[t] * weight(X[t], kinds[t], me, t + 1)).sum();
+      }
+      loss.backward();
+      // Reference: every rank's loss on the full tensors, differentiated on one rank.
+      double worst = 0;
+      for (int t = 0; t < 3; ++t) {
+        at::Tensor full = X[t].clone().requires_grad_();
+        at::Tensor ref_loss = at::zeros({});
+        for (int r = 0; r < c.P; ++r) {
+          const Range hr = plan.ranges(kinds[t])[r];
+          ref_loss = ref_loss + (full.narrow(hdim, hr.begin, hr.size()) *
+                                 weight(X[t], kinds[t], r, t + 1))
+                                    .sum();
+        }
+        ref_loss.backward();
+        at::Tensor expected = full.grad().narrow(sdim, mine.begin, mine.size());
+        at::Tensor got = std::vector<at::Tensor>{q, k, v}[t].grad();
+        worst = std::max(worst, rel_error(got, expected));
+      }
+      EXPECT_LT(worst, 1e-6) << "fused=" << fused << " " << where(g, q);
+      for (at::Tensor* t : {&q, &k, &v}) t->mutable_grad().reset();
+    }
+  });
+}
+
+// gather_heads' own backward (seq -> heads) against the reference.
+TEST_P(AllToAll, GatherBackwardMatchesReference) {
+  const Case c = GetParam();
+  expect_ranks_succeed(c.P, [&](Group& g) {
+    auto part = HeadPartition::make(c.hq, c.hkv, c.P);
+    auto seq = SequencePartition::even(c.S, c.P);
+    const int64_t sdim = seq_dim(c.layout), hdim = head_dim(c.layout);
+    const int me = g.rank();
+    const Range hr = part.q_range(me), mine = seq.range(me);
+    at::Tensor O = randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 21);
+    at::Tensor W = randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 22);
+    at::Tensor y = O.narrow(hdim, hr.begin, hr.size()).contiguous().requires_grad_();
+    AllToAllPlan plan{part, seq, c.layout};
+    at::Tensor o = gather_heads(y, Heads::kQuery, plan, g);
+    at::Tensor w = W.narrow(sdim, mine.begin, mine.size());
+    EXPECT_TRUE(o.equal(O.narrow(sdim, mine.begin, mine.size()))) << where(g, o);
+    (o * w).sum().backward();
+    EXPECT_TRUE(y.grad().equal(W.narrow(hdim, hr.begin, hr.size()))) << where(g, y);
+  });
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (Layout l : {Layout::kBSHD, Layout::kSBHD, Layout::kBHSD}) {
+    out.push_back({1, 4, 2, 7, l});     // P == 1: identity.
+    out.push_back({2, 4, 4, 8, l});     // Even MHA.
+    out.push_back({3, 7, 7, 10, l});    // Uneven heads, uneven S.
+    out.push_back({4, 8, 2, 9, l});     // GQA with kv replicated (Hkv < P).
+    out.push_back({2, 2, 1, 5, l});     // MQA.
+    out.push_back({4, 6, 2, 13, l});    // GQA group straddling ranks.
+    out.push_back({2, 6, 3, 6, l});     // GQA 6/3: q [4,2], kv [2,1].
+  }
+  out.push_back({4, 12, 12, 4, Layout::kBSHD, 1, 16, 16});  // B = 1: direct receive.
+  out.push_back({3, 6, 3, 2, Layout::kBSHD, 1, 4, 4});      // Fewer tokens than ranks.
+  out.push_back({2, 4, 2, 6, Layout::kBHSD, 2, 8, 12});     // v head dim != q/k head dim.
+  out.push_back({3, 6, 2, 7, Layout::kSBHD, 1, 16, 4});     // Likewise, with replication.
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, AllToAll, ::testing::ValuesIn(cases()), case_name);
+
+// Two attention instances with different head counts share the process and interleave.
+void interleave(int P, int64_t hq_a, int64_t hkv_a, int64_t hq_b, int64_t hkv_b) {
+  expect_ranks_succeed(P, [&](Group& g) {
+    const int me = g.rank();
+    const Layout L = Layout::kBSHD;
+    auto seq = SequencePartition::even(6, P);
+    const Range mine = seq.range(me);
+    auto part_a = HeadPartition::make(hq_a, hkv_a, P);
+    auto part_b = HeadPartition::make(hq_b, hkv_b, P);
+    const HeadPartition a_before = part_a;
+    at::Tensor A = randn({1, 6, hq_a, 4}, 31), B = randn({1, 6, hq_b, 4}, 32);
+    at::Tensor a = A.narrow(1, mine.begin, mine.size()).contiguous().requires_grad_();
+    at::Tensor b = B.narrow(1, mine.begin, mine.size()).contiguous().requires_grad_();
+    auto plan_a = agree_plan(g, part_a, L, {{a, Heads::kQuery, "a"}});
+    at::Tensor ya = scatter_heads(a, Heads::kQuery, plan_a, g);
+    auto plan_b = agree_plan(g, part_b, L, {{b, Heads::kQuery, "b"}});
+    at::Tensor yb = scatter_heads(b, Heads::kQuery, plan_b, g);
+    (ya * 2).sum().backward();  // A's backward after B's forward.
+    at::Tensor ya2 = scatter_heads(a, Heads::kQuery, plan_a, g);  // A again after B.
+    (yb * 3).sum().backward();
+    const Range ra = part_a.q_range(me), rb = part_b.q_range(me);
+    EXPECT_TRUE(ya.equal(A.narrow(2, ra.begin, ra.size())));
+    EXPECT_TRUE(ya2.equal(ya));
+    EXPECT_TRUE(yb.equal(B.narrow(2, rb.begin, rb.size())));
+    EXPECT_TRUE(a.grad().equal(at::full_like(a, 2)));
+    EXPECT_TRUE(b.grad().equal(at::full_like(b, 3)));
+    EXPECT_EQ(part_a, a_before);
+    EXPECT_EQ(plan_a.heads, a_before);
+  });
+}
+
+TEST(AllToAllInstances, ThreeAndTwoHeadsInterleave) { interleave(2, 3, 3, 2, 2); }
+TEST(AllToAllInstances, Gqa6Over3AndMha4Interleave) { interleave(2, 6, 3, 4, 4); }
+
+TEST(AllToAllInstances, TwelveHeadsOverFourAfterOtherInstances) {
+  interleave(4, 7, 7, 5, 5);  // Other head counts run first in this process.
+  expect_ranks_succeed(4, [](Group& g) {
+    at::Tensor x = randn({1, 2, 12, 4}, 41);
+    auto y = scatter_heads(x, HeadPartition::make(12, 12, 4), Heads::kQuery, Layout::kBSHD, g);
+    EXPECT_EQ(y.size(2), 3);
+    EXPECT_EQ(y.size(1), 8);
+  });
+}
+
+// Invalid setups: the same clear error on every rank, in seconds, never a hang.
+TEST(AllToAllErrors, FewerQueryHeadsThanRanks) {
+  auto errors = run_ranks(2, [](Group& g) { HeadPartition::make(1, 1, g.size()); });
+  expect_ranks_fail_alike(errors,
+                          "query heads (1) must be >= sequence-parallel size (2); each rank "
+                          "needs at least one query head");
+}
+
+TEST(AllToAllErrors, RanksDisagreeOnLocalSequenceLength) {
+  auto errors = run_ranks(2, [](Group& g) {
+    at::Tensor x = at::zeros({1, g.rank() == 0 ? 4 : 3, 4, 8});
+    agree_plan(g, HeadPartition::make(4, 4, 2), Layout::kBSHD, {{x, Heads::kQuery, "q"}},
+               SequencePartition::even(8, 2));
+  });
+  expect_ranks_fail_alike(errors, "local sequence lengths SequencePartition(S=7, lengths=[4,3]) "
+                                  "do not match the given SequencePartition(S=8, lengths=[4,4])");
+}
+
+TEST(AllToAllErrors, RanksDisagreeOnHeadCount) {
+  auto errors = run_ranks(2, [](Group& g) {
+    const int64_t h = g.rank() == 0 ? 4 : 6;
+    at::Tensor x = at::zeros({1, 4, h, 8});
+    scatter_heads(x, HeadPartition::make(h, h, 2), Heads::kQuery, Layout::kBSHD, g);
+  });
+  expect_ranks_fail_alike(errors, "ranks disagree on head counts: rank 0 has q_heads=4");
+}
+
+TEST(AllToAllErrors, TensorOfWrongRankOnOneRank) {
+  auto errors = run_ranks(3, [](Group& g) {
+    at::Tensor x = g.rank() == 1 ? at::zeros({4, 3, 8}) : at::zeros({1, 4, 3, 8});
+    scatter_heads(x, HeadPartition::make(3, 3, 3), Heads::kQuery, Layout::kBSHD, g);
+  });
+  expect_ranks_fail_alike(errors, "x must be a 4-D tensor in layout BSHD; got [4, 3, 8] (rank 1 "
+                                  "of 3) [raised on rank 1 of 3]");
+}
+
+TEST(AllToAllErrors, WrongHeadCountForPartition) {
+  auto errors = run_ranks(2, [](Group& g) {
+    at::Tensor x = at::zeros({1, 4, 5, 8});
+    scatter_heads(x, HeadPartition::make(4, 2, 2), Heads::kQuery, Layout::kBSHD, g);
+  });
+  expect_ranks_fail_alike(errors, "x must have 4 query heads in dim 2 (layout BSHD); got shape "
+                                  "[1, 4, 5, 8]");
+}
+
+TEST(AllToAllErrors, RanksDisagreeOnDtype) {
+  auto errors = run_ranks(2, [](Group& g) {
+    at::Tensor x = at::zeros({1, 4, 2, 8}, g.rank() == 0 ? at::kFloat : at::kDouble);
+    scatter_heads(x, HeadPartition::make(2, 2, 2), Heads::kQuery, Layout::kBSHD, g);
+  });
+  expect_ranks_fail_alike(errors, "ranks disagree on x's dtype");
+}
+
+TEST(AllToAllDtypes, Bfloat16RoundTrip) {
+  expect_ranks_succeed(2, [](Group& g) {
+    at::Tensor x = randn({2, 3, 4, 8}, 51).to(at::kBFloat16);
+    auto plan = agree_plan(g, HeadPartition::make(4, 4, 2), Layout::kBSHD, {{x, Heads::kQuery, "x"}});
+    EXPECT_TRUE(gather_heads(scatter_heads(x, Heads::kQuery, plan, g), Heads::kQuery, plan, g).equal(x));
+  });
+}
+
+}  // namespace
+}  // namespace ulysses

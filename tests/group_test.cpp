@@ -1,0 +1,90 @@
+#include "ulysses/group.h"
+
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "testing.h"
+
+namespace ulysses {
+namespace {
+
+using testing::expect_ranks_fail_alike;
+using testing::expect_ranks_succeed;
+using testing::run_ranks;
+
+TEST(Group, AllGatherAndAllReduce) {
+  expect_ranks_succeed(3, [](Group& g) {
+    at::Tensor mine = at::full({2}, g.rank(), at::kLong);
+    at::Tensor all = g.all_gather(mine);
+    ASSERT_EQ(all.sizes(), (std::vector<int64_t>{3, 2}));
+    for (int r = 0; r < 3; ++r) EXPECT_EQ(all[r][1].item<int64_t>(), r);
+    at::Tensor sum = at::ones({4});
+    g.all_reduce_sum(sum);
+    EXPECT_TRUE(sum.equal(at::full({4}, 3.0)));
+  });
+}
+
+TEST(Group, AgreeReturnsEveryRanksMetadata) {
+  expect_ranks_succeed(3, [](Group& g) {
+    auto meta = g.agree([&] { return std::vector<int64_t>{g.rank(), 10 * g.rank()}; }, 2);
+    ASSERT_EQ(meta.size(), 3u);
+    for (int r = 0; r < 3; ++r) EXPECT_EQ(meta[r], (std::vector<int64_t>{r, 10 * r}));
+  });
+}
+
+TEST(Group, AgreeRaisesTheSameErrorOfTheSameTypeOnEveryRank) {
+  auto errors = run_ranks(4, [](Group& g) {
+    try {
+      g.agree([&] {
+        TORCH_CHECK_VALUE(g.rank() != 2 && g.rank() != 3, "check: rank ", g.rank(), " is bad");
+        return std::vector<int64_t>{};
+      });
+    } catch (const c10::ValueError&) {
+      throw;  // The expected type: rethrown for the message check below.
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "wrong exception type: ", e.what());
+    }
+  });
+  expect_ranks_fail_alike(errors, "check: rank 2 is bad [raised on rank 2 of 4]");
+}
+
+TEST(Group, MeshSpGroupsAreConsecutiveRanks) {
+  expect_ranks_succeed(4, [](Group& world) {
+    Mesh mesh = Mesh::create(world, 2);
+    EXPECT_EQ(mesh.sp.size(), 2);
+    EXPECT_EQ(mesh.dp.size(), 2);
+    at::Tensor w = at::full({1}, world.rank(), at::kLong);
+    at::Tensor sp = mesh.sp.all_gather(w).view({-1});
+    at::Tensor dp = mesh.dp.all_gather(w).view({-1});
+    const int64_t base = world.rank() / 2 * 2;
+    EXPECT_TRUE(sp.equal(at::tensor({base, base + 1})));
+    EXPECT_TRUE(dp.equal(at::tensor(std::vector<int64_t>{world.rank() % 2, world.rank() % 2 + 2})));
+  });
+}
+
+TEST(Group, MeshRejectsIndivisibleWorld) {
+  auto errors = run_ranks(3, [](Group& world) { Mesh::create(world, 2); });
+  expect_ranks_fail_alike(errors, "world size (3) must be a multiple of the sequence-parallel size (2)");
+}
+
+TEST(Group, AbsentPeerIsAnErrorNotAHang) {
+  auto errors = run_ranks(
+      2,
+      [](Group& g) {
+        if (g.rank() == 1) {
+          std::this_thread::sleep_for(std::chrono::seconds(3));  // Never joins the collective.
+          return;
+        }
+        at::Tensor t = at::ones({8});
+        g.all_reduce_sum(t);
+      },
+      std::chrono::milliseconds(1000));
+  EXPECT_NE(errors[0].find("collective all_reduce failed on rank 0 of 2"), std::string::npos)
+      << errors[0];
+  EXPECT_EQ(errors[1], "");
+}
+
+}  // namespace
+}  // namespace ulysses

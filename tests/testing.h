@@ -1,0 +1,33 @@
+// Multi-rank test harness: ranks are threads in this process, meeting through a shared
+// HashStore, with Gloo on 127.0.0.1 (as PyTorch's ProcessGroupGlooTest does).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "ulysses/group.h"
+
+namespace ulysses::testing {
+
+// Runs `body(group)` on `world` ranks, one thread each, and returns each rank's error message
+// ("" when the rank finished cleanly). Collectives time out after `timeout`.
+std::vector<std::string> run_ranks(int world, const std::function<void(Group&)>& body,
+                                   std::chrono::milliseconds timeout = std::chrono::seconds(30));
+
+// Runs `body` on `world` ranks and fails the test with every rank's error, if any.
+void expect_ranks_succeed(int world, const std::function<void(Group&)>& body);
+
+// Expects every rank to fail with a message containing `needle`, all messages identical.
+void expect_ranks_fail_alike(const std::vector<std::string>& errors, const std::string& needle);
+
+// Max |a - b| / (max|b| + tiny), for readable tolerance checks.
+double rel_error(const at::Tensor& a, const at::Tensor& b);
+
+// Context for failure messages: rank, world, dtype and shape.
+std::string where(const Group& g, const at::Tensor& t);
+
+}  // namespace ulysses::testing
