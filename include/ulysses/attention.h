@@ -1,0 +1,41 @@
+// Local attention: what each rank runs on its own heads over the full sequence.
+//
+// For local query head h (kv head g = kv_map[h]), query i and key j:
+//   s[b,h,i,j] = scale * <q[b,h,i,:], k[b,g,j,:]> + bias[b,h,i,j]   (additive float mask)
+//   allowed(i,j) = mask[b,h,i,j] (bool mask) && (!causal || j <= i) && doc(b,i) == doc(b,j)
+//   o[b,h,i,:]  = sum_j softmax_j(s | allowed) * v[b,g,j,:]
+// where doc(b,i) counts the position ids equal to 0 up to i (packed documents restart their
+// positions at 0). A query row with no allowed key gets o = 0 (and zero gradients).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+
+#include <functional>
+#include <vector>
+
+namespace ulysses {
+
+// Inputs of a local attention, in BHSD: q [B, Hq_r, S, D], k [B, Hkv_r, S, D],
+// v [B, Hkv_r, S, Dv] (any strides). Output: [B, Hq_r, S, Dv].
+struct LocalAttentionArgs {
+  at::Tensor q, k, v;
+  std::vector<int64_t> kv_map;          // Local kv head of each local query head (size Hq_r).
+  c10::optional<at::Tensor> mask;       // Bool or additive float, broadcastable to [B,Hq_r,S,S].
+  c10::optional<at::Tensor> positions;  // [B, S] or [S] int64 global position ids (packing).
+  bool causal = false;
+  double scale = 0.0;                   // Softmax scale; 0 means 1/sqrt(D).
+};
+
+// A local attention implementation.
+using LocalAttention = std::function<at::Tensor(const LocalAttentionArgs&)>;
+
+// Reference attention on libtorch ops: materialises [B, Hq_r, S, S] scores, computes in fp32
+// (or fp64 for fp64 inputs) and is differentiated by autograd. The test reference.
+at::Tensor math_attention(const LocalAttentionArgs& args);
+
+// Document index of every position: doc[b, i] = #{ j <= i : positions[b, j] == 0 } - 1.
+// positions: [B, S] or [S]; returns the same shape.
+at::Tensor document_ids(const at::Tensor& positions);
+
+}  // namespace ulysses

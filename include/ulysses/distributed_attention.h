@@ -1,0 +1,106 @@
+// DistributedAttention: Ulysses sequence-parallel attention around a local attention.
+//
+//   q, k, v on this rank's sequence shard [B, S_r, H, D] (BSHD; or SBHD, BHSD)
+//     --scatter_heads (one fused all-to-all)-->  [B, S, my heads, D]
+//   mask rebuilt for (all queries, my heads); position ids gathered to [B, S]
+//   local attention on my heads over the full sequence (GQA through the partition's kv map)
+//     --gather_heads-->  o on this rank's shard [B, S_r, Hq, Dv]
+//
+// Head counts belong to the instance (from the options, or captured from the first call's
+// tensors): two instances with different head counts share a process freely.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+
+#include <string>
+#include <vector>
+
+#include "ulysses/all_to_all.h"
+#include "ulysses/attention.h"
+#include "ulysses/group.h"
+#include "ulysses/partition.h"
+
+namespace ulysses {
+
+// Per-forward-step state shared by the attention layers of one model: a mask (and position
+// ids) shared by several layers is rebuilt (gathered) once per step, not once per layer.
+// Entries are keyed by the source tensor's identity and version, so a changed mask is never
+// served stale. Create one per forward step; it must not outlive the step's tensors' use.
+class StepContext {
+ public:
+  // `group` must be the SP group of the attention layers that use this context.
+  explicit StepContext(Group group) : group_(std::move(group)) {}
+
+  // rebuild_mask(mask, plan, group), computed once per (mask, version, plan).
+  at::Tensor rebuilt_mask(const at::Tensor& mask, const AllToAllPlan& plan);
+  // all_gather_sequence(positions, -1, seq, group), computed once per (positions, version, seq).
+  at::Tensor gathered_positions(const at::Tensor& positions, const SequencePartition& seq);
+  // Collectives saved by reuse so far (for tests and logs).
+  int64_t reuses() const { return reuses_; }
+  const Group& group() const { return group_; }
+
+ private:
+  struct Entry {
+    at::Tensor source;                  // Held so its identity cannot be reused while cached.
+    int64_t version = 0;                // source's version counter when cached.
+    std::vector<Range> q_ranges;        // The head split the result was built for.
+    std::vector<int64_t> seq_lengths;   // The sequence split likewise.
+    at::Tensor result;
+  };
+  at::Tensor lookup(std::vector<Entry>& entries, const at::Tensor& source,
+                    const std::vector<Range>& q_ranges, const SequencePartition& seq,
+                    const std::function<at::Tensor()>& build);
+  Group group_;
+  std::vector<Entry> masks_;      // Rebuilt masks of this step.
+  std::vector<Entry> positions_;  // Gathered position ids of this step.
+  int64_t reuses_ = 0;            // Cache hits so far.
+};
+
+// Options of a DistributedAttention.
+struct AttentionOptions {
+  int64_t q_heads = 0;            // Total query heads Hq; 0: taken from the first call's q.
+  int64_t kv_heads = 0;           // Total kv heads Hkv; 0: taken from the first call's k.
+  Layout layout = Layout::kBSHD;  // Dimension order of q, k, v and the output.
+  bool causal = false;            // Causal attention (within each document when packed).
+  double scale = 0.0;             // Softmax scale; 0 means 1/sqrt(D).
+  bool fuse_qkv = true;           // Move q, k, v in one all-to-all (else three).
+  LocalAttention local;           // Local attention; empty means the library default.
+};
+
+// Optional per-call inputs.
+struct AttentionInputs {
+  c10::optional<at::Tensor> mask;       // See mask.h for accepted shapes; bool or additive.
+  c10::optional<at::Tensor> positions;  // This shard's global position ids, [B, S_r] or [S_r].
+  StepContext* context = nullptr;       // Shares rebuilt masks/positions across layers.
+  c10::optional<SequencePartition> seq; // Known sequence split (checked); else learned.
+};
+
+class DistributedAttention {
+ public:
+  DistributedAttention(Group group, AttentionOptions options = {});
+
+  // o = attention(q, k, v) on this rank's sequence shard; shapes in options().layout:
+  // q [B, S_r, Hq, D], k [B, S_r, Hkv, D], v [B, S_r, Hkv, Dv] -> o [B, S_r, Hq, Dv] (BSHD).
+  at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const AttentionInputs& inputs = {});
+  at::Tensor operator()(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const AttentionInputs& inputs = {}) {
+    return forward(q, k, v, inputs);
+  }
+
+  // The head partition (set from the options, or after the first call).
+  const c10::optional<HeadPartition>& partition() const { return partition_; }
+  const AttentionOptions& options() const { return options_; }
+  const Group& group() const { return group_; }
+
+ private:
+  Group group_;
+  AttentionOptions options_;
+  c10::optional<HeadPartition> partition_;  // Fixed once known; every call must match it.
+};
+
+// The library's default local attention.
+LocalAttention default_local_attention();
+
+}  // namespace ulysses

@@ -1,0 +1,53 @@
+#include "ulysses/attention.h"
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+namespace ulysses {
+
+at::Tensor document_ids(const at::Tensor& positions) {
+  TORCH_CHECK_TYPE(!positions.is_floating_point(), "document_ids: positions must be integer; got ",
+                   positions.scalar_type());
+  return positions.eq(0).to(at::kLong).cumsum(-1) - 1;
+}
+
+at::Tensor math_attention(const LocalAttentionArgs& a) {
+  TORCH_CHECK_VALUE(a.q.dim() == 4 && a.k.dim() == 4 && a.v.dim() == 4,
+                    "math_attention: q, k, v must be 4-D BHSD; got ", a.q.sizes(), ", ",
+                    a.k.sizes(), ", ", a.v.sizes());
+  TORCH_CHECK_VALUE(static_cast<int64_t>(a.kv_map.size()) == a.q.size(1),
+                    "math_attention: kv_map must have one entry per query head (", a.q.size(1),
+                    "); got ", a.kv_map.size());
+  const auto compute = a.q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const double scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(static_cast<double>(a.q.size(-1)));
+  at::Tensor map = at::tensor(a.kv_map, at::kLong);
+  at::Tensor k = a.k.index_select(1, map).to(compute);
+  at::Tensor v = a.v.index_select(1, map).to(compute);
+  at::Tensor s = at::matmul(a.q.to(compute), k.transpose(-1, -2)) * scale;  // [B, H, S, S]
+  const int64_t Sq = s.size(-2), Sk = s.size(-1);
+  at::Tensor allowed = at::ones({1, 1, Sq, Sk}, s.options().dtype(at::kBool));
+  if (a.mask) {
+    if (a.mask->scalar_type() == at::kBool) {
+      allowed = allowed.logical_and(*a.mask);
+    } else {
+      s = s + a.mask->to(compute);
+    }
+  }
+  if (a.causal) allowed = allowed.logical_and(at::ones({Sq, Sk}, allowed.options()).tril());
+  if (a.positions) {
+    at::Tensor doc = document_ids(*a.positions);
+    if (doc.dim() == 1) doc = doc.unsqueeze(0);
+    allowed = allowed.logical_and(doc.unsqueeze(-1).eq(doc.unsqueeze(-2)).unsqueeze(1));
+  }
+  s = s.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+  // Softmax that yields 0 (not NaN) for rows with no allowed key, gradients included.
+  at::Tensor row_max = std::get<0>(s.max(-1, true)).detach();
+  row_max = row_max.masked_fill(row_max.isinf(), 0);
+  at::Tensor p = (s - row_max).exp();
+  at::Tensor denom = p.sum(-1, true);
+  p = p / denom.masked_fill(denom.eq(0), 1);
+  return at::matmul(p, v).to(a.q.scalar_type());
+}
+
+}  // namespace ulysses

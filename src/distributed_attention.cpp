@@ -1,0 +1,119 @@
+#include "ulysses/distributed_attention.h"
+
+#include <c10/util/Exception.h>
+
+#include "ulysses/mask.h"
+
+namespace ulysses {
+namespace {
+
+// Permutation taking `layout` to BHSD; BHSD -> layout is its inverse.
+std::vector<int64_t> to_bhsd(Layout layout) {
+  switch (layout) {
+    case Layout::kBSHD: return {0, 2, 1, 3};
+    case Layout::kSBHD: return {1, 2, 0, 3};
+    case Layout::kBHSD: return {0, 1, 2, 3};
+  }
+  TORCH_INTERNAL_ASSERT(false);
+}
+
+std::vector<int64_t> from_bhsd(Layout layout) {
+  switch (layout) {
+    case Layout::kBSHD: return {0, 2, 1, 3};
+    case Layout::kSBHD: return {2, 0, 1, 3};
+    case Layout::kBHSD: return {0, 1, 2, 3};
+  }
+  TORCH_INTERNAL_ASSERT(false);
+}
+
+}  // namespace
+
+LocalAttention default_local_attention() { return math_attention; }
+
+at::Tensor StepContext::lookup(std::vector<Entry>& entries, const at::Tensor& source,
+                               const std::vector<Range>& q_ranges, const SequencePartition& seq,
+                               const std::function<at::Tensor()>& build) {
+  for (const Entry& e : entries) {
+    if (e.source.is_same(source) && e.version == source._version() && e.q_ranges == q_ranges &&
+        e.seq_lengths == seq.lengths()) {
+      ++reuses_;
+      return e.result;
+    }
+  }
+  Entry e{source, static_cast<int64_t>(source._version()), q_ranges, seq.lengths(), build()};
+  entries.push_back(e);
+  return e.result;
+}
+
+at::Tensor StepContext::rebuilt_mask(const at::Tensor& mask, const AllToAllPlan& plan) {
+  // A head-shared mask does not depend on the head split: one entry serves every instance.
+  const bool shared = mask.dim() < 3 || (mask.dim() == 3 ? mask.size(0) : mask.size(1)) == 1;
+  const std::vector<Range> key = shared ? std::vector<Range>{} : plan.heads.q_ranges();
+  return lookup(masks_, mask, key, plan.seq,
+                [&] { return rebuild_mask(mask, plan, group_); });
+}
+
+at::Tensor StepContext::gathered_positions(const at::Tensor& positions,
+                                           const SequencePartition& seq) {
+  return lookup(positions_, positions, {}, seq,
+                [&] { return all_gather_sequence(positions, -1, seq, group_); });
+}
+
+DistributedAttention::DistributedAttention(Group group, AttentionOptions options)
+    : group_(std::move(group)), options_(std::move(options)) {
+  if (!options_.local) options_.local = default_local_attention();
+  if (options_.q_heads > 0) {
+    const int64_t kv = options_.kv_heads > 0 ? options_.kv_heads : options_.q_heads;
+    partition_ = HeadPartition::make(options_.q_heads, kv, group_.size());
+  }
+}
+
+at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v, const AttentionInputs& in) {
+  const Layout L = options_.layout;
+  const int64_t hdim = head_dim(L);
+  TORCH_CHECK_VALUE(in.context == nullptr || in.context->group().size() == group_.size(),
+                    "DistributedAttention: the StepContext's group has ",
+                    in.context ? in.context->group().size() : 0, " ranks but this attention's has ",
+                    group_.size());
+  if (!partition_) {
+    // Captured on this instance from the first call (each rank from its own tensors; the plan
+    // agreement below makes ranks that disagree fail together).
+    TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4, "DistributedAttention: q and k must be 4-D (",
+                      to_string(L), "); got ", q.sizes(), " and ", k.sizes());
+    partition_ = HeadPartition::make(q.size(hdim), k.size(hdim), group_.size());
+  }
+  const HeadPartition& heads = *partition_;
+  const AllToAllPlan plan = agree_plan(
+      group_, heads, L,
+      {{q, Heads::kQuery, "q"}, {k, Heads::kKeyValue, "k"}, {v, Heads::kKeyValue, "v"}}, in.seq);
+  const std::vector<Heads> kinds{Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue};
+  std::vector<at::Tensor> qkv;
+  if (options_.fuse_qkv && q.scalar_type() == k.scalar_type() &&
+      q.scalar_type() == v.scalar_type()) {
+    qkv = scatter_heads({q, k, v}, kinds, plan, group_);
+  } else {
+    for (size_t i = 0; i < 3; ++i)
+      qkv.push_back(scatter_heads(std::vector<at::Tensor>{q, k, v}[i], kinds[i], plan, group_));
+  }
+  LocalAttentionArgs args;
+  const auto perm = to_bhsd(L);
+  args.q = qkv[0].permute(perm);
+  args.k = qkv[1].permute(perm);
+  args.v = qkv[2].permute(perm);
+  args.kv_map = heads.kv_map(group_.rank());
+  args.causal = options_.causal;
+  args.scale = options_.scale;
+  if (in.mask) {
+    args.mask = in.context ? in.context->rebuilt_mask(*in.mask, plan)
+                           : rebuild_mask(*in.mask, plan, group_);
+  }
+  if (in.positions) {
+    args.positions = in.context ? in.context->gathered_positions(*in.positions, plan.seq)
+                                : all_gather_sequence(*in.positions, -1, plan.seq, group_);
+  }
+  at::Tensor o = options_.local(args).permute(from_bhsd(L));
+  return gather_heads(o, Heads::kQuery, plan, group_);
+}
+
+}  // namespace ulysses

@@ -1,0 +1,121 @@
+// Local attention reference and the pure mask decision.
+#include "ulysses/attention.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include "testing.h"
+#include "ulysses/mask.h"
+
+namespace ulysses {
+namespace {
+
+at::Tensor randn(at::IntArrayRef shape, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, gen);
+}
+
+// Straightforward per-head loops, written independently of math_attention.
+at::Tensor naive_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const std::vector<int64_t>& kv_map, const at::Tensor& allowed,
+                           const at::Tensor& bias) {
+  const int64_t B = q.size(0), H = q.size(1), S = q.size(2);
+  at::Tensor out = at::zeros({B, H, S, v.size(3)}, at::kDouble);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < S; ++i) {
+        at::Tensor s = (k[b][kv_map[h]].to(at::kDouble).matmul(q[b][h][i].to(at::kDouble))) /
+                           std::sqrt(static_cast<double>(q.size(3))) +
+                       bias[b][h][i].to(at::kDouble);
+        at::Tensor ok = allowed[b][h][i];
+        if (!ok.any().item<bool>()) continue;
+        s = s.masked_fill(ok.logical_not(), -INFINITY);
+        out[b][h][i] = at::softmax(s, 0).matmul(v[b][kv_map[h]].to(at::kDouble));
+      }
+  return out;
+}
+
+TEST(MathAttention, MatchesNaiveLoopsWithGqaMaskCausalAndDocuments) {
+  const int64_t B = 2, H = 3, Hkv = 2, S = 7, D = 5;
+  at::Tensor q = randn({B, H, S, D}, 1), k = randn({B, Hkv, S, D}, 2), v = randn({B, Hkv, S, 4}, 3);
+  std::vector<int64_t> kv_map{1, 0, 1};  // A non-uniform head map.
+  at::Tensor mask = randn({B, 1, S, S}, 4).gt(-0.8);
+  at::Tensor bias = randn({1, H, S, S}, 5);
+  at::Tensor pos = at::tensor({0, 1, 2, 0, 1, 2, 3}, at::kLong);
+  at::Tensor doc = document_ids(pos);
+  EXPECT_TRUE(doc.equal(at::tensor({0, 0, 0, 1, 1, 1, 1}, at::kLong)));
+  at::Tensor same_doc = doc.unsqueeze(1).eq(doc.unsqueeze(0));
+  at::Tensor causal = at::ones({S, S}, at::kBool).tril();
+
+  LocalAttentionArgs a{q, k, v, kv_map, mask, pos, true, 0.0};
+  at::Tensor allowed = mask.logical_and(causal).logical_and(same_doc).expand({B, H, S, S});
+  EXPECT_LT(testing::rel_error(math_attention(a),
+                               naive_attention(q, k, v, kv_map, allowed, at::zeros({B, H, S, S}))),
+            1e-5);
+  a.mask = bias;
+  a.positions = c10::nullopt;
+  a.causal = false;
+  EXPECT_LT(testing::rel_error(math_attention(a), naive_attention(q, k, v, kv_map,
+                                                                  at::ones({B, H, S, S}, at::kBool),
+                                                                  bias.expand({B, H, S, S}))),
+            1e-5);
+}
+
+TEST(MathAttention, FullyMaskedRowsGiveZerosAndFiniteGradients) {
+  at::Tensor q = randn({1, 1, 3, 4}, 1).requires_grad_();
+  at::Tensor k = randn({1, 1, 3, 4}, 2).requires_grad_(), v = randn({1, 1, 3, 4}, 3);
+  at::Tensor mask = at::tensor({1, 1, 1, 0, 0, 0, 1, 0, 1}, at::kLong).view({1, 1, 3, 3}).to(at::kBool);
+  at::Tensor o = math_attention({q, k, v, {0}, mask, c10::nullopt, false, 0.0});
+  EXPECT_TRUE(o[0][0][1].eq(0).all().item<bool>());
+  o.sum().backward();
+  EXPECT_TRUE(q.grad().isfinite().all().item<bool>());
+  EXPECT_TRUE(k.grad().isfinite().all().item<bool>());
+}
+
+using Sizes = std::vector<std::array<int64_t, 4>>;
+
+TEST(DecideMask, SharedQueryShardedRows) {
+  auto seq = SequencePartition::even(10, 3);  // [4, 3, 3]
+  auto d = decide_mask(Sizes{{2, 1, 4, 10}, {2, 1, 3, 10}, {2, 1, 3, 10}}, 6, seq);
+  EXPECT_EQ(d, (MaskDecision{MaskRows::kSharded, MaskHeads::kShared}));
+}
+
+TEST(DecideMask, PerHeadFullAndBroadcast) {
+  auto seq = SequencePartition::even(8, 2);
+  EXPECT_EQ(decide_mask(Sizes{{1, 6, 8, 8}, {1, 6, 8, 8}}, 6, seq),
+            (MaskDecision{MaskRows::kFull, MaskHeads::kPerHead}));
+  EXPECT_EQ(decide_mask(Sizes{{1, 1, 1, 8}, {1, 1, 1, 8}}, 6, seq),
+            (MaskDecision{MaskRows::kBroadcast, MaskHeads::kShared}));
+  EXPECT_EQ(decide_mask(Sizes{{1, 1, 4, 1}, {1, 1, 4, 1}}, 6, seq),
+            (MaskDecision{MaskRows::kSharded, MaskHeads::kShared}));
+}
+
+TEST(DecideMask, OneTokenPerRankIsSharded) {
+  auto seq = SequencePartition::even(2, 2);
+  EXPECT_EQ(decide_mask(Sizes{{1, 1, 1, 2}, {1, 1, 1, 2}}, 2, seq).rows, MaskRows::kSharded);
+}
+
+TEST(DecideMask, KeyShardedIsAClearError) {
+  auto seq = SequencePartition::even(8, 2);
+  try {
+    decide_mask(Sizes{{1, 1, 4, 4}, {1, 1, 4, 4}}, 4, seq, "attention_mask");
+    FAIL();
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("attention_mask has shape [1, 1, 4, 4] on rank 0 of 2 "
+                                         "(S=8, S_r=4, Hq=4): its key dim is sharded"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(DecideMask, OtherShapesAreErrors) {
+  auto seq = SequencePartition::even(8, 2);
+  EXPECT_THROW(decide_mask(Sizes{{1, 3, 4, 8}, {1, 3, 4, 8}}, 4, seq), c10::ValueError);
+  EXPECT_THROW(decide_mask(Sizes{{1, 1, 5, 8}, {1, 1, 5, 8}}, 4, seq), c10::ValueError);
+  EXPECT_THROW(decide_mask(Sizes{{1, 1, 4, 7}, {1, 1, 4, 7}}, 4, seq), c10::ValueError);
+  EXPECT_THROW(decide_mask(Sizes{{1, 1, 4, 8}, {1, 1, 8, 8}}, 4, seq), c10::ValueError);
+}
+
+}  // namespace
+}  // namespace ulysses

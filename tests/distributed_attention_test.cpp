@@ -1,0 +1,327 @@
+// DistributedAttention against single-rank attention on the full inputs, forward and backward.
+#include "ulysses/distributed_attention.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include <sstream>
+
+#include "testing.h"
+#include "ulysses/mask.h"
+
+namespace ulysses {
+namespace {
+
+using testing::expect_ranks_fail_alike;
+using testing::expect_ranks_succeed;
+using testing::rel_error;
+using testing::run_ranks;
+using testing::where;
+
+at::Tensor randn(at::IntArrayRef shape, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, gen);
+}
+
+enum class Rows { kSharded, kFull, kOne };
+
+struct MaskSpec {
+  std::string name = "none";  // "none": no mask.
+  int ndim = 4;
+  bool batch = true;      // Bm == B (else 1).
+  bool per_head = false;  // Hm == Hq (else 1).
+  Rows rows = Rows::kSharded;
+  bool keys_one = false;  // Sk == 1.
+  bool is_bool = false;
+  bool learnable = false;  // Float bias with requires_grad.
+};
+
+struct Case {
+  int P;
+  int64_t hq, hkv, S;
+  MaskSpec mask;
+  Layout layout = Layout::kBSHD;
+  bool causal = false;
+  bool packed = false;
+  int64_t B = 2, D = 8, Dv = 8;
+};
+
+std::string describe(const Case& c) {
+  std::ostringstream os;
+  os << "P" << c.P << "_q" << c.hq << "_kv" << c.hkv << "_S" << c.S << "_" << to_string(c.layout)
+     << "_mask_" << c.mask.name << (c.causal ? "_causal" : "") << (c.packed ? "_packed" : "");
+  return os.str();
+}
+void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
+
+std::vector<int64_t> full_shape(Layout layout, int64_t B, int64_t S, int64_t H, int64_t D) {
+  switch (layout) {
+    case Layout::kBSHD: return {B, S, H, D};
+    case Layout::kSBHD: return {S, B, H, D};
+    case Layout::kBHSD: return {B, H, S, D};
+  }
+  return {};
+}
+
+at::Tensor layout_to_bhsd(const at::Tensor& x, Layout l) {
+  if (l == Layout::kBSHD) return x.permute({0, 2, 1, 3});
+  if (l == Layout::kSBHD) return x.permute({1, 2, 0, 3});
+  return x;
+}
+at::Tensor bhsd_to_layout(const at::Tensor& x, Layout l) {
+  if (l == Layout::kBSHD) return x.permute({0, 2, 1, 3});
+  if (l == Layout::kSBHD) return x.permute({2, 0, 1, 3});
+  return x;
+}
+
+// The position ids of packed documents: row b restarts every 3 + b tokens.
+at::Tensor packed_positions(int64_t B, int64_t S) {
+  at::Tensor pos = at::empty({B, S}, at::kLong);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < S; ++i) pos[b][i] = i % (3 + b);
+  return pos;
+}
+
+// Runs one case on c.P ranks and checks output and gradients against the reference.
+void check_case(const Case& c) {
+  expect_ranks_succeed(c.P, [&](Group& g) {
+    const Layout L = c.layout;
+    const int64_t sdim = seq_dim(L);
+    const auto seq = SequencePartition::even(c.S, c.P);
+    const Range mine = seq.range(g.rank());
+    at::Tensor Q = randn(full_shape(L, c.B, c.S, c.hq, c.D), 1);
+    at::Tensor K = randn(full_shape(L, c.B, c.S, c.hkv, c.D), 2);
+    at::Tensor V = randn(full_shape(L, c.B, c.S, c.hkv, c.Dv), 3);
+    at::Tensor W = randn(full_shape(L, c.B, c.S, c.hq, c.Dv), 4);
+    auto shard = [&](const at::Tensor& X) {
+      return X.narrow(sdim, mine.begin, mine.size()).clone().requires_grad_();
+    };
+    at::Tensor q = shard(Q), k = shard(K), v = shard(V);
+
+    // The full mask, and this rank's piece of it.
+    const MaskSpec& m = c.mask;
+    const bool has_mask = m.name != "none";
+    at::Tensor mask_full, mask_mine;
+    if (has_mask) {
+      const int64_t rows = m.rows == Rows::kOne ? 1 : c.S;
+      at::Tensor raw = randn({m.batch ? c.B : 1, m.per_head ? c.hq : 1, rows, m.keys_one ? 1 : c.S}, 5);
+      mask_full = m.is_bool ? raw.gt(-0.6) : raw * 0.5;
+      at::Tensor piece = m.rows == Rows::kSharded ? mask_full.narrow(2, mine.begin, mine.size())
+                                                   : mask_full;
+      while (piece.dim() > m.ndim) piece = piece.squeeze(0);
+      mask_mine = piece.clone();
+      if (m.learnable) mask_mine.requires_grad_();
+    }
+    at::Tensor pos_full = packed_positions(c.B, c.S);
+    AttentionInputs in;
+    if (has_mask) in.mask = mask_mine;
+    if (c.packed) in.positions = pos_full.narrow(1, mine.begin, mine.size());
+
+    AttentionOptions opts;
+    opts.layout = L;
+    opts.causal = c.causal;
+    DistributedAttention attention(g, opts);
+    at::Tensor o = attention(q, k, v, in);
+    (o * W.narrow(sdim, mine.begin, mine.size())).sum().backward();
+
+    // Reference: one rank, full tensors.
+    at::Tensor Qr = Q.clone().requires_grad_(), Kr = K.clone().requires_grad_(),
+               Vr = V.clone().requires_grad_();
+    at::Tensor mask_ref = has_mask ? mask_full.clone() : at::Tensor();
+    if (m.learnable) mask_ref.requires_grad_();
+    LocalAttentionArgs ref;
+    ref.q = layout_to_bhsd(Qr, L);
+    ref.k = layout_to_bhsd(Kr, L);
+    ref.v = layout_to_bhsd(Vr, L);
+    ref.kv_map = HeadPartition::make(c.hq, c.hkv, 1).kv_map(0);
+    if (has_mask) ref.mask = mask_ref;
+    if (c.packed) ref.positions = pos_full;
+    ref.causal = c.causal;
+    at::Tensor O = bhsd_to_layout(math_attention(ref), L);
+    (O * W).sum().backward();
+
+    auto rows = [&](const at::Tensor& X) { return X.narrow(sdim, mine.begin, mine.size()); };
+    EXPECT_LT(rel_error(o, rows(O)), 1e-5) << "output " << where(g, o);
+    EXPECT_LT(rel_error(q.grad(), rows(Qr.grad())), 1e-4) << "dq " << where(g, q);
+    EXPECT_LT(rel_error(k.grad(), rows(Kr.grad())), 1e-4) << "dk " << where(g, k);
+    EXPECT_LT(rel_error(v.grad(), rows(Vr.grad())), 1e-4) << "dv " << where(g, v);
+    if (m.learnable) {
+      at::Tensor got = mask_ref.grad();
+      at::Tensor mine_grad = mask_mine.grad().reshape(
+          m.rows == Rows::kSharded ? mask_full.narrow(2, mine.begin, mine.size()).sizes()
+                                   : mask_full.sizes());
+      if (m.rows == Rows::kSharded) {
+        EXPECT_LT(rel_error(mine_grad, got.narrow(2, mine.begin, mine.size())), 1e-4)
+            << "dmask " << where(g, mask_mine);
+      } else {
+        // Every rank holds the whole mask and contributes its heads' share of the gradient.
+        at::Tensor sum = mine_grad.contiguous();
+        g.all_reduce_sum(sum);
+        EXPECT_LT(rel_error(sum, got), 1e-4) << "dmask (summed over ranks) " << where(g, sum);
+      }
+    }
+  });
+}
+
+class DistributedAttentionCase : public ::testing::TestWithParam<Case> {};
+TEST_P(DistributedAttentionCase, MatchesSingleRankAttention) { check_case(GetParam()); }
+
+std::vector<MaskSpec> mask_specs() {
+  std::vector<MaskSpec> out;
+  auto add = [&](std::string name, int ndim, bool batch, bool per_head, Rows rows, bool keys_one,
+                 bool is_bool, bool learnable) {
+    out.push_back({name, ndim, batch, per_head, rows, keys_one, is_bool, learnable});
+  };
+  add("B1SrS_bool", 4, true, false, Rows::kSharded, false, true, false);
+  add("B1SrS_float", 4, true, false, Rows::kSharded, false, false, false);
+  add("11SrS_bool", 4, false, false, Rows::kSharded, false, true, false);
+  add("BHqSrS_float", 4, true, true, Rows::kSharded, false, false, false);
+  add("BHqSrS_bool", 4, true, true, Rows::kSharded, false, true, false);
+  add("BHqSS_bool", 4, true, true, Rows::kFull, false, true, false);
+  add("HqSrS_3d_float", 3, false, true, Rows::kSharded, false, false, false);
+  add("SrS_2d_bool", 2, false, false, Rows::kSharded, false, true, false);
+  add("B11S_bool", 4, true, false, Rows::kOne, false, true, false);
+  add("B1Sr1_keys1_float", 4, true, false, Rows::kSharded, true, false, false);
+  add("bias_B1SrS_learnable", 4, true, false, Rows::kSharded, false, false, true);
+  add("bias_1HqSrS_learnable", 4, false, true, Rows::kSharded, false, false, true);
+  add("bias_1HqSS_learnable", 4, false, true, Rows::kFull, false, false, true);
+  add("bias_11SS_learnable", 4, false, false, Rows::kFull, false, false, true);
+  return out;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (int P : {1, 2, 3})
+    for (const MaskSpec& m : mask_specs()) out.push_back({P, 6, 3, 10, m});
+  out.push_back({4, 8, 2, 11, mask_specs()[0]});  // Replicated kv, uneven S.
+  out.push_back({4, 8, 2, 11, mask_specs()[3]});
+  out.push_back({4, 8, 2, 11, mask_specs()[10]});
+  MaskSpec none;
+  for (Layout l : {Layout::kBSHD, Layout::kSBHD, Layout::kBHSD}) {
+    out.push_back({2, 6, 3, 9, none, l, true});           // Causal, GQA 6/3.
+    out.push_back({3, 6, 2, 13, none, l, true, true});    // Causal packed documents.
+    out.push_back({4, 4, 4, 10, none, l, false, true});   // Packed, bidirectional.
+  }
+  out.push_back({2, 2, 1, 7, none, Layout::kBSHD, true});        // MQA: replicated kv.
+  out.push_back({2, 2, 1, 7, mask_specs()[10], Layout::kBSHD});  // MQA with learnable bias.
+  out.push_back({4, 7, 7, 6, none, Layout::kBSHD, true});         // Uneven heads.
+  out.push_back({2, 4, 2, 8, none, Layout::kBHSD, false, false, 1, 16, 8});  // Dv != D.
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, DistributedAttentionCase, ::testing::ValuesIn(cases()),
+                         [](const auto& info) { return describe(info.param); });
+
+TEST(DistributedAttention, SharedMaskIsGatheredOncePerStep) {
+  expect_ranks_succeed(2, [](Group& g) {
+    const auto seq = SequencePartition::even(8, 2);
+    at::Tensor q = randn({1, 4, 4, 8}, 1), k = randn({1, 4, 2, 8}, 2), v = randn({1, 4, 2, 8}, 3);
+    at::Tensor mask = randn({1, 1, 4, 8}, 4).gt(0);
+    std::vector<DistributedAttention> layers(3, DistributedAttention(g));
+    auto run = [&](StepContext* ctx) {
+      const int64_t before = g.collective_count();
+      for (auto& layer : layers) layer(q, k, v, {mask, c10::nullopt, ctx});
+      return g.collective_count() - before;
+    };
+    // Per layer: agree on q/k/v, scatter, gather = 3. Per mask rebuild: agree + all-gather = 2.
+    EXPECT_EQ(run(nullptr), 3 * 3 + 3 * 2);
+    StepContext step(g);
+    EXPECT_EQ(run(&step), 3 * 3 + 2);
+    EXPECT_EQ(step.reuses(), 2);
+  });
+}
+
+TEST(DistributedAttention, ChangedMaskIsNeverServedStale) {
+  expect_ranks_succeed(2, [](Group& g) {
+    at::Tensor q = randn({1, 3, 2, 8}, 1), k = randn({1, 3, 2, 8}, 2), v = randn({1, 3, 2, 8}, 3);
+    at::Tensor mask = at::ones({1, 1, 3, 6}, at::kBool);
+    DistributedAttention attention(g);
+    StepContext step(g);
+    at::Tensor a = attention(q, k, v, {mask, c10::nullopt, &step});
+    mask.fill_(false);
+    mask.select(3, 0).fill_(true);  // Only key 0 remains: the output must change.
+    at::Tensor b = attention(q, k, v, {mask, c10::nullopt, &step});
+    EXPECT_EQ(step.reuses(), 0);
+    EXPECT_FALSE(a.allclose(b));
+    // Every rank holds the same local v, so global key 0 is v[:, 0] of rank 0.
+    EXPECT_LT(rel_error(b, v.narrow(1, 0, 1).expand_as(b)), 1e-6);
+  });
+}
+
+TEST(DistributedAttention, KeyShardedMaskFailsAlikeOnEveryRank) {
+  auto errors = run_ranks(2, [](Group& g) {
+    at::Tensor q = randn({2, 4, 2, 8}, 1), k = randn({2, 4, 2, 8}, 2);
+    at::Tensor mask = at::ones({2, 1, 4, 4}, at::kBool);
+    DistributedAttention attention(g);
+    attention(q, k, k, {mask});
+  });
+  expect_ranks_fail_alike(errors, "its key dim is sharded, and a key-sharded mask cannot be "
+                                  "rebuilt from local pieces");
+}
+
+TEST(DistributedAttention, KeyShardedShapeIsFineOnOneRank) {
+  expect_ranks_succeed(1, [](Group& g) {
+    at::Tensor q = randn({2, 4, 2, 8}, 1), k = randn({2, 4, 2, 8}, 2);
+    at::Tensor mask = at::ones({2, 1, 4, 4}, at::kBool);
+    DistributedAttention attention(g);
+    EXPECT_EQ(attention(q, k, k, {mask}).sizes(), q.sizes());
+  });
+}
+
+// Two instances with different head counts in one process, forward and backward interleaved.
+TEST(DistributedAttention, TwoInstancesWithDifferentHeadCountsInterleave) {
+  expect_ranks_succeed(2, [](Group& g) {
+    const auto seq = SequencePartition::even(6, 2);
+    const Range mine = seq.range(g.rank());
+    AttentionOptions causal;
+    causal.causal = true;
+    DistributedAttention teacher(g, causal), student(g, causal);
+    struct Model {
+      at::Tensor Q, K, V, q, k, v, o;
+      int64_t hq, hkv;
+    };
+    auto make = [&](int64_t hq, int64_t hkv, uint64_t seed) {
+      Model m{randn({1, 6, hq, 4}, seed), randn({1, 6, hkv, 4}, seed + 1),
+              randn({1, 6, hkv, 4}, seed + 2)};
+      m.hq = hq, m.hkv = hkv;
+      m.q = m.Q.narrow(1, mine.begin, mine.size()).clone().requires_grad_();
+      m.k = m.K.narrow(1, mine.begin, mine.size()).clone().requires_grad_();
+      m.v = m.V.narrow(1, mine.begin, mine.size()).clone().requires_grad_();
+      return m;
+    };
+    Model a = make(6, 3, 10), b = make(4, 4, 20);
+    a.o = teacher(a.q, a.k, a.v);
+    b.o = student(b.q, b.k, b.v);
+    a.o.sum().backward();
+    at::Tensor a_again = teacher(a.q, a.k, a.v);
+    b.o.sum().backward();
+    EXPECT_TRUE(a_again.equal(a.o));
+    EXPECT_EQ(*teacher.partition(), HeadPartition::make(6, 3, 2));
+    EXPECT_EQ(*student.partition(), HeadPartition::make(4, 4, 2));
+    for (Model* m : {&a, &b}) {
+      at::Tensor Q = m->Q.clone().requires_grad_();
+      LocalAttentionArgs ref{Q.permute({0, 2, 1, 3}), m->K.permute({0, 2, 1, 3}),
+                             m->V.permute({0, 2, 1, 3}),
+                             HeadPartition::make(m->hq, m->hkv, 1).kv_map(0)};
+      ref.causal = true;
+      at::Tensor O = math_attention(ref).permute({0, 2, 1, 3});
+      O.sum().backward();
+      EXPECT_LT(rel_error(m->o, O.narrow(1, mine.begin, mine.size())), 1e-5);
+      EXPECT_LT(rel_error(m->q.grad(), Q.grad().narrow(1, mine.begin, mine.size())), 1e-4);
+    }
+  });
+}
+
+TEST(DistributedAttention, HeadCountChangeOnOneRankFailsAlike) {
+  auto errors = run_ranks(2, [](Group& g) {
+    const int64_t h = g.rank() == 0 ? 4 : 2;
+    at::Tensor q = randn({1, 3, h, 8}, 1);
+    DistributedAttention attention(g);
+    attention(q, q, q);
+  });
+  expect_ranks_fail_alike(errors, "ranks disagree on head counts");
+}
+
+}  // namespace
+}  // namespace ulysses
