@@ -6,6 +6,7 @@ packages=(
   build-essential cmake ninja-build
   libtorch-dev libgloo-dev
   libopenblas0-pthread       # libtorch fp32 matmul: ~190 GFLOP/s vs ~6 with reference BLAS
+  libblas-dev                # libblas.so for the kernel's sgemm_ (resolves to OpenBLAS)
   googletest libgtest-dev libgmock-dev libbenchmark-dev
   python3
 )

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "ulysses/flash_attention.h"
 #include "ulysses/mask.h"
 
 namespace ulysses {
@@ -28,7 +29,9 @@ std::vector<int64_t> from_bhsd(Layout layout) {
 
 }  // namespace
 
-LocalAttention default_local_attention() { return math_attention; }
+LocalAttention default_local_attention() {
+  return [](const LocalAttentionArgs& args) { return flash_attention(args); };
+}
 
 at::Tensor StepContext::lookup(std::vector<Entry>& entries, const at::Tensor& source,
                                const std::vector<Range>& q_ranges, const SequencePartition& seq,

@@ -24,8 +24,9 @@ void expect_ranks_succeed(int world, const std::function<void(Group&)>& body);
 // Expects every rank to fail with a message containing `needle`, all messages identical.
 void expect_ranks_fail_alike(const std::vector<std::string>& errors, const std::string& needle);
 
-// Max |a - b| / (max|b| + tiny), for readable tolerance checks.
-double rel_error(const at::Tensor& a, const at::Tensor& b);
+// Max |a - b| / max(max|b|, floor): relative error, absolute where the reference is below
+// `floor` (a gradient that is exactly 0 in exact arithmetic, for example).
+double rel_error(const at::Tensor& a, const at::Tensor& b, double floor = 1e-30);
 
 // Context for failure messages: rank, world, dtype and shape.
 std::string where(const Group& g, const at::Tensor& t);

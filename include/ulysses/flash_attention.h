@@ -1,0 +1,31 @@
+// Fused memory-efficient local attention on CPU (FlashAttention-2 style), forward and backward.
+//
+// Blocks of Bq queries stream over blocks of Bk keys with an online softmax:
+//   s = scale * q_i k_j^T + bias;  m' = max(m, rowmax s);  p = exp(s - m')
+//   l' = l * exp(m - m') + rowsum p;  o' = o * exp(m - m') + p v_j
+// and finally o = o' / l, lse = m + log l. The S x S scores never exist: memory is
+// O(B * H * S * D). Backward recomputes p = exp(s - lse) block by block from the saved o and
+// lse: dv_j += p^T do_i, dp = do_i v_j^T, ds = p * (dp - rowsum(do_i * o_i)),
+// dk_j += scale ds^T q_i, dq_i += scale ds k_j (and dbias = ds for a learnable float mask).
+// Key blocks wholly above the causal diagonal, or in other packed documents, are skipped.
+// GQA and any kv map read K/V in place (no repeat). fp32, bf16 and fp16 compute in fp32.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "ulysses/attention.h"
+
+namespace ulysses {
+
+// Tile sizes of flash_attention.
+struct FlashOptions {
+  int64_t block_q = 64;   // Query rows per tile, >= 1.
+  int64_t block_k = 128;  // Keys per tile, >= 1.
+};
+
+// Same contract as math_attention (see attention.h), without materialising [S, S] scores.
+// Differentiable in q, k, v and a floating-point mask. fp64 inputs fall back to
+// math_attention.
+at::Tensor flash_attention(const LocalAttentionArgs& args, const FlashOptions& options = {});
+
+}  // namespace ulysses

@@ -1,0 +1,369 @@
+// The CPU flash-attention kernel. See flash_attention.h for the equations.
+#include "ulysses/flash_attention.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "detail/autograd.h"
+
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
+                       const int* k, const float* alpha, const float* a, const int* lda,
+                       const float* b, const int* ldb, const float* beta, float* c,
+                       const int* ldc);
+
+namespace ulysses {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Row-major C[M, N] = alpha * op(A) * op(B) + beta * C, through the system BLAS that libtorch
+// also uses (OpenBLAS here; libtorch does not export its own gemm wrapper). A row-major matrix
+// is its transpose in BLAS's column-major view, hence the swapped operands.
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+          const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+          int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
+  const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
+  const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
+  sgemm_(&ta, &tb, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
+}
+
+// exp(x) to ~2 ulp for x in [-87, 88], exactly 0 below: a branch-free form the compiler
+// vectorises (std::exp is a scalar call, and p = exp(s - m) is the kernel's hot loop).
+inline float fast_exp(float x) {
+  const float xc = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  const float r = (xc - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+// row[c] = exp(row[c] - shift); returns the sum.
+float exp_shifted(float* row, int64_t n, float shift) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t c = 0; c < n; ++c) {
+    row[c] = fast_exp(row[c] - shift);
+    sum += row[c];
+  }
+  return sum;
+}
+
+float row_max(const float* row, int64_t n) {
+  return at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, row,
+                                    n);
+}
+
+void scale_row(float* row, int64_t n, float factor) {
+  at::vec::map([factor](Vec x) { return x * Vec(factor); }, row, row, n);
+}
+
+// A 4-D float tensor whose last dim is contiguous, as strides for pointer arithmetic.
+struct Strided {
+  const float* data = nullptr;
+  int64_t s0 = 0, s1 = 0, s2 = 0;
+  const float* at(int64_t i0, int64_t i1, int64_t i2) const {
+    return data + i0 * s0 + i1 * s1 + i2 * s2;
+  }
+};
+
+Strided strided(const at::Tensor& t) {
+  TORCH_INTERNAL_ASSERT(t.scalar_type() == at::kFloat && t.stride(3) == 1);
+  return {t.data_ptr<float>(), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// Everything a forward or backward pass reads; tensors hold the memory the pointers refer to.
+struct Problem {
+  at::Tensor q, k, v;                  // Float, last dim contiguous, BHSD.
+  at::Tensor bias;                     // Additive float mask expanded to [B, Hq, Sq, Sk], or {}.
+  at::Tensor allowed;                  // Bool mask expanded to [B, Hq, Sq, Sk], or {}.
+  at::Tensor doc;                      // [B, Sk] document ids (stride 0 over B allowed), or {}.
+  std::vector<int64_t> kv_map;         // Local kv head of each query head.
+  bool causal = false;
+  float scale = 1.0f;
+  int64_t bq = 64, bk = 128;
+  int64_t B = 0, Hq = 0, Hkv = 0, Sq = 0, Sk = 0, D = 0, Dv = 0;
+
+  // Skips a tile with no allowed (query, key) pair: above the causal diagonal, or in disjoint
+  // documents (document ids never decrease along the sequence).
+  bool skip(int64_t b, int64_t i0, int64_t rows, int64_t j0, int64_t cols) const {
+    if (causal && j0 > i0 + rows - 1) return true;
+    if (!doc.defined()) return false;
+    const int64_t* d = doc.data_ptr<int64_t>() + b * doc.stride(0);
+    const int64_t ds = doc.stride(1);
+    return d[(j0 + cols - 1) * ds] < d[i0 * ds] || d[j0 * ds] > d[(i0 + rows - 1) * ds];
+  }
+
+  // Adds the bias and sets disallowed entries of tile s (rows x cols, leading dim lds) to -inf.
+  void mask_tile(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
+                 float* s, int64_t lds) const {
+    const bool diagonal = causal && j0 + cols - 1 > i0;
+    const int64_t* d = doc.defined() ? doc.data_ptr<int64_t>() + b * doc.stride(0) : nullptr;
+    const int64_t ds = doc.defined() ? doc.stride(1) : 0;
+    const bool mixed_docs = d && !(d[i0 * ds] == d[(i0 + rows - 1) * ds] &&
+                                   d[j0 * ds] == d[(j0 + cols - 1) * ds] &&
+                                   d[i0 * ds] == d[j0 * ds]);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = i0 + r;
+      float* row = s + r * lds;
+      if (bias.defined()) {
+        const float* bp = bias.data_ptr<float>() + b * bias.stride(0) + h * bias.stride(1) +
+                          i * bias.stride(2) + j0 * bias.stride(3);
+        const int64_t st = bias.stride(3);
+        if (st == 1) {
+          for (int64_t c = 0; c < cols; ++c) row[c] += bp[c];
+        } else {
+          for (int64_t c = 0; c < cols; ++c) row[c] += bp[c * st];
+        }
+      }
+      if (allowed.defined()) {
+        const bool* ap = allowed.data_ptr<bool>() + b * allowed.stride(0) +
+                         h * allowed.stride(1) + i * allowed.stride(2) + j0 * allowed.stride(3);
+        const int64_t st = allowed.stride(3);
+        for (int64_t c = 0; c < cols; ++c)
+          if (!ap[c * st]) row[c] = kNegInf;
+      }
+      if (diagonal) {
+        for (int64_t c = std::max<int64_t>(0, i - j0 + 1); c < cols; ++c) row[c] = kNegInf;
+      }
+      if (mixed_docs) {
+        const int64_t di = d[i * ds];
+        for (int64_t c = 0; c < cols; ++c)
+          if (d[(j0 + c) * ds] != di) row[c] = kNegInf;
+      }
+    }
+  }
+};
+
+// Forward: out [B, Hq, Sq, Dv] and lse [B, Hq, Sq] (float, contiguous).
+std::pair<at::Tensor, at::Tensor> forward(const Problem& p) {
+  at::Tensor out = at::empty({p.B, p.Hq, p.Sq, p.Dv}, p.q.options());
+  at::Tensor lse = at::empty({p.B, p.Hq, p.Sq}, p.q.options());
+  const Strided q = strided(p.q), k = strided(p.k), v = strided(p.v);
+  const int64_t n_qb = (p.Sq + p.bq - 1) / p.bq;
+  float* out_p = out.data_ptr<float>();
+  float* lse_p = lse.data_ptr<float>();
+  at::parallel_for(0, p.B * p.Hq * n_qb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(p.bq * p.bk), acc(p.bq * p.Dv), m(p.bq), l(p.bq);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t qb = task % n_qb, h = (task / n_qb) % p.Hq, b = task / (n_qb * p.Hq);
+      const int64_t i0 = qb * p.bq, rows = std::min(p.bq, p.Sq - i0);
+      const int64_t g = p.kv_map[h];
+      const float* Q = q.at(b, h, i0);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(m.begin(), m.end(), kNegInf);
+      std::fill(l.begin(), l.end(), 0.0f);
+      const int64_t j_end = p.causal ? std::min(p.Sk, i0 + rows) : p.Sk;
+      for (int64_t j0 = 0; j0 < j_end; j0 += p.bk) {
+        const int64_t cols = std::min(p.bk, j_end - j0);
+        if (p.skip(b, i0, rows, j0, cols)) continue;
+        gemm(false, true, rows, cols, p.D, p.scale, Q, q.s2, k.at(b, g, j0), k.s2, 0.0f, s.data(),
+             p.bk);
+        p.mask_tile(b, h, i0, rows, j0, cols, s.data(), p.bk);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* row = s.data() + r * p.bk;
+          const float m_new = std::max(m[r], row_max(row, cols));
+          if (m_new == kNegInf) {  // Nothing allowed yet in this row.
+            std::fill(row, row + cols, 0.0f);
+            continue;
+          }
+          const float alpha = std::exp(m[r] - m_new);
+          l[r] = l[r] * alpha + exp_shifted(row, cols, m_new);
+          if (alpha != 1.0f) scale_row(acc.data() + r * p.Dv, p.Dv, alpha);
+          m[r] = m_new;
+        }
+        gemm(false, false, rows, p.Dv, cols, 1.0f, s.data(), p.bk, v.at(b, g, j0), v.s2, 1.0f,
+             acc.data(), p.Dv);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* o = out_p + ((b * p.Hq + h) * p.Sq + i0 + r) * p.Dv;
+        const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
+        at::vec::map([inv](Vec x) { return x * Vec(inv); }, o, acc.data() + r * p.Dv, p.Dv);
+        lse_p[(b * p.Hq + h) * p.Sq + i0 + r] = l[r] > 0 ? m[r] + std::log(l[r]) : kInf;
+      }
+    }
+  });
+  return {out, lse};
+}
+
+struct Grads {
+  at::Tensor dq, dk, dv, dbias;  // Float; dbias [B, Hq, Sq, Sk] only when the bias needs it.
+};
+
+// Backward from d_out [B, Hq, Sq, Dv] (float, contiguous) and the forward's out and lse.
+// Tasks own (batch, kv head, key blocks kb = c mod C): dk and dv of their key blocks and, when
+// C == 1, dq of the kv head's query heads, so no two tasks write the same memory.
+Grads backward(const Problem& p, const at::Tensor& d_out, const at::Tensor& out,
+               const at::Tensor& lse, bool want_dbias) {
+  const Strided q = strided(p.q), k = strided(p.k), v = strided(p.v);
+  const int64_t n_qb = (p.Sq + p.bq - 1) / p.bq, n_kb = (p.Sk + p.bk - 1) / p.bk;
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunks = std::max<int64_t>(
+      1, std::min(n_kb, (threads + p.B * p.Hkv - 1) / (p.B * p.Hkv)));
+  at::Tensor delta = (d_out * out).sum(-1);  // [B, Hq, Sq]
+  at::Tensor dq_parts = at::zeros({chunks, p.B, p.Hq, p.Sq, p.D}, p.q.options());
+  Grads g;
+  g.dk = at::empty({p.B, p.Hkv, p.Sk, p.D}, p.q.options());
+  g.dv = at::empty({p.B, p.Hkv, p.Sk, p.Dv}, p.q.options());
+  if (want_dbias) g.dbias = at::zeros({p.B, p.Hq, p.Sq, p.Sk}, p.q.options());
+  const float* dO = d_out.data_ptr<float>();
+  const float* lse_p = lse.data_ptr<float>();
+  const float* delta_p = delta.data_ptr<float>();
+  at::parallel_for(0, p.B * p.Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(p.bq * p.bk), dp(p.bq * p.bk), dk(p.bk * p.D), dv(p.bk * p.Dv);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t c = task % chunks, kvh = (task / chunks) % p.Hkv, b = task / (chunks * p.Hkv);
+      float* dq_base = dq_parts.data_ptr<float>() + c * p.B * p.Hq * p.Sq * p.D;
+      for (int64_t kb = c; kb < n_kb; kb += chunks) {
+        const int64_t j0 = kb * p.bk, cols = std::min(p.bk, p.Sk - j0);
+        const float* K = k.at(b, kvh, j0);
+        const float* V = v.at(b, kvh, j0);
+        std::fill(dk.begin(), dk.end(), 0.0f);
+        std::fill(dv.begin(), dv.end(), 0.0f);
+        for (int64_t h = 0; h < p.Hq; ++h) {
+          if (p.kv_map[h] != kvh) continue;
+          const int64_t bh = b * p.Hq + h;
+          for (int64_t qb = 0; qb < n_qb; ++qb) {
+            const int64_t i0 = qb * p.bq, rows = std::min(p.bq, p.Sq - i0);
+            if (p.skip(b, i0, rows, j0, cols)) continue;
+            const float* Q = q.at(b, h, i0);
+            const float* dO_i = dO + (bh * p.Sq + i0) * p.Dv;
+            gemm(false, true, rows, cols, p.D, p.scale, Q, q.s2, K, k.s2, 0.0f, s.data(), p.bk);
+            p.mask_tile(b, h, i0, rows, j0, cols, s.data(), p.bk);
+            for (int64_t r = 0; r < rows; ++r)
+              exp_shifted(s.data() + r * p.bk, cols, lse_p[bh * p.Sq + i0 + r]);
+            // dv += p^T do;  dp = do v^T;  ds = p * (dp - delta).
+            gemm(true, false, cols, p.Dv, rows, 1.0f, s.data(), p.bk, dO_i, p.Dv, 1.0f,
+                 dv.data(), p.Dv);
+            gemm(false, true, rows, cols, p.Dv, 1.0f, dO_i, p.Dv, V, v.s2, 0.0f, dp.data(), p.bk);
+            for (int64_t r = 0; r < rows; ++r) {
+              const float dr = delta_p[bh * p.Sq + i0 + r];
+              float* pr = s.data() + r * p.bk;
+              float* dpr = dp.data() + r * p.bk;
+              at::vec::map2([dr](Vec pv, Vec dpv) { return pv * (dpv - Vec(dr)); }, dpr, pr, dpr,
+                            cols);
+              if (want_dbias) {
+                std::memcpy(g.dbias.data_ptr<float>() + (bh * p.Sq + i0 + r) * p.Sk + j0, dpr,
+                            cols * sizeof(float));
+              }
+            }
+            // dk += scale ds^T q;  dq += scale ds k.
+            gemm(true, false, cols, p.D, rows, p.scale, dp.data(), p.bk, Q, q.s2, 1.0f, dk.data(),
+                 p.D);
+            gemm(false, false, rows, p.D, cols, p.scale, dp.data(), p.bk, K, k.s2, 1.0f,
+                 dq_base + (bh * p.Sq + i0) * p.D, p.D);
+          }
+        }
+        float* dk_out = g.dk.data_ptr<float>() + ((b * p.Hkv + kvh) * p.Sk + j0) * p.D;
+        float* dv_out = g.dv.data_ptr<float>() + ((b * p.Hkv + kvh) * p.Sk + j0) * p.Dv;
+        std::memcpy(dk_out, dk.data(), cols * p.D * sizeof(float));
+        std::memcpy(dv_out, dv.data(), cols * p.Dv * sizeof(float));
+      }
+    }
+  });
+  g.dq = chunks == 1 ? dq_parts[0] : dq_parts.sum(0);
+  return g;
+}
+
+// Float rows with a contiguous last dim and a BLAS-valid row stride, as the kernel reads
+// them (a no-op for fp32 BHSD tensors and for BSHD tensors viewed as BHSD).
+at::Tensor as_kernel_input(const at::Tensor& t) {
+  at::Tensor f = t.scalar_type() == at::kFloat ? t : t.to(at::kFloat);
+  const bool usable = f.stride(3) == 1 && f.stride(2) >= std::max<int64_t>(1, f.size(3));
+  return usable ? f : f.contiguous();
+}
+
+}  // namespace
+
+at::Tensor flash_attention(const LocalAttentionArgs& a, const FlashOptions& options) {
+  if (a.q.scalar_type() == at::kDouble) return math_attention(a);
+  TORCH_CHECK_VALUE(a.q.dim() == 4 && a.k.dim() == 4 && a.v.dim() == 4,
+                    "flash_attention: q, k, v must be 4-D BHSD; got ", a.q.sizes(), ", ",
+                    a.k.sizes(), ", ", a.v.sizes());
+  TORCH_CHECK_VALUE(a.k.size(0) == a.q.size(0) && a.v.size(0) == a.q.size(0) &&
+                        a.k.size(1) == a.v.size(1) && a.k.size(2) == a.v.size(2) &&
+                        a.k.size(3) == a.q.size(3),
+                    "flash_attention: incompatible shapes q ", a.q.sizes(), ", k ", a.k.sizes(),
+                    ", v ", a.v.sizes(), " (want q [B,Hq,Sq,D], k [B,Hkv,Sk,D], v [B,Hkv,Sk,Dv])");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(a.kv_map.size()) == a.q.size(1),
+                    "flash_attention: kv_map must have one entry per query head (", a.q.size(1),
+                    "); got ", a.kv_map.size());
+  TORCH_CHECK_VALUE(options.block_q >= 1 && options.block_k >= 1,
+                    "flash_attention: block sizes must be >= 1; got ", options.block_q, ", ",
+                    options.block_k);
+  Problem p;
+  p.q = as_kernel_input(a.q);
+  p.k = as_kernel_input(a.k);
+  p.v = as_kernel_input(a.v);
+  p.B = a.q.size(0), p.Hq = a.q.size(1), p.Sq = a.q.size(2), p.D = a.q.size(3);
+  p.Hkv = a.k.size(1), p.Sk = a.k.size(2), p.Dv = a.v.size(3);
+  for (int64_t g : a.kv_map)
+    TORCH_CHECK_VALUE(g >= 0 && g < p.Hkv, "flash_attention: kv_map entry ", g,
+                      " is out of range for ", p.Hkv, " kv heads");
+  p.kv_map = a.kv_map;
+  p.causal = a.causal;
+  p.scale = static_cast<float>(a.scale > 0 ? a.scale : 1.0 / std::sqrt(static_cast<double>(p.D)));
+  p.bq = options.block_q, p.bk = options.block_k;
+  const std::vector<int64_t> full{p.B, p.Hq, p.Sq, p.Sk};
+  bool bias_grad = false;
+  if (a.mask) {
+    if (a.mask->scalar_type() == at::kBool) {
+      p.allowed = a.mask->expand(full);
+    } else {
+      TORCH_CHECK_TYPE(a.mask->is_floating_point(), "flash_attention: mask must be bool or "
+                       "floating point; got ", a.mask->scalar_type());
+      p.bias = a.mask->detach().to(at::kFloat).expand(full);
+      bias_grad = a.mask->requires_grad();
+    }
+  }
+  if (a.positions) {
+    at::Tensor doc = document_ids(*a.positions);
+    if (doc.dim() == 1) doc = doc.unsqueeze(0);
+    TORCH_CHECK_VALUE(doc.size(-1) == p.Sk && p.Sq == p.Sk, "flash_attention: positions must "
+                      "cover the ", p.Sk, " keys (with Sq == Sk); got ", a.positions->sizes());
+    p.doc = doc.expand({p.B, p.Sk});
+  }
+
+  at::Tensor out, lse;
+  {
+    at::NoGradGuard no_grad;
+    std::tie(out, lse) = forward(p);
+  }
+  std::vector<at::Tensor> outs{out.scalar_type() == a.q.scalar_type() ? out
+                                                                      : out.to(a.q.scalar_type())};
+  std::vector<at::Tensor> inputs{a.q, a.k, a.v};
+  if (bias_grad) inputs.push_back(*a.mask);
+  const auto q_type = a.q.scalar_type(), k_type = a.k.scalar_type(), v_type = a.v.scalar_type();
+  const std::vector<int64_t> mask_shape = a.mask ? a.mask->sizes().vec() : std::vector<int64_t>{};
+  const auto mask_type = a.mask ? a.mask->scalar_type() : at::kFloat;
+  detail::attach_backward(
+      inputs, outs, "FlashAttentionBackward",
+      [p, out, lse, bias_grad, q_type, k_type, v_type, mask_shape,
+       mask_type](std::vector<at::Tensor>&& grads) {
+        Grads g = backward(p, grads[0].to(at::kFloat).contiguous(), out, lse, bias_grad);
+        std::vector<at::Tensor> result{g.dq.to(q_type), g.dk.to(k_type), g.dv.to(v_type)};
+        if (bias_grad) result.push_back(g.dbias.sum_to_size(mask_shape).to(mask_type));
+        return result;
+      });
+  return outs[0];
+}
+
+}  // namespace ulysses

@@ -1,0 +1,166 @@
+// flash_attention against math_attention, forward and backward.
+#include "ulysses/flash_attention.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+
+#include <sstream>
+
+#include "testing.h"
+
+namespace ulysses {
+namespace {
+
+using testing::rel_error;
+
+at::Tensor randn(at::IntArrayRef shape, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, gen);
+}
+
+enum class MaskKind { kNone, kBoolB1SS, kBoolBHSS, kFloat11SS, kFloat2D, kBoolKeys, kFloatB11S,
+                      kLearnableB1SS, kLearnableHSS };
+
+struct Case {
+  int64_t B, Hq, Hkv, S, D, Dv;
+  bool causal = false;
+  bool packed = false;
+  MaskKind mask = MaskKind::kNone;
+  std::vector<int64_t> kv_map = {};  // Empty: uniform GQA groups.
+  at::ScalarType dtype = at::kFloat;
+  FlashOptions blocks = {16, 32};
+};
+
+std::string describe(const Case& c) {
+  std::ostringstream os;
+  os << "B" << c.B << "_Hq" << c.Hq << "_Hkv" << c.Hkv << "_S" << c.S << "_D" << c.D << "_Dv"
+     << c.Dv << (c.causal ? "_causal" : "") << (c.packed ? "_packed" : "") << "_mask"
+     << static_cast<int>(c.mask) << (c.kv_map.empty() ? "" : "_map") << "_"
+     << c10::toString(c.dtype) << "_bq" << c.blocks.block_q << "_bk" << c.blocks.block_k;
+  return os.str();
+}
+void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
+
+class Flash : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Flash, MatchesMathAttentionForwardAndBackward) {
+  const Case c = GetParam();
+  const bool low = c.dtype != at::kFloat;
+  at::Tensor q = randn({c.B, c.Hq, c.S, c.D}, 1).to(c.dtype);
+  at::Tensor k = randn({c.B, c.Hkv, c.S, c.D}, 2).to(c.dtype);
+  at::Tensor v = randn({c.B, c.Hkv, c.S, c.Dv}, 3).to(c.dtype);
+  at::Tensor w = randn({c.B, c.Hq, c.S, c.Dv}, 4);
+  c10::optional<at::Tensor> mask;
+  const int64_t B = c.B, H = c.Hq, S = c.S;
+  switch (c.mask) {
+    case MaskKind::kNone: break;
+    case MaskKind::kBoolB1SS: mask = randn({B, 1, S, S}, 5).gt(-0.5); break;
+    case MaskKind::kBoolBHSS: mask = randn({B, H, S, S}, 5).gt(-0.3); break;
+    case MaskKind::kFloat11SS: mask = randn({1, 1, S, S}, 5); break;
+    case MaskKind::kFloat2D: mask = randn({S, S}, 5); break;
+    case MaskKind::kBoolKeys: mask = randn({B, 1, 1, S}, 5).gt(-0.5); break;  // Padding.
+    case MaskKind::kFloatB11S: mask = randn({B, 1, 1, S}, 5); break;
+    case MaskKind::kLearnableB1SS: mask = randn({B, 1, S, S}, 5).requires_grad_(); break;
+    case MaskKind::kLearnableHSS: mask = randn({H, S, S}, 5).requires_grad_(); break;
+  }
+  std::vector<int64_t> map = c.kv_map;
+  if (map.empty())
+    for (int64_t h = 0; h < c.Hq; ++h) map.push_back(h / (c.Hq / c.Hkv));
+  c10::optional<at::Tensor> pos;
+  if (c.packed) {
+    at::Tensor p = at::empty({B, S}, at::kLong);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < S; ++i) p[b][i] = i % (7 + 5 * b);
+    pos = p;
+  }
+  auto run = [&](bool flash, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dm) {
+    at::Tensor qq = q.clone().requires_grad_(), kk = k.clone().requires_grad_(),
+               vv = v.clone().requires_grad_();
+    c10::optional<at::Tensor> mm;
+    if (mask) mm = mask->requires_grad() ? mask->detach().clone().requires_grad_() : *mask;
+    LocalAttentionArgs args{qq, kk, vv, map, mm, pos, c.causal, 0.0};
+    at::Tensor o = flash ? flash_attention(args, c.blocks) : math_attention(args);
+    EXPECT_EQ(o.scalar_type(), c.dtype);
+    (o.to(at::kFloat) * w).sum().backward();
+    dq = qq.grad(), dk = kk.grad(), dv = vv.grad();
+    if (mm && mm->requires_grad()) dm = mm->grad();
+    return o;
+  };
+  at::Tensor dq, dk, dv, dm, rq, rk, rv, rm;
+  at::Tensor o = run(true, dq, dk, dv, dm);
+  // The reference runs in fp32 from the same (rounded) inputs.
+  at::Tensor ref = run(false, rq, rk, rv, rm);
+  const double tol = low ? 2e-2 : 2e-5;
+  EXPECT_LT(rel_error(o, ref), tol) << "output";
+  EXPECT_LT(rel_error(dq, rq, 1.0), 5 * tol) << "dq";
+  EXPECT_LT(rel_error(dk, rk, 1.0), 5 * tol) << "dk";
+  EXPECT_LT(rel_error(dv, rv, 1.0), 5 * tol) << "dv";
+  if (rm.defined()) EXPECT_LT(rel_error(dm, rm, 1.0), 5 * tol) << "dmask";
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (int64_t D : {16, 64, 80, 128}) {
+    out.push_back({1, 2, 2, 37, D, D});
+    out.push_back({2, 4, 2, 50, D, D, true});
+  }
+  out.push_back({1, 1, 1, 1, 64, 64});               // S = 1.
+  out.push_back({1, 1, 1, 1, 64, 64, true});
+  out.push_back({2, 3, 3, 129, 32, 24});             // Dv != D, S one past a block.
+  out.push_back({1, 4, 1, 70, 16, 16, true});        // MQA.
+  out.push_back({1, 3, 2, 45, 16, 16, false, false, MaskKind::kNone, {1, 0, 1}});  // Any map.
+  out.push_back({2, 4, 2, 61, 16, 16, true, true});  // Causal packed documents.
+  out.push_back({2, 4, 2, 61, 16, 16, false, true}); // Packed, bidirectional.
+  for (MaskKind m : {MaskKind::kBoolB1SS, MaskKind::kBoolBHSS, MaskKind::kFloat11SS,
+                     MaskKind::kFloat2D, MaskKind::kBoolKeys, MaskKind::kFloatB11S,
+                     MaskKind::kLearnableB1SS, MaskKind::kLearnableHSS}) {
+    out.push_back({2, 4, 2, 41, 16, 16, false, false, m});
+    out.push_back({2, 4, 2, 41, 16, 16, true, false, m});
+  }
+  out.push_back({1, 4, 2, 300, 64, 64, true, false, MaskKind::kNone, {}, at::kFloat, {64, 128}});
+  out.push_back({2, 4, 2, 77, 64, 64, true, false, MaskKind::kNone, {}, at::kBFloat16});
+  out.push_back({1, 2, 1, 77, 128, 128, false, false, MaskKind::kBoolKeys, {}, at::kBFloat16});
+  out.push_back({1, 2, 2, 33, 64, 64, true, false, MaskKind::kNone, {}, at::kHalf});
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, Flash, ::testing::ValuesIn(cases()),
+                         [](const auto& info) { return describe(info.param); });
+
+TEST(FlashAttention, ReadsStridedBshdViewsInPlace) {
+  // BSHD tensors viewed as BHSD (as DistributedAttention passes them): no copy, same result.
+  at::Tensor q = randn({2, 40, 4, 16}, 1).permute({0, 2, 1, 3});
+  at::Tensor k = randn({2, 40, 2, 16}, 2).permute({0, 2, 1, 3});
+  LocalAttentionArgs args{q, k, k, {0, 0, 1, 1}};
+  EXPECT_LT(rel_error(flash_attention(args, {8, 16}), math_attention(args)), 2e-5);
+}
+
+TEST(FlashAttention, FullyMaskedRowsAreZero) {
+  at::Tensor q = randn({1, 1, 4, 8}, 1), k = randn({1, 1, 4, 8}, 2);
+  at::Tensor mask = at::ones({1, 1, 4, 4}, at::kBool);
+  mask[0][0][2].fill_(false);
+  at::Tensor o = flash_attention({q, k, k, {0}, mask});
+  EXPECT_TRUE(o[0][0][2].eq(0).all().item<bool>());
+  EXPECT_LT(rel_error(o, math_attention({q, k, k, {0}, mask})), 2e-5);
+}
+
+TEST(FlashAttention, MultiThreadedMatchesSingleThreaded) {
+  const int threads = at::get_num_threads();
+  at::Tensor q = randn({1, 4, 90, 16}, 1).requires_grad_(), k = randn({1, 1, 90, 16}, 2);
+  LocalAttentionArgs args{q, k, k, {0, 0, 0, 0}, c10::nullopt, c10::nullopt, true};
+  at::set_num_threads(1);
+  at::Tensor a = flash_attention(args, {16, 16});
+  a.sum().backward();
+  at::Tensor ga = q.grad().clone();
+  q.mutable_grad().reset();
+  at::set_num_threads(std::max(2, threads));
+  at::Tensor b = flash_attention(args, {16, 16});
+  b.sum().backward();
+  at::set_num_threads(threads);
+  EXPECT_LT(rel_error(b, a), 1e-6);
+  EXPECT_LT(rel_error(q.grad(), ga), 1e-5);
+}
+
+}  // namespace
+}  // namespace ulysses
