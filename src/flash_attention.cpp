@@ -306,13 +306,14 @@ at::Tensor flash_attention(const LocalAttentionArgs& a, const FlashOptions& opti
   TORCH_CHECK_VALUE(static_cast<int64_t>(a.kv_map.size()) == a.q.size(1),
                     "flash_attention: kv_map must have one entry per query head (", a.q.size(1),
                     "); got ", a.kv_map.size());
-  TORCH_CHECK_VALUE(options.block_q >= 1 && options.block_k >= 1,
+  TORCH_CHECK_VALUE(options.block_q >= 1 && options.block_k >= 0,
                     "flash_attention: block sizes must be >= 1; got ", options.block_q, ", ",
                     options.block_k);
   Problem p;
-  p.q = as_kernel_input(a.q);
-  p.k = as_kernel_input(a.k);
-  p.v = as_kernel_input(a.v);
+  // Detached: the backward node keeps these, and must not keep autograd history alive.
+  p.q = as_kernel_input(a.q).detach();
+  p.k = as_kernel_input(a.k).detach();
+  p.v = as_kernel_input(a.v).detach();
   p.B = a.q.size(0), p.Hq = a.q.size(1), p.Sq = a.q.size(2), p.D = a.q.size(3);
   p.Hkv = a.k.size(1), p.Sk = a.k.size(2), p.Dv = a.v.size(3);
   for (int64_t g : a.kv_map)
@@ -321,7 +322,12 @@ at::Tensor flash_attention(const LocalAttentionArgs& a, const FlashOptions& opti
   p.kv_map = a.kv_map;
   p.causal = a.causal;
   p.scale = static_cast<float>(a.scale > 0 ? a.scale : 1.0 / std::sqrt(static_cast<double>(p.D)));
-  p.bq = options.block_q, p.bk = options.block_k;
+  p.bq = options.block_q;
+  p.bk = options.block_k;
+  if (p.bk == 0) {
+    const int64_t fit = (int64_t{1} << 18) / (p.bq * std::max(p.D, p.Dv));
+    p.bk = std::max<int64_t>(16, std::min<int64_t>(128, fit / 16 * 16));
+  }
   const std::vector<int64_t> full{p.B, p.Hq, p.Sq, p.Sk};
   bool bias_grad = false;
   if (a.mask) {
@@ -354,6 +360,9 @@ at::Tensor flash_attention(const LocalAttentionArgs& a, const FlashOptions& opti
   const auto q_type = a.q.scalar_type(), k_type = a.k.scalar_type(), v_type = a.v.scalar_type();
   const std::vector<int64_t> mask_shape = a.mask ? a.mask->sizes().vec() : std::vector<int64_t>{};
   const auto mask_type = a.mask ? a.mask->scalar_type() : at::kFloat;
+  // The node saves a detached alias of its own output: saving `out` itself would make a
+  // reference cycle (out -> grad_fn -> node -> out) and leak every step's graph.
+  out = out.detach();
   detail::attach_backward(
       inputs, outs, "FlashAttentionBackward",
       [p, out, lse, bias_grad, q_type, k_type, v_type, mask_shape,

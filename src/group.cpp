@@ -10,6 +10,7 @@
 #endif
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <sstream>
 
@@ -24,7 +25,25 @@ struct GroupState {
   GroupOptions options;
   int rank = 0;
   int size = 1;
-  std::atomic<int64_t> collectives{0};
+  std::atomic<int64_t> collectives{0};     // Collectives issued.
+  std::atomic<int64_t> collective_ns{0};   // Wall time spent inside them.
+};
+
+// Counts one collective and the time spent in it.
+class CollectiveScope {
+ public:
+  explicit CollectiveScope(GroupState& s) : s_(s), t0_(std::chrono::steady_clock::now()) {
+    ++s_.collectives;
+  }
+  ~CollectiveScope() {
+    s_.collective_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::steady_clock::now() - t0_)
+                            .count();
+  }
+
+ private:
+  GroupState& s_;
+  std::chrono::steady_clock::time_point t0_;
 };
 
 }  // namespace detail
@@ -131,13 +150,14 @@ int Group::size() const { return state_->size; }
 const GroupOptions& Group::options() const { return state_->options; }
 c10::intrusive_ptr<c10d::Store> Group::store() const { return state_->store; }
 int64_t Group::collective_count() const { return state_->collectives.load(); }
+double Group::collective_seconds() const { return state_->collective_ns.load() * 1e-9; }
 
 void Group::all_to_all(at::Tensor& output, at::Tensor& input,
                        const std::vector<int64_t>& output_splits,
                        const std::vector<int64_t>& input_splits) const {
   TORCH_INTERNAL_ASSERT(output.dim() == 1 && input.dim() == 1 && output.is_contiguous() &&
                         input.is_contiguous());
-  ++state_->collectives;
+  detail::CollectiveScope scope(*state_);
   if (size() == 1) {
     output.copy_(input);
     return;
@@ -148,7 +168,7 @@ void Group::all_to_all(at::Tensor& output, at::Tensor& input,
 }
 
 at::Tensor Group::all_gather(const at::Tensor& input) const {
-  ++state_->collectives;
+  detail::CollectiveScope scope(*state_);
   at::Tensor in = input.contiguous();
   if (size() == 1) return in.unsqueeze(0).clone();
   at::Tensor out = at::empty({size(), in.numel()}, in.options());
@@ -162,14 +182,14 @@ at::Tensor Group::all_gather(const at::Tensor& input) const {
 }
 
 void Group::all_reduce_sum(at::Tensor& tensor) const {
-  ++state_->collectives;
+  detail::CollectiveScope scope(*state_);
   if (size() == 1) return;
   std::vector<at::Tensor> tensors{tensor};
   wait(*state_, "all_reduce", state_->backend->allreduce(tensors));
 }
 
 void Group::broadcast(at::Tensor& tensor, int root) const {
-  ++state_->collectives;
+  detail::CollectiveScope scope(*state_);
   if (size() == 1) return;
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions opts;
@@ -178,7 +198,7 @@ void Group::broadcast(at::Tensor& tensor, int root) const {
 }
 
 void Group::barrier() const {
-  ++state_->collectives;
+  detail::CollectiveScope scope(*state_);
   if (size() == 1) return;
   wait(*state_, "barrier", state_->backend->barrier());
 }

@@ -12,6 +12,11 @@ using Argv = std::vector<std::string>;
 int launch_main(const Argv& args);
 int plan_main(const Argv& args);
 int demo_main(const Argv& args);
+int bench_main(const Argv& args);
+int train_main(const Argv& args);
+int bench_attention_main(const Argv& args);
+int bench_a2a_main(const Argv& args);
+int bench_layer_main(const Argv& args);
 
 // Options of the local launcher.
 struct LaunchOptions {

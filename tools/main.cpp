@@ -11,10 +11,19 @@ namespace {
 const char* kUsage = R"(usage: ulysses <command> [options]
 
 commands:
+  train   [--nproc 4] [--sp P] [--dp D] [--seq-len 512] [--batch 8] [--steps 200]
+          [--dim 64] [--layers 2] [--q-heads 4] [--kv-heads 2] [--lr 1e-2] [--warmup 20]
+          [--clip 1.0] [--pairs 16] [--shuffle] [--data FILE] [--eval-every 50] [--seed 0]
+          [--check] [--save DIR] [--resume DIR]
+          sequence-parallel training of a GQA transformer on local ranks
   plan    --q-heads N [--kv-heads M] --sp P [--seq-len S] [--json]
           print the head (and sequence) partition of every rank
   demo    [--nproc 4] [--q-heads 8] [--kv-heads 2] [--seq-len 1024] [--head-dim 64]
           checked all-to-all round trip of a GQA layout on local ranks
+  bench attention [--seq-lens 1024,4096] [--batch 1] [--q-heads 8] [--kv-heads 2]
+          [--head-dim 64] [--dtype float32|bfloat16] [--causal 0|1|both] [--threads 2]
+          [--repeats 3] [--memory] [--no-math] [--block-q 64] [--block-k 0] [--json FILE]
+          fused local attention kernel vs the math reference (time, GFLOP/s, peak memory)
   launch  -n N [--port P] -- <command> [args...]
           run <command> as N local ranks (torchrun's environment, Gloo on loopback)
 )";
@@ -32,7 +41,9 @@ int main(int argc, char** argv) {
   try {
     if (command == "plan") return plan_main(args);
     if (command == "demo") return demo_main(args);
+    if (command == "train") return train_main(args);
     if (command == "launch") return launch_main(args);
+    if (command == "bench") return bench_main(args);
     std::cerr << "ulysses: unknown command '" << command << "'\n" << kUsage;
     return 2;
   } catch (const UsageError& e) {

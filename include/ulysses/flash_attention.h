@@ -19,8 +19,12 @@ namespace ulysses {
 
 // Tile sizes of flash_attention.
 struct FlashOptions {
-  int64_t block_q = 64;   // Query rows per tile, >= 1.
-  int64_t block_k = 128;  // Keys per tile, >= 1.
+  int64_t block_q = 64;  // Query rows per tile, >= 1.
+  // Keys per tile, >= 1; 0 picks the largest multiple of 16 (<= 128) for which every tile
+  // GEMM has block_q * block_k * max(D, Dv) <= 2^18 multiply-adds. OpenBLAS runs GEMMs up to
+  // that size on the calling thread; larger ones start its own threads, which inside our
+  // parallel loop oversubscribe the cores (measured 20x slower on 2 cores).
+  int64_t block_k = 0;
 };
 
 // Same contract as math_attention (see attention.h), without materialising [S, S] scores.

@@ -82,9 +82,15 @@ class Group {
   std::vector<std::vector<int64_t>> agree(const std::function<std::vector<int64_t>()>& local_check,
                                           size_t meta_size = 0) const;
 
+  // True when both handles share one connection (e.g. a mesh whose SP group is the world).
+  bool operator==(const Group& other) const { return state_ == other.state_; }
+  bool operator!=(const Group& other) const { return state_ != other.state_; }
+
   // Collectives issued through this group (agree counts once per round): for tests and
   // benchmarks.
   int64_t collective_count() const;
+  // Wall-clock seconds spent inside collectives issued through this group (copies share it).
+  double collective_seconds() const;
 
  private:
   explicit Group(std::shared_ptr<detail::GroupState> state) : state_(std::move(state)) {}

@@ -1,0 +1,168 @@
+// `ulysses bench a2a`: Ulysses all-to-alls against the bare collective and the reference
+// system's algorithm, measured side by side on the same ranks.
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+
+#include <iostream>
+
+#include "args.h"
+#include "bench_util.h"
+#include "commands.h"
+#include "reference_a2a.h"
+#include "ulysses/all_to_all.h"
+
+namespace ulysses::cli {
+namespace {
+
+// Times `fn` on every rank after a barrier; each sample is the slowest rank's time.
+bench::Stats time_collective(const Group& g, const std::function<void()>& fn, int repeats) {
+  std::vector<double> samples;
+  fn();  // Warm-up.
+  for (int i = 0; i < repeats; ++i) {
+    g.barrier();
+    auto one = bench::time_ms(fn, 0, 1).median;
+    at::Tensor all = g.all_gather(at::tensor({one}, at::kDouble));
+    samples.push_back(all.max().item<double>());
+  }
+  std::sort(samples.begin(), samples.end());
+  const size_t n = samples.size();
+  return {n % 2 ? samples[n / 2] : 0.5 * (samples[n / 2 - 1] + samples[n / 2]), samples.front(),
+          samples.back()};
+}
+
+struct HeadCase {
+  const char* kind;
+  int64_t hq, hkv;
+};
+
+}  // namespace
+
+int bench_a2a_main(const Argv& argv) {
+  Args args(argv, {});
+  const int nproc = static_cast<int>(args.integer("--nproc", 2));
+  const auto seq_lens = bench::parse_list(args.str("--seq-lens", "2048,16384"));
+  const int64_t D = args.integer("--head-dim", 64);
+  const int repeats = static_cast<int>(args.integer("--repeats", 5));
+  const std::string layout_name = args.str("--layout", "BSHD");
+  const std::string json = args.str("--json", "");
+  args.finish();
+  const int code = relaunch_as_ranks(nproc, "bench", [&] {
+    Argv a{"a2a"};
+    a.insert(a.end(), argv.begin(), argv.end());
+    return a;
+  }());
+  if (code >= 0) return code;
+
+  at::set_num_threads(1);
+  Group g = Group::from_env();
+  const int P = g.size();
+  const bool lead = g.rank() == 0;
+  const Layout layout = parse_layout(layout_name);
+  const std::vector<HeadCase> head_cases{{"even", 16, 16}, {"uneven", 15, 15}, {"gqa", 16, 4}};
+  std::vector<bench::Record> records;
+  for (int64_t S : seq_lens) {
+    for (const HeadCase& hc : head_cases) {
+      if (hc.hq < P) continue;
+      const auto heads = HeadPartition::make(hc.hq, hc.hkv, P);
+      const auto seq = SequencePartition::even(S, P);
+      const int64_t s = seq.length(g.rank());
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(1 + g.rank());
+      auto make = [&](int64_t h) {
+        std::vector<int64_t> shape{1, s, h, D};
+        if (layout == Layout::kSBHD) shape = {s, 1, h, D};
+        if (layout == Layout::kBHSD) shape = {1, h, s, D};
+        return at::randn(shape, gen);
+      };
+      at::Tensor q = make(hc.hq), k = make(hc.hkv), v = make(hc.hkv);
+      const auto plan = agree_plan(g, heads, layout, {{q, Heads::kQuery, "q"},
+                                                      {k, Heads::kKeyValue, "k"},
+                                                      {v, Heads::kKeyValue, "v"}});
+      const bool gqa = hc.hq != hc.hkv;
+      // Forward all-to-alls around attention: q (and k, v for GQA) in, o out.
+      at::Tensor o = scatter_heads(q, Heads::kQuery, plan, g);
+      auto ours = [&] {
+        at::Tensor y = scatter_heads(q, Heads::kQuery, plan, g);
+        if (gqa) {
+          scatter_heads(k, Heads::kKeyValue, plan, g);
+          scatter_heads(v, Heads::kKeyValue, plan, g);
+        }
+        gather_heads(y, Heads::kQuery, plan, g);
+      };
+      // The bare collective moving the same bytes, with preallocated buffers.
+      std::vector<at::Tensor> raw_in, raw_out;
+      for (const at::Tensor& t : gqa ? std::vector<at::Tensor>{q, k, v, o}
+                                     : std::vector<at::Tensor>{q, o}) {
+        const int64_t n = (t.numel() + P - 1) / P * P;
+        raw_in.push_back(at::randn({n}, gen));
+        raw_out.push_back(at::empty({n}, t.options()));
+      }
+      auto raw = [&] {
+        for (size_t i = 0; i < raw_in.size(); ++i) {
+          const int64_t chunk = raw_in[i].numel() / P;
+          g.all_to_all(raw_out[i], raw_in[i], std::vector<int64_t>(P, chunk),
+                       std::vector<int64_t>(P, chunk));
+        }
+      };
+      const bool reference_applies = layout == Layout::kBSHD && S % P == 0;
+      auto reference = [&] {
+        at::Tensor y = bench::reference_scatter_heads(q, g);
+        if (gqa) {
+          bench::reference_scatter_heads(k, g);
+          bench::reference_scatter_heads(v, g);
+        }
+        bench::reference_gather_heads(y, hc.hq, g);
+      };
+      bench::Record r;
+      r.add("seq_len", S).add("batch", 1).add("q_heads", hc.hq).add("kv_heads", hc.hkv);
+      r.add("head_dim", D).add("sp", P).add("layout", layout_name).add("dtype", "float32");
+      r.add("heads", hc.kind).add("elements_per_rank", q.numel());
+      const auto t_ours = time_collective(g, ours, repeats);
+      const auto t_raw = time_collective(g, raw, repeats);
+      r.add("ours_ms", t_ours.median).add("ours_spread", t_ours.spread());
+      r.add("raw_ms", t_raw.median).add("raw_spread", t_raw.spread());
+      r.add("ours_over_raw", t_ours.median / t_raw.median);
+      if (reference_applies && (hc.hkv % P == 0 || hc.hkv == hc.hq)) {
+        // The reference's output must equal ours (checked once), or the timing means nothing.
+        const bool same = bench::reference_scatter_heads(q, g).equal(o) &&
+                          bench::reference_gather_heads(o, hc.hq, g).equal(q);
+        const auto t_ref = time_collective(g, reference, repeats);
+        r.add("reference_ms", t_ref.median).add("reference_spread", t_ref.spread());
+        r.add("reference_over_ours", t_ref.median / t_ours.median);
+        r.add("reference_matches", same);
+      }
+      // Q, K, V in one collective against three.
+      auto fused = [&] {
+        scatter_heads({q, k, v}, {Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue}, plan, g);
+      };
+      auto separate = [&] {
+        scatter_heads(q, Heads::kQuery, plan, g);
+        scatter_heads(k, Heads::kKeyValue, plan, g);
+        scatter_heads(v, Heads::kKeyValue, plan, g);
+      };
+      const auto t_fused = time_collective(g, fused, repeats);
+      const auto t_sep = time_collective(g, separate, repeats);
+      r.add("fused_ms", t_fused.median).add("separate_ms", t_sep.median);
+      r.add("separate_over_fused", t_sep.median / t_fused.median);
+      records.push_back(r);
+      if (lead) {
+        bench::print_table({r}, {"seq_len", "heads", "q_heads", "kv_heads", "elements_per_rank",
+                                 "ours_ms", "raw_ms", "ours_over_raw", "reference_ms",
+                                 "reference_over_ours", "reference_matches", "fused_ms",
+                                 "separate_ms", "separate_over_fused"});
+      }
+    }
+  }
+  if (lead) {
+    std::cout << "\nsummary: P=" << P << ", " << layout_name << ", D=" << D
+              << ", fp32, Gloo on loopback, median of " << repeats
+              << " (each sample: slowest rank)\n";
+    bench::print_table(records, {"seq_len", "heads", "q_heads", "kv_heads", "elements_per_rank",
+                                 "ours_ms", "ours_spread", "raw_ms", "ours_over_raw",
+                                 "reference_ms", "reference_over_ours", "reference_matches",
+                                 "fused_ms", "separate_ms", "separate_over_fused"});
+    if (!json.empty()) bench::write_json(json, records);
+  }
+  return 0;
+}
+
+}  // namespace ulysses::cli

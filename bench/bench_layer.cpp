@@ -1,0 +1,83 @@
+// `ulysses bench layer`: DistributedAttention forward + backward per rank, over S.
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+
+#include <iostream>
+#include <thread>
+
+#include "args.h"
+#include "bench_util.h"
+#include "commands.h"
+#include "ulysses/distributed_attention.h"
+
+namespace ulysses::cli {
+
+int bench_layer_main(const Argv& argv) {
+  Args args(argv, {});
+  const int nproc = static_cast<int>(args.integer("--nproc", 2));
+  const auto seq_lens = bench::parse_list(args.str("--seq-lens", "2048,4096,8192"));
+  const int64_t Hq = args.integer("--q-heads", 8), Hkv = args.integer("--kv-heads", 2),
+                D = args.integer("--head-dim", 64);
+  const int repeats = static_cast<int>(args.integer("--repeats", 3));
+  const std::string json = args.str("--json", "");
+  args.finish();
+  const int code = relaunch_as_ranks(nproc, "bench", [&] {
+    Argv a{"layer"};
+    a.insert(a.end(), argv.begin(), argv.end());
+    return a;
+  }());
+  if (code >= 0) return code;
+
+  Group g = Group::from_env();
+  const int P = g.size();
+  // Ranks share the machine's cores.
+  at::set_num_threads(std::max<int>(1, static_cast<int>(std::thread::hardware_concurrency()) / P));
+  AttentionOptions options;
+  options.causal = true;
+  DistributedAttention attention(g, options);
+  std::vector<bench::Record> records;
+  for (int64_t S : seq_lens) {
+    const int64_t s = SequencePartition::even(S, P).length(g.rank());
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(3 + g.rank());
+    at::Tensor q, k, v;
+    auto prepare = [&] {
+      q = at::randn({1, s, Hq, D}, gen).requires_grad_();
+      k = at::randn({1, s, Hkv, D}, gen).requires_grad_();
+      v = at::randn({1, s, Hkv, D}, gen).requires_grad_();
+    };
+    auto step = [&] {
+      for (at::Tensor* t : {&q, &k, &v}) t->mutable_grad().reset();
+      attention(q, k, v).sum().backward();
+    };
+    g.barrier();
+    const int64_t peak = bench::peak_extra_bytes(prepare, step);
+    std::vector<double> samples;
+    for (int i = 0; i < repeats; ++i) {
+      g.barrier();
+      const double one = bench::time_ms(step, 0, 1).median;
+      samples.push_back(g.all_gather(at::tensor({one}, at::kDouble)).max().item<double>());
+    }
+    std::sort(samples.begin(), samples.end());
+    at::Tensor peaks = g.all_gather(at::tensor({peak}, at::kLong));
+    bench::Record r;
+    r.add("seq_len", S).add("batch", 1).add("q_heads", Hq).add("kv_heads", Hkv);
+    r.add("head_dim", D).add("sp", P).add("layout", "BSHD").add("dtype", "float32");
+    r.add("causal", true).add("ms", samples[samples.size() / 2]);
+    r.add("spread", bench::Stats{0, samples.front(), samples.back()}.spread());
+    r.add("peak_bytes", peaks.max().item<int64_t>());
+    records.push_back(r);
+    if (g.rank() == 0)
+      bench::print_table({r}, {"seq_len", "sp", "ms", "spread", "peak_bytes"});
+  }
+  if (g.rank() == 0) {
+    std::cout << "\nsummary: DistributedAttention fwd+bwd, P=" << P << ", Hq=" << Hq
+              << " Hkv=" << Hkv << " D=" << D << ", causal, " << at::get_num_threads()
+              << " threads/rank (ms: slowest rank, median of " << repeats
+              << "; peak_bytes: max over ranks of peak RSS added by one step)\n";
+    bench::print_table(records, {"seq_len", "sp", "ms", "spread", "peak_bytes"});
+    if (!json.empty()) bench::write_json(json, records);
+  }
+  return 0;
+}
+
+}  // namespace ulysses::cli

@@ -1,0 +1,148 @@
+#include "bench_util.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+#include <stdexcept>
+
+namespace ulysses::bench {
+
+std::string Stats::spread() const {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(1) << "(" << min << "-" << max << ")";
+  return os.str();
+}
+
+Stats time_ms(const std::function<void()>& fn, int warmup, int repeats) {
+  for (int i = 0; i < warmup; ++i) fn();
+  std::vector<double> ms;
+  for (int i = 0; i < std::max(1, repeats); ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                     .count());
+  }
+  std::sort(ms.begin(), ms.end());
+  const size_t n = ms.size();
+  const double median = n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
+  return {median, ms.front(), ms.back()};
+}
+
+namespace {
+// A "VmXXX:   1234 kB" line of /proc/self/status, in bytes.
+int64_t status_bytes(const std::string& key) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(key + ":", 0) == 0) return std::stoll(line.substr(key.size() + 1)) * 1024;
+  }
+  return -1;
+}
+}  // namespace
+
+int64_t peak_extra_bytes(const std::function<void()>& prepare, const std::function<void()>& run) {
+  prepare();
+  std::ofstream("/proc/self/clear_refs") << "5";  // Reset VmHWM to the current RSS.
+  const int64_t base = status_bytes("VmRSS");
+  run();
+  return status_bytes("VmHWM") - base;
+}
+
+int64_t peak_in_child(const std::vector<std::string>& args) {
+  char self[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) return -1;
+  std::string command = "'" + std::string(self, n) + "'";
+  for (const auto& a : args) command += " '" + a + "'";
+  FILE* pipe = ::popen((command + " 2>/dev/null").c_str(), "r");
+  if (!pipe) return -1;
+  int64_t result = -1;
+  char line[512];
+  const std::string key = "peak_extra_bytes: ";
+  while (std::fgets(line, sizeof(line), pipe)) {
+    const std::string s(line);
+    if (s.rfind(key, 0) == 0) result = std::stoll(s.substr(key.size()));
+  }
+  return ::pclose(pipe) == 0 ? result : -1;
+}
+
+Record& Record::add(const std::string& name, int64_t v) {
+  fields_.emplace_back(name, std::to_string(v));
+  return *this;
+}
+Record& Record::add(const std::string& name, double v) {
+  std::ostringstream os;
+  os << std::setprecision(6) << v;
+  fields_.emplace_back(name, os.str());
+  return *this;
+}
+Record& Record::add(const std::string& name, bool v) {
+  fields_.emplace_back(name, v ? "true" : "false");
+  return *this;
+}
+Record& Record::add(const std::string& name, const std::string& v) {
+  fields_.emplace_back(name, "\"" + v + "\"");
+  return *this;
+}
+
+std::string Record::json() const {
+  std::string out = "{";
+  for (size_t i = 0; i < fields_.size(); ++i)
+    out += (i ? ", \"" : "\"") + fields_[i].first + "\": " + fields_[i].second;
+  return out + "}";
+}
+
+std::string Record::text(const std::string& name) const {
+  for (const auto& f : fields_) {
+    if (f.first != name) continue;
+    std::string v = f.second;
+    if (!v.empty() && v.front() == '"') v = v.substr(1, v.size() - 2);
+    return v;
+  }
+  return "";
+}
+
+void print_table(const std::vector<Record>& records, const std::vector<std::string>& columns) {
+  std::vector<size_t> width;
+  for (const auto& c : columns) {
+    size_t w = c.size();
+    for (const auto& r : records) w = std::max(w, r.text(c).size());
+    width.push_back(w);
+  }
+  for (size_t i = 0; i < columns.size(); ++i)
+    std::cout << std::left << std::setw(width[i] + 2) << columns[i];
+  std::cout << "\n";
+  for (const auto& r : records) {
+    for (size_t i = 0; i < columns.size(); ++i)
+      std::cout << std::left << std::setw(width[i] + 2) << r.text(columns[i]);
+    std::cout << "\n";
+  }
+  std::cout.flush();
+}
+
+void write_json(const std::string& path, const std::vector<Record>& records) {
+  std::ofstream out(path);
+  if (!out) throw std::runtime_error("cannot write " + path);
+  out << "[\n";
+  for (size_t i = 0; i < records.size(); ++i)
+    out << "  " << records[i].json() << (i + 1 < records.size() ? ",\n" : "\n");
+  out << "]\n";
+}
+
+std::vector<int64_t> parse_list(const std::string& text) {
+  std::vector<int64_t> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (!item.empty()) out.push_back(std::stoll(item));
+  }
+  return out;
+}
+
+}  // namespace ulysses::bench

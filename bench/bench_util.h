@@ -1,0 +1,58 @@
+// Shared pieces of the `ulysses bench` drivers: timing statistics, peak-memory measurement in
+// a child process, and result records printed as a table and written as JSON.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ulysses::bench {
+
+// Wall-clock milliseconds over repeated runs after warm-up.
+struct Stats {
+  double median = 0, min = 0, max = 0;
+  // "(min-max)" spread, for tables.
+  std::string spread() const;
+};
+
+// Runs `fn` `warmup` times, then `repeats` times, timing each of the latter.
+Stats time_ms(const std::function<void()>& fn, int warmup, int repeats);
+
+// Peak resident memory that `run` adds on top of what `prepare` left, in this process: VmHWM
+// after `run` minus VmRSS after `prepare`, with the high-water mark reset in between. Run it in
+// a fresh process (see peak_in_child) so earlier allocations do not hide the peak.
+int64_t peak_extra_bytes(const std::function<void()>& prepare, const std::function<void()>& run);
+
+// Runs this executable with `args` in a fresh process (not fork: OpenMP does not survive a
+// fork) and returns the number it printed on a line "peak_extra_bytes: N", or -1 if it died
+// (e.g. out of memory) or printed none.
+int64_t peak_in_child(const std::vector<std::string>& args);
+
+// One benchmark case: ordered (name, JSON value) fields.
+class Record {
+ public:
+  Record& add(const std::string& name, int64_t v);
+  Record& add(const std::string& name, int v) { return add(name, static_cast<int64_t>(v)); }
+  Record& add(const std::string& name, double v);
+  Record& add(const std::string& name, bool v);
+  Record& add(const std::string& name, const std::string& v);
+  Record& add(const std::string& name, const char* v) { return add(name, std::string(v)); }
+  std::string json() const;
+  // The field's text as printed in tables ("" if absent).
+  std::string text(const std::string& name) const;
+
+ private:
+  std::vector<std::pair<std::string, std::string>> fields_;  // Values JSON-encoded.
+};
+
+// Prints `records` as an aligned table of `columns`.
+void print_table(const std::vector<Record>& records, const std::vector<std::string>& columns);
+// Writes `records` as a JSON array to `path`.
+void write_json(const std::string& path, const std::vector<Record>& records);
+
+// Parses "1024,4096" into integers.
+std::vector<int64_t> parse_list(const std::string& text);
+
+}  // namespace ulysses::bench

@@ -1,0 +1,79 @@
+// A small decoder-only GQA transformer whose attention is sequence-parallel.
+//
+// Each rank holds a shard x[B, S_r] of every sequence; every layer but attention is token-local:
+//   h = embed(x);  per layer: h += Wo * attn(rope(Wq n(h)), rope(Wk n(h)), Wv n(h));
+//                             h += W2 (silu(W1 n(h)) * W3 n(h));
+//   logits = n(h) * embed^T   (tied LM head; n = RMSNorm).
+// Rotary angles come from global position ids, so sharding never changes them.
+#pragma once
+
+#include <torch/torch.h>
+
+#include "ulysses/distributed_attention.h"
+#include "ulysses/group.h"
+
+namespace ulysses {
+
+// Size of the model. Defaults make a model that trains in seconds on two cores.
+struct ModelConfig {
+  int64_t vocab = 256;        // Token ids in [0, vocab).
+  int64_t dim = 64;           // Model width; divisible by q_heads, head dim even.
+  int64_t layers = 2;
+  int64_t q_heads = 4;        // Hq.
+  int64_t kv_heads = 2;       // Hkv; divides q_heads.
+  int64_t ffn_dim = 0;        // SwiGLU hidden width; 0 means 8/3 * dim rounded up to 16.
+  double rope_theta = 10000;  // Rotary base.
+  double norm_eps = 1e-5;     // RMSNorm epsilon.
+  bool packed = false;        // Pass position ids to attention (documents restart at 0).
+  int64_t head_dim() const { return dim / q_heads; }
+  int64_t hidden() const { return ffn_dim > 0 ? ffn_dim : (8 * dim / 3 + 15) / 16 * 16; }
+};
+
+class RMSNormImpl : public torch::nn::Module {
+ public:
+  RMSNormImpl(int64_t dim, double eps);
+  at::Tensor forward(const at::Tensor& x);
+
+ private:
+  at::Tensor weight_;  // [dim], ones at init.
+  double eps_;
+};
+TORCH_MODULE(RMSNorm);
+
+// [B, S_r, H, D] -> the same, rotated by angles positions * theta^(-2i/D) (rotate-half form).
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& positions, double theta);
+
+class BlockImpl : public torch::nn::Module {
+ public:
+  BlockImpl(const ModelConfig& config, const Group& sp_group);
+  // x: [B, S_r, dim]; positions: [B, S_r] global position ids.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& positions, StepContext* context);
+
+ private:
+  ModelConfig config_;
+  RMSNorm attn_norm_{nullptr}, mlp_norm_{nullptr};
+  torch::nn::Linear wq_{nullptr}, wk_{nullptr}, wv_{nullptr}, wo_{nullptr};
+  torch::nn::Linear w1_{nullptr}, w2_{nullptr}, w3_{nullptr};
+  DistributedAttention attention_;  // Causal; this block's head partition.
+};
+TORCH_MODULE(Block);
+
+class TransformerImpl : public torch::nn::Module {
+ public:
+  // Parameters are drawn from N(0, 0.02) with a generator seeded by `seed` (norms start at 1),
+  // so every rank builds the same model without touching global RNG state.
+  TransformerImpl(const ModelConfig& config, const Group& sp_group, uint64_t seed);
+  // tokens, positions: [B, S_r] (int64) -> logits [B, S_r, vocab].
+  at::Tensor forward(const at::Tensor& tokens, const at::Tensor& positions,
+                     StepContext* context = nullptr);
+  const ModelConfig& config() const { return config_; }
+
+ private:
+  ModelConfig config_;
+  torch::nn::Embedding embed_{nullptr};
+  torch::nn::ModuleList blocks_;
+  RMSNorm norm_{nullptr};
+};
+TORCH_MODULE(Transformer);
+
+}  // namespace ulysses

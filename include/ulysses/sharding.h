@@ -1,0 +1,49 @@
+// Sequence-sharded training: the data adapter, the exact global loss and gradient reduction.
+//
+// Next-token targets are made on the global sequence, before sharding:
+//   target[b, i] = labels[b, i + 1] (i < S - 1),  target[b, S - 1] = ignore_index,
+// so the last token of shard r keeps its target, the first token of shard r + 1. Then rank r
+// takes tokens [o_r, o_r + S_r) of input ids, targets and position ids. The loss is the exact
+// global token mean: sum over ranks of local CE sums / global count of non-ignored targets.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "ulysses/group.h"
+#include "ulysses/partition.h"
+
+namespace ulysses {
+
+constexpr int64_t kIgnoreIndex = -100;
+
+// Token ids with labels and position ids, [B, S] (global) or [B, S_r] (a shard).
+struct TokenBatch {
+  at::Tensor input_ids;     // int64.
+  at::Tensor labels;        // int64; for a global batch, unshifted (usually == input_ids).
+  at::Tensor position_ids;  // int64; undefined in a global batch means 0..S-1.
+};
+
+// Shifts labels to next-token targets on the global batch, then cuts out `rank`'s shard of
+// the sequence partition `seq`. The shard's labels are the targets.
+TokenBatch shard_batch(const TokenBatch& global, const SequencePartition& seq, int64_t rank,
+                       int64_t ignore_index = kIgnoreIndex);
+
+// This rank's share of the exact global mean cross entropy, and the global values.
+struct ShardedLoss {
+  at::Tensor loss;            // Differentiable: local CE sum / global target count.
+  double global_loss = 0;     // The mean over every target in the group.
+  int64_t global_count = 0;   // Non-ignored targets in the group.
+};
+
+// logits [B, S_r, V], targets [B, S_r]. One small all-reduce over `group`, which must span
+// every rank whose targets share the mean (SP x DP). Summing every rank's gradients of `loss`
+// gives the gradient of the global mean.
+ShardedLoss sharded_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
+                                  const Group& group, int64_t ignore_index = kIgnoreIndex);
+
+// Sums the gradients of `params` over `group` in one coalesced all-reduce.
+void all_reduce_gradients(const std::vector<at::Tensor>& params, const Group& group);
+
+}  // namespace ulysses

@@ -1,0 +1,91 @@
+#include "ulysses/model.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+namespace ulysses {
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
+  weight_ = register_parameter("weight", torch::ones({dim}));
+}
+
+at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  return x * at::rsqrt(x.pow(2).mean(-1, true) + eps_) * weight_;
+}
+
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& positions, double theta) {
+  const int64_t D = x.size(-1), half = D / 2;
+  TORCH_CHECK_VALUE(D % 2 == 0, "apply_rotary: head dim must be even; got ", D);
+  at::Tensor inv_freq =
+      at::pow(theta, -at::arange(0, half, x.options().dtype(at::kDouble)) * 2.0 / D);
+  at::Tensor angles = positions.to(at::kDouble).unsqueeze(-1) * inv_freq;  // [B, S_r, D/2]
+  at::Tensor cos = angles.cos().to(x.scalar_type()).unsqueeze(2);          // [B, S_r, 1, D/2]
+  at::Tensor sin = angles.sin().to(x.scalar_type()).unsqueeze(2);
+  at::Tensor x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
+  return at::cat({x1 * cos - x2 * sin, x1 * sin + x2 * cos}, -1);
+}
+
+BlockImpl::BlockImpl(const ModelConfig& c, const Group& sp_group)
+    : config_(c), attention_(sp_group, [&] {
+        AttentionOptions o;
+        o.q_heads = c.q_heads;
+        o.kv_heads = c.kv_heads;
+        o.causal = true;
+        return o;
+      }()) {
+  const int64_t D = c.head_dim();
+  auto linear = [](int64_t in, int64_t out) {
+    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+  };
+  attn_norm_ = register_module("attn_norm", RMSNorm(c.dim, c.norm_eps));
+  wq_ = register_module("wq", linear(c.dim, c.q_heads * D));
+  wk_ = register_module("wk", linear(c.dim, c.kv_heads * D));
+  wv_ = register_module("wv", linear(c.dim, c.kv_heads * D));
+  wo_ = register_module("wo", linear(c.q_heads * D, c.dim));
+  mlp_norm_ = register_module("mlp_norm", RMSNorm(c.dim, c.norm_eps));
+  w1_ = register_module("w1", linear(c.dim, c.hidden()));
+  w2_ = register_module("w2", linear(c.hidden(), c.dim));
+  w3_ = register_module("w3", linear(c.dim, c.hidden()));
+}
+
+at::Tensor BlockImpl::forward(const at::Tensor& x, const at::Tensor& positions,
+                              StepContext* context) {
+  const int64_t B = x.size(0), S = x.size(1), D = config_.head_dim();
+  at::Tensor h = attn_norm_(x);
+  at::Tensor q = apply_rotary(wq_(h).view({B, S, config_.q_heads, D}), positions,
+                              config_.rope_theta);
+  at::Tensor k = apply_rotary(wk_(h).view({B, S, config_.kv_heads, D}), positions,
+                              config_.rope_theta);
+  at::Tensor v = wv_(h).view({B, S, config_.kv_heads, D});
+  AttentionInputs in;
+  in.context = context;
+  if (config_.packed) in.positions = positions;
+  at::Tensor o = attention_(q, k, v, in).reshape({B, S, config_.q_heads * D});
+  at::Tensor y = x + wo_(o);
+  at::Tensor m = mlp_norm_(y);
+  return y + w2_(torch::silu(w1_(m)) * w3_(m));
+}
+
+TransformerImpl::TransformerImpl(const ModelConfig& c, const Group& sp_group, uint64_t seed)
+    : config_(c) {
+  TORCH_CHECK_VALUE(c.dim % c.q_heads == 0 && c.head_dim() % 2 == 0,
+                    "Transformer: dim (", c.dim, ") must split into ", c.q_heads,
+                    " heads of an even size");
+  embed_ = register_module("embed", torch::nn::Embedding(c.vocab, c.dim));
+  blocks_ = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.layers; ++i) blocks_->push_back(Block(c, sp_group));
+  norm_ = register_module("norm", RMSNorm(c.dim, c.norm_eps));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  torch::NoGradGuard no_grad;
+  for (auto& p : named_parameters()) {
+    if (p.key().find("norm") == std::string::npos) p.value().normal_(0.0, 0.02, gen);
+  }
+}
+
+at::Tensor TransformerImpl::forward(const at::Tensor& tokens, const at::Tensor& positions,
+                                    StepContext* context) {
+  at::Tensor h = embed_(tokens);
+  for (const auto& block : *blocks_) h = block->as<Block>()->forward(h, positions, context);
+  return at::matmul(norm_(h), embed_->weight.t());
+}
+
+}  // namespace ulysses

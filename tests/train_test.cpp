@@ -1,0 +1,103 @@
+// Sequence-parallel training pieces: the data adapter, the exact global loss and gradients of
+// the model, against one rank holding the whole sequence.
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include "testing.h"
+#include "ulysses/model.h"
+#include "ulysses/sharding.h"
+
+namespace ulysses {
+namespace {
+
+using testing::expect_ranks_succeed;
+using testing::rel_error;
+
+TEST(ShardBatch, LabelsAreShiftedBeforeSharding) {
+  // Targets must cross shard boundaries: the last token of shard r predicts the first token of
+  // shard r + 1. Shifting inside each shard would drop that target.
+  at::Tensor ids = at::arange(100, 110, at::kLong).unsqueeze(0);
+  const auto seq = SequencePartition::even(10, 3);  // [4, 3, 3]
+  for (int64_t r = 0; r < 3; ++r) {
+    TokenBatch shard = shard_batch({ids, ids, at::Tensor()}, seq, r);
+    const Range mine = seq.range(r);
+    EXPECT_TRUE(shard.input_ids.equal(ids.narrow(1, mine.begin, mine.size())));
+    EXPECT_TRUE(shard.position_ids.equal(at::arange(mine.begin, mine.end, at::kLong).unsqueeze(0)));
+    for (int64_t i = 0; i < mine.size(); ++i) {
+      const int64_t global = mine.begin + i;
+      const int64_t want = global + 1 < 10 ? 100 + global + 1 : kIgnoreIndex;
+      EXPECT_EQ(shard.labels[0][i].item<int64_t>(), want) << "rank " << r << " token " << i;
+    }
+  }
+}
+
+TEST(ShardBatch, IgnoredLabelsStayIgnored) {
+  at::Tensor ids = at::arange(6, at::kLong).unsqueeze(0);
+  at::Tensor labels = at::full({1, 6}, kIgnoreIndex, at::kLong);
+  labels[0][3] = 42;
+  TokenBatch shard = shard_batch({ids, labels, at::Tensor()}, SequencePartition::even(6, 2), 0);
+  EXPECT_TRUE(shard.labels.equal(at::tensor(std::vector<int64_t>{kIgnoreIndex, kIgnoreIndex, 42}).unsqueeze(0)));
+}
+
+ModelConfig tiny() {
+  ModelConfig c;
+  c.vocab = 40;
+  c.dim = 24;
+  c.layers = 2;
+  c.q_heads = 6;
+  c.kv_heads = 3;
+  return c;
+}
+
+// Loss and every gradient of P ranks equal one rank's on the same global batch (uneven S).
+void check_against_single_rank(int P, int64_t S) {
+  expect_ranks_succeed(P, [&](Group& g) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+    at::Tensor ids = at::randint(0, 40, {2, S}, gen, at::kLong);
+    at::Tensor labels = ids.clone();
+    labels.narrow(1, 0, 3).fill_(kIgnoreIndex);  // Some ignored targets.
+    const TokenBatch global{ids, labels, at::Tensor()};
+    const auto seq = SequencePartition::even(S, P);
+
+    Transformer model(tiny(), g, 11);
+    TokenBatch shard = shard_batch(global, seq, g.rank());
+    StepContext ctx(g);
+    ShardedLoss loss = sharded_cross_entropy(model->forward(shard.input_ids, shard.position_ids, &ctx),
+                                             shard.labels, g);
+    loss.loss.backward();
+    all_reduce_gradients(model->parameters(), g);
+
+    Group solo = Group::create(c10::make_intrusive<c10d::HashStore>(), 0, 1);
+    Transformer reference(tiny(), solo, 11);
+    TokenBatch whole = shard_batch(global, SequencePartition::even(S, 1), 0);
+    ShardedLoss ref = sharded_cross_entropy(reference->forward(whole.input_ids, whole.position_ids),
+                                            whole.labels, solo);
+    ref.loss.backward();
+
+    EXPECT_EQ(loss.global_count, ref.global_count);
+    EXPECT_NEAR(loss.global_loss, ref.global_loss, 1e-5 * std::abs(ref.global_loss));
+    auto ref_params = reference->named_parameters();
+    for (const auto& p : model->named_parameters()) {
+      EXPECT_LT(rel_error(p.value().grad(), ref_params[p.key()].grad()), 1e-4)
+          << p.key() << " rank " << g.rank() << " of " << P;
+    }
+  });
+}
+
+TEST(ShardedTraining, TwoRanksMatchOneRankUnevenS) { check_against_single_rank(2, 13); }
+TEST(ShardedTraining, ThreeRanksMatchOneRankUnevenS) { check_against_single_rank(3, 14); }
+
+TEST(ShardedTraining, RotaryUsesGlobalPositions) {
+  // A shard rotated with its global positions equals the same rows of the full rotation.
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  at::Tensor x = at::randn({1, 10, 2, 8}, gen);
+  at::Tensor pos = at::arange(10, at::kLong).unsqueeze(0);
+  at::Tensor full = apply_rotary(x, pos, 10000);
+  at::Tensor part = apply_rotary(x.narrow(1, 6, 4), pos.narrow(1, 6, 4), 10000);
+  EXPECT_TRUE(part.allclose(full.narrow(1, 6, 4)));
+  EXPECT_FALSE(part.allclose(apply_rotary(x.narrow(1, 6, 4), pos.narrow(1, 0, 4), 10000)));
+}
+
+}  // namespace
+}  // namespace ulysses

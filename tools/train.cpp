@@ -1,0 +1,319 @@
+// `ulysses train`: sequence-parallel training of a GQA transformer on local ranks.
+#include <ATen/Parallel.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <thread>
+
+#include "args.h"
+#include "commands.h"
+#include "train_data.h"
+#include "ulysses/model.h"
+#include "ulysses/sharding.h"
+
+namespace ulysses::cli {
+namespace {
+
+struct TrainOptions {
+  int nproc = 4;
+  int sp = 0;  // 0: the whole world.
+  int64_t seq_len = 512, batch = 8, steps = 200, pairs = 16;
+  double lr = 1e-2, clip = 1.0, weight_decay = 0.01;
+  int64_t warmup = 20, eval_every = 50, eval_sequences = 64;
+  uint64_t seed = 0;
+  std::string data, save, resume;
+  bool check = false;
+  bool shuffle = false;
+  ModelConfig model;
+};
+
+// Resident memory numbers of this process from /proc/self/status, in bytes.
+int64_t proc_status_bytes(const char* key) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const std::string k = std::string(key) + ":";
+  while (std::getline(in, line))
+    if (line.rfind(k, 0) == 0) return std::stoll(line.substr(k.size())) * 1024;
+  return -1;
+}
+
+std::string mb(int64_t bytes) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(0) << bytes / 1048576.0;
+  return os.str();
+}
+
+// The training data, whichever source was chosen.
+class Data {
+ public:
+  explicit Data(const TrainOptions& o) {
+    if (o.data.empty()) {
+      retrieval_ = std::make_unique<RetrievalTask>(o.seq_len, o.pairs, o.shuffle, o.seed);
+    } else {
+      text_ = std::make_unique<TextData>(o.data, o.seq_len, o.seed);
+    }
+  }
+  int64_t vocab() const { return retrieval_ ? retrieval_->vocab() : text_->vocab(); }
+  TokenBatch batch(int split, int64_t step, int64_t first, int64_t count) const {
+    return retrieval_ ? retrieval_->batch(split, step, first, count)
+                      : text_->batch(split, step, first, count);
+  }
+  bool is_retrieval() const { return retrieval_ != nullptr; }
+
+ private:
+  std::unique_ptr<RetrievalTask> retrieval_;
+  std::unique_ptr<TextData> text_;
+};
+
+std::string config_line(const TrainOptions& o) {
+  const ModelConfig& m = o.model;
+  std::ostringstream os;
+  os << "vocab=" << m.vocab << " dim=" << m.dim << " layers=" << m.layers
+     << " q_heads=" << m.q_heads << " kv_heads=" << m.kv_heads << " hidden=" << m.hidden()
+     << " seq_len=" << o.seq_len
+     << " data=" << (o.data.empty() ? (o.shuffle ? "retrieval-shuffled" : "retrieval") : o.data);
+  return os.str();
+}
+
+// One sharded forward and backward; gradients reduced over the world. Returns the loss.
+ShardedLoss forward_backward(Transformer& model, const TokenBatch& shard, const Mesh& mesh) {
+  StepContext context(mesh.sp);
+  at::Tensor logits = model->forward(shard.input_ids, shard.position_ids, &context);
+  ShardedLoss loss = sharded_cross_entropy(logits, shard.labels, mesh.world);
+  loss.loss.backward();
+  all_reduce_gradients(model->parameters(), mesh.world);
+  return loss;
+}
+
+// --check: step 1's loss and every gradient against one rank running the whole global batch.
+int run_check(Transformer& model, const TrainOptions& o, const Data& data, const Mesh& mesh,
+              const SequencePartition& seq) {
+  const int dp = mesh.dp.size();
+  const TokenBatch local = data.batch(0, 0, mesh.dp.rank() * o.batch, o.batch);
+  model->zero_grad();
+  const ShardedLoss ours = forward_backward(model, shard_batch(local, seq, mesh.sp.rank()), mesh);
+
+  Group solo = Group::create(c10::make_intrusive<c10d::HashStore>(), 0, 1);
+  Transformer reference(o.model, solo, o.seed);
+  const TokenBatch global = data.batch(0, 0, 0, o.batch * dp);
+  const auto full = SequencePartition::even(o.seq_len, 1);
+  at::Tensor logits = reference->forward(global.input_ids.contiguous(),
+                                         shard_batch(global, full, 0).position_ids);
+  ShardedLoss ref = sharded_cross_entropy(logits, shard_batch(global, full, 0).labels, solo);
+  ref.loss.backward();
+
+  double worst = std::abs(ours.global_loss - ref.global_loss) / std::abs(ref.global_loss);
+  std::string worst_name = "loss";
+  auto ref_params = reference->named_parameters();
+  for (const auto& p : model->named_parameters()) {
+    const at::Tensor& g = p.value().grad();
+    const at::Tensor& r = ref_params[p.key()].grad();
+    const double err = (g - r).abs().max().item<double>() / r.abs().max().item<double>();
+    if (err > worst) worst = err, worst_name = p.key();
+  }
+  at::Tensor w = at::tensor({worst}, at::kDouble);
+  at::Tensor all = mesh.world.all_gather(w);
+  const double max_err = all.max().item<double>();
+  const bool pass = max_err <= 1e-4;
+  if (mesh.world.rank() == 0) {
+    std::cout << std::setprecision(6) << "check: world " << mesh.world.size() << " (sp "
+              << mesh.sp.size() << " x dp " << dp << "), seq_len " << o.seq_len << " "
+              << seq << "\n"
+              << "check: loss " << ours.global_loss << " vs single-rank " << ref.global_loss
+              << "\n"
+              << "check: max relative error over loss and " << model->parameters().size()
+              << " gradients: " << std::scientific << max_err << " (rank 0 worst: "
+              << worst_name << ")\n"
+              << (pass ? "PASS" : "FAIL") << std::endl;
+  }
+  return pass ? 0 : 1;
+}
+
+// Held-out accuracy on the scored targets (the retrieval answers; every next byte for text).
+double evaluate(Transformer& model, const TrainOptions& o, const Data& data, const Mesh& mesh,
+                const SequencePartition& seq, int64_t step) {
+  torch::NoGradGuard no_grad;
+  const int64_t per_replica = std::max<int64_t>(1, o.eval_sequences / mesh.dp.size());
+  at::Tensor counts = at::zeros({2}, at::kDouble);
+  for (int64_t i = 0; i < per_replica; i += o.batch) {
+    const int64_t n = std::min(o.batch, per_replica - i);
+    TokenBatch shard = shard_batch(data.batch(1, step, mesh.dp.rank() * per_replica + i, n), seq,
+                                   mesh.sp.rank());
+    StepContext context(mesh.sp);
+    at::Tensor pred = model->forward(shard.input_ids, shard.position_ids, &context).argmax(-1);
+    at::Tensor scored = shard.labels.ne(kIgnoreIndex);
+    counts[0] += pred.eq(shard.labels).logical_and(scored).sum().item<double>();
+    counts[1] += scored.sum().item<double>();
+  }
+  mesh.world.all_reduce_sum(counts);
+  return counts[1].item<double>() > 0 ? counts[0].item<double>() / counts[1].item<double>() : 0;
+}
+
+void save_checkpoint(Transformer& model, torch::optim::AdamW& optimizer, const TrainOptions& o,
+                     int64_t step) {
+  std::ostringstream mk;
+  mk << "mkdir -p '" << o.save << "'";
+  if (std::system(mk.str().c_str()) != 0) throw std::runtime_error("cannot create " + o.save);
+  torch::save(model, o.save + "/model.pt");
+  torch::save(optimizer, o.save + "/optimizer.pt");
+  std::ofstream(o.save + "/state.txt") << step << "\n" << config_line(o) << "\n";
+}
+
+int64_t load_checkpoint(Transformer& model, torch::optim::AdamW& optimizer,
+                        const TrainOptions& o) {
+  std::ifstream in(o.resume + "/state.txt");
+  TORCH_CHECK_VALUE(in.good(), "train: no checkpoint in '", o.resume, "' (state.txt missing)");
+  int64_t step = 0;
+  std::string line, config;
+  in >> step;
+  std::getline(in, line);
+  std::getline(in, config);
+  TORCH_CHECK_VALUE(config == config_line(o), "train: checkpoint '", o.resume,
+                    "' was saved with '", config, "' but this run has '", config_line(o), "'");
+  torch::load(model, o.resume + "/model.pt");
+  torch::load(optimizer, o.resume + "/optimizer.pt");
+  return step;
+}
+
+TrainOptions parse(const Argv& argv) {
+  Args args(argv, {"--check", "--shuffle"});
+  TrainOptions o;
+  o.nproc = static_cast<int>(args.integer("--nproc", o.nproc));
+  o.sp = static_cast<int>(args.integer("--sp", 0));
+  const int dp = static_cast<int>(args.integer("--dp", 0));
+  o.seq_len = args.integer("--seq-len", o.seq_len);
+  o.batch = args.integer("--batch", o.batch);
+  o.steps = args.integer("--steps", o.steps);
+  o.pairs = args.integer("--pairs", o.pairs);
+  o.lr = args.real("--lr", o.lr);
+  o.clip = args.real("--clip", o.clip);
+  o.weight_decay = args.real("--weight-decay", o.weight_decay);
+  o.warmup = args.integer("--warmup", o.warmup);
+  o.eval_every = args.integer("--eval-every", o.eval_every);
+  o.eval_sequences = args.integer("--eval-sequences", o.eval_sequences);
+  o.seed = static_cast<uint64_t>(args.integer("--seed", 0));
+  o.data = args.str("--data", "");
+  o.save = args.str("--save", "");
+  o.resume = args.str("--resume", "");
+  o.check = args.has("--check");
+  o.shuffle = args.has("--shuffle");
+  o.model.dim = args.integer("--dim", o.model.dim);
+  o.model.layers = args.integer("--layers", o.model.layers);
+  o.model.q_heads = args.integer("--q-heads", o.model.q_heads);
+  o.model.kv_heads = args.integer("--kv-heads", o.model.kv_heads);
+  o.model.ffn_dim = args.integer("--ffn-dim", 0);
+  args.finish();
+  if (dp > 0 && o.sp > 0 && dp * o.sp != o.nproc && std::getenv("RANK") == nullptr)
+    throw UsageError("--sp x --dp must equal --nproc");
+  if (dp > 0 && o.sp == 0) o.sp = std::max(1, o.nproc / dp);
+  if (o.batch < 1 || o.steps < 0 || o.seq_len < 1) throw UsageError("bad --batch/--steps/--seq-len");
+  return o;
+}
+
+}  // namespace
+
+int train_main(const Argv& argv) {
+  TrainOptions o = parse(argv);
+  const int code = relaunch_as_ranks(o.nproc, "train", argv);
+  if (code >= 0) return code;
+
+  // Ranks of this machine share its cores.
+  const int local_ranks = std::max(1, std::atoi(std::getenv("LOCAL_WORLD_SIZE") ? std::getenv("LOCAL_WORLD_SIZE") : "1"));
+  at::set_num_threads(std::max<int>(1, std::thread::hardware_concurrency() / local_ranks));
+  Group world = Group::from_env();
+  const int sp = o.sp > 0 ? o.sp : world.size();
+  Mesh mesh = Mesh::create(world, sp);
+  const bool lead = world.rank() == 0;
+  const Data data(o);
+  o.model.vocab = data.vocab();
+  const auto seq = SequencePartition::even(o.seq_len, mesh.sp.size());
+
+  Transformer model(o.model, mesh.sp, o.seed);
+  int64_t params = 0;
+  for (const auto& p : model->parameters()) params += p.numel();
+  torch::optim::AdamW optimizer(model->parameters(),
+                                torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
+  if (lead) {
+    std::cout << "model: " << config_line(o) << ", " << params << " parameters\n"
+              << "mesh: world " << world.size() << " = sp " << mesh.sp.size() << " x dp "
+              << mesh.dp.size() << "; " << seq << "; " << at::get_num_threads()
+              << " threads/rank" << std::endl;
+  }
+  if (o.check) return run_check(model, o, data, mesh, seq);
+
+  int64_t start = 0;
+  if (!o.resume.empty()) {
+    start = load_checkpoint(model, optimizer, o);
+    if (lead) std::cout << "resumed from " << o.resume << " at step " << start << std::endl;
+  }
+  const int64_t setup_rss = proc_status_bytes("VmRSS");
+  // Every distinct group that carries training traffic (a mesh's SP group may be the world).
+  std::vector<Group> comm_groups{mesh.world};
+  for (const Group& g : {mesh.sp, mesh.dp})
+    if (g != mesh.world && g.size() > 1) comm_groups.push_back(g);
+  auto comm_seconds = [&] {
+    double s = 0;
+    for (const Group& g : comm_groups) s += g.collective_seconds();
+    return s;
+  };
+  const int64_t tokens_per_step = o.batch * o.seq_len * mesh.dp.size();
+  for (int64_t step = start; step < o.steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const double comm0 = comm_seconds();
+    const double lr = o.lr * std::min(1.0, (step + 1.0) / std::max<int64_t>(1, o.warmup));
+    for (auto& group : optimizer.param_groups())
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+    optimizer.zero_grad();
+    const TokenBatch local = data.batch(0, step, mesh.dp.rank() * o.batch, o.batch);
+    const ShardedLoss loss =
+        forward_backward(model, shard_batch(local, seq, mesh.sp.rank()), mesh);
+    if (o.clip > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), o.clip);
+    optimizer.step();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double comm = comm_seconds() - comm0;
+    // Peak RSS of every rank (outside the timed step).
+    at::Tensor rss = mesh.world.all_gather(at::tensor({proc_status_bytes("VmHWM")}, at::kLong));
+    if (lead) {
+      std::ostringstream line;
+      line << "step " << step + 1 << "/" << o.steps << " loss " << std::fixed
+           << std::setprecision(4) << loss.global_loss << " tok/s " << std::setprecision(0)
+           << tokens_per_step / seconds << " comm " << std::setprecision(1)
+           << 100.0 * comm / seconds << "% peak_rss_mb";
+      for (int r = 0; r < world.size(); ++r) line << (r ? "/" : " ") << mb(rss[r].item<int64_t>());
+      std::cout << line.str() << std::endl;
+    }
+    const bool last = step + 1 == o.steps;
+    if (o.eval_every > 0 && ((step + 1) % o.eval_every == 0 || last)) {
+      const double acc = evaluate(model, o, data, mesh, seq, step);
+      if (lead) {
+        std::cout << "eval step " << step + 1 << ": held-out "
+                  << (data.is_retrieval() ? "retrieval" : "next-byte") << " accuracy "
+                  << std::setprecision(3) << acc << std::endl;
+      }
+    }
+  }
+  const int64_t activation = proc_status_bytes("VmHWM") - setup_rss;
+  at::Tensor act = mesh.world.all_gather(at::tensor({activation}, at::kLong));
+  if (lead) {
+    std::cout << "activation memory per rank (peak RSS - RSS after setup), MB:";
+    for (int r = 0; r < world.size(); ++r) std::cout << " " << mb(act[r].item<int64_t>());
+    std::cout << std::endl;
+  }
+  if (!o.save.empty()) {
+    if (lead) save_checkpoint(model, optimizer, o, o.steps);
+    world.barrier();
+    if (lead) std::cout << "saved checkpoint at step " << o.steps << " to " << o.save << std::endl;
+  }
+  return 0;
+}
+
+}  // namespace ulysses::cli
