@@ -88,10 +88,11 @@ int bench_a2a_main(const Argv& argv) {
         }
         gather_heads(y, Heads::kQuery, plan, g);
       };
-      // The bare collective moving the same bytes, with preallocated buffers.
+      // The bare collective moving the same bytes, with preallocated buffers (o moves as many
+      // bytes as q in total; q's size is the same on every rank, o's is not for uneven heads).
       std::vector<at::Tensor> raw_in, raw_out;
-      for (const at::Tensor& t : gqa ? std::vector<at::Tensor>{q, k, v, o}
-                                     : std::vector<at::Tensor>{q, o}) {
+      for (const at::Tensor& t : gqa ? std::vector<at::Tensor>{q, k, v, q}
+                                     : std::vector<at::Tensor>{q, q}) {
         const int64_t n = (t.numel() + P - 1) / P * P;
         raw_in.push_back(at::randn({n}, gen));
         raw_out.push_back(at::empty({n}, t.options()));

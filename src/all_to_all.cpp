@@ -62,13 +62,13 @@ std::vector<at::Tensor> seq_to_heads(const std::vector<at::Tensor>& xs,
       send_splits[j] += S_me * R[j].size() * per_token_head;
       recv_splits[j] += plan.seq.length(j) * R[me].size() * per_token_head;
     }
-    outs.push_back(at::empty(shape_with(xs[t], L, plan.seq.seq_len(), R[me].size()),
-                             xs[t].options()));
+    outs.push_back(group.new_buffer(shape_with(xs[t], L, plan.seq.seq_len(), R[me].size()),
+                                    xs[t].options()));
   }
   int64_t send_total = 0, recv_total = 0;
   for (int j = 0; j < P; ++j) send_total += send_splits[j], recv_total += recv_splits[j];
 
-  at::Tensor send = at::empty({send_total}, xs[0].options());
+  at::Tensor send = group.new_buffer({send_total}, xs[0].options());
   int64_t off = 0;
   for (int j = 0; j < P; ++j) {
     for (size_t t = 0; t < xs.size(); ++t) {
@@ -81,7 +81,8 @@ std::vector<at::Tensor> seq_to_heads(const std::vector<at::Tensor>& xs,
   }
   // One tensor whose per-source blocks are contiguous: receive straight into the output.
   const bool direct = xs.size() == 1 && leading_dims_trivial(outs[0].sizes(), sdim);
-  at::Tensor recv = direct ? outs[0].view({-1}) : at::empty({recv_total}, xs[0].options());
+  at::Tensor recv =
+      direct ? outs[0].view({-1}) : group.new_buffer({recv_total}, xs[0].options());
   at::Tensor send_w = wire(send), recv_w = wire(recv);
   group.all_to_all(recv_w, send_w, recv_splits, send_splits);
   if (direct) return outs;
@@ -117,8 +118,8 @@ std::vector<at::Tensor> heads_to_seq(const std::vector<at::Tensor>& ys,
       recv_splits[j] += S_me * R[j].size() * per_token_head;
     }
     auto shape = shape_with(ys[t], L, S_me, plan.total(kinds[t]));
-    outs.push_back(overlapping(R) ? at::zeros(shape, ys[t].options())
-                                  : at::empty(shape, ys[t].options()));
+    outs.push_back(group.new_buffer(shape, ys[t].options()));
+    if (overlapping(R)) outs.back().zero_();
   }
   int64_t send_total = 0, recv_total = 0;
   for (int j = 0; j < P; ++j) send_total += send_splits[j], recv_total += recv_splits[j];
@@ -128,7 +129,7 @@ std::vector<at::Tensor> heads_to_seq(const std::vector<at::Tensor>& ys,
   if (ys.size() == 1 && ys[0].is_contiguous() && leading_dims_trivial(ys[0].sizes(), sdim)) {
     send = ys[0].view({-1});
   } else {
-    send = at::empty({send_total}, ys[0].options());
+    send = group.new_buffer({send_total}, ys[0].options());
     int64_t off = 0;
     for (int j = 0; j < P; ++j) {
       const Range s = plan.seq.range(j);
@@ -140,7 +141,7 @@ std::vector<at::Tensor> heads_to_seq(const std::vector<at::Tensor>& ys,
       }
     }
   }
-  at::Tensor recv = at::empty({recv_total}, ys[0].options());
+  at::Tensor recv = group.new_buffer({recv_total}, ys[0].options());
   at::Tensor send_w = wire(send), recv_w = wire(recv);
   group.all_to_all(recv_w, send_w, recv_splits, send_splits);
   int64_t off = 0;

@@ -10,6 +10,8 @@
 #endif
 
 #include <atomic>
+#include <map>
+#include <mutex>
 #include <chrono>
 #include <cstdlib>
 #include <sstream>
@@ -19,6 +21,47 @@
 namespace ulysses {
 namespace detail {
 
+// Freed buffers by exact byte size, reused by later buffers of the same size (training steps
+// repeat their shapes). Bounded by GroupOptions::buffer_cache_bytes; thread-safe.
+class BufferCache {
+ public:
+  explicit BufferCache(int64_t limit) : limit_(limit) {}
+  ~BufferCache() {
+    for (auto& kv : free_)
+      for (void* p : kv.second) std::free(p);
+  }
+  void* take(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = free_.find(bytes);
+      if (it != free_.end() && !it->second.empty()) {
+        void* p = it->second.back();
+        it->second.pop_back();
+        cached_ -= bytes;
+        return p;
+      }
+    }
+    void* p = nullptr;
+    if (posix_memalign(&p, 64, std::max<size_t>(bytes, 64)) != 0) throw std::bad_alloc();
+    return p;
+  }
+  void give_back(void* p, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (cached_ + static_cast<int64_t>(bytes) > limit_) {
+      std::free(p);
+      return;
+    }
+    free_[bytes].push_back(p);
+    cached_ += bytes;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<size_t, std::vector<void*>> free_;  // Guarded by mu_.
+  int64_t cached_ = 0;                         // Bytes in free_; <= limit_.
+  const int64_t limit_;
+};
+
 struct GroupState {
   c10::intrusive_ptr<C10dBackend> backend;  // Never null.
   c10::intrusive_ptr<c10d::Store> store;    // The store the group met through.
@@ -27,6 +70,7 @@ struct GroupState {
   int size = 1;
   std::atomic<int64_t> collectives{0};     // Collectives issued.
   std::atomic<int64_t> collective_ns{0};   // Wall time spent inside them.
+  std::shared_ptr<BufferCache> buffers;    // Shared with the deleters of tensors it lent.
 };
 
 // Counts one collective and the time spent in it.
@@ -96,6 +140,7 @@ Group Group::create(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
   state->options = options;
   state->rank = rank;
   state->size = size;
+  state->buffers = std::make_shared<detail::BufferCache>(options.buffer_cache_bytes);
   store->setTimeout(options.timeout);
   switch (options.backend) {
     case Backend::kGloo: {
@@ -151,6 +196,15 @@ const GroupOptions& Group::options() const { return state_->options; }
 c10::intrusive_ptr<c10d::Store> Group::store() const { return state_->store; }
 int64_t Group::collective_count() const { return state_->collectives.load(); }
 double Group::collective_seconds() const { return state_->collective_ns.load() * 1e-9; }
+
+at::Tensor Group::new_buffer(at::IntArrayRef shape, const at::TensorOptions& options) const {
+  TORCH_INTERNAL_ASSERT(options.device().is_cpu());
+  const size_t bytes = c10::multiply_integers(shape) * options.dtype().itemsize();
+  std::shared_ptr<detail::BufferCache> cache = state_->buffers;
+  void* p = cache->take(bytes);
+  return at::from_blob(
+      p, shape, [cache, bytes](void* q) { cache->give_back(q, bytes); }, options);
+}
 
 void Group::all_to_all(at::Tensor& output, at::Tensor& input,
                        const std::vector<int64_t>& output_splits,

@@ -38,6 +38,8 @@ struct GroupOptions {
   // else the address this host's name resolves to.
   std::string gloo_address = "";
   Backend backend = Backend::kGloo;
+  // Most bytes of freed buffers (see Group::new_buffer) this group keeps for reuse.
+  int64_t buffer_cache_bytes = int64_t{1} << 30;
 };
 
 namespace detail {
@@ -66,6 +68,11 @@ class Group {
   // `output_splits`. Both tensors are 1-D and contiguous.
   void all_to_all(at::Tensor& output, at::Tensor& input, const std::vector<int64_t>& output_splits,
                   const std::vector<int64_t>& input_splits) const;
+  // An uninitialised tensor whose memory comes from this group's cache of freed buffers and
+  // goes back to it when the tensor dies. Ops use it for staging buffers and outputs: on this
+  // kind of machine faulting in a fresh 33 MB buffer costs ~10x copying into a reused one.
+  at::Tensor new_buffer(at::IntArrayRef shape, const at::TensorOptions& options) const;
+
   // Every rank's `input` (same shape on every rank), stacked: [P, *input.shape].
   at::Tensor all_gather(const at::Tensor& input) const;
   // In-place sum (or other c10d reduction) of `tensor` over the group.
