@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/build.sh >/dev/null
-exec ./build/ulysses demo --nproc 4 "$@"
+exec ./build/ulysses train --nproc 4 "$@"

@@ -2,6 +2,10 @@
 
 #include <c10/util/Exception.h>
 
+#include <cmath>
+#include <limits>
+
+#include "detail/compat.h"
 #include "ulysses/flash_attention.h"
 #include "ulysses/mask.h"
 
@@ -29,8 +33,43 @@ std::vector<int64_t> from_bhsd(Layout layout) {
 
 }  // namespace
 
+// Note [Local attention by device]: CPU tensors use our fused kernel. CUDA tensors use
+// at::scaled_dot_product_attention where libtorch has it publicly (>= 2.0; kv heads expanded
+// through the kv map, packed documents folded into the mask), else the math reference.
+at::Tensor sdpa_attention(const LocalAttentionArgs& a) {
+  if (!detail::kHasPublicSdpa) return math_attention(a);
+  at::Tensor map = at::tensor(a.kv_map, a.q.options().dtype(at::kLong));
+  at::Tensor k = a.k.index_select(1, map), v = a.v.index_select(1, map);
+  const double D = static_cast<double>(a.q.size(-1));
+  // Pre-scaling q keeps to the 2.0 signature (no `scale` argument before 2.1).
+  at::Tensor q = a.scale > 0 ? a.q * (a.scale * std::sqrt(D)) : a.q;
+  c10::optional<at::Tensor> mask = a.mask;
+  if (a.positions) {
+    at::Tensor doc = document_ids(*a.positions);
+    if (doc.dim() == 1) doc = doc.unsqueeze(0);
+    at::Tensor same = doc.unsqueeze(-1).eq(doc.unsqueeze(-2)).unsqueeze(1);
+    if (!mask) {
+      mask = same;
+    } else if (mask->scalar_type() == at::kBool) {
+      mask = mask->logical_and(same);
+    } else {
+      mask = mask->masked_fill(same.logical_not(), -std::numeric_limits<double>::infinity());
+    }
+  }
+  if (a.causal && mask) {
+    at::Tensor tril = at::ones({q.size(2), k.size(2)}, q.options().dtype(at::kBool)).tril();
+    mask = mask->scalar_type() == at::kBool
+               ? mask->logical_and(tril)
+               : mask->masked_fill(tril.logical_not(), -std::numeric_limits<double>::infinity());
+    return detail::public_sdpa(q, k, v, mask, false);
+  }
+  return detail::public_sdpa(q, k, v, mask, a.causal);
+}
+
 LocalAttention default_local_attention() {
-  return [](const LocalAttentionArgs& args) { return flash_attention(args); };
+  return [](const LocalAttentionArgs& args) {
+    return args.q.is_cpu() ? flash_attention(args) : sdpa_attention(args);
+  };
 }
 
 at::Tensor StepContext::lookup(std::vector<Entry>& entries, const at::Tensor& source,

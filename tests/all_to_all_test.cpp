@@ -1,6 +1,5 @@
 #include "ulysses/all_to_all.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -18,20 +17,9 @@ using testing::rel_error;
 using testing::run_ranks;
 using testing::where;
 
-at::Tensor randn(at::IntArrayRef shape, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, gen);
-}
+using testing::seeded_randn;
 
-// A full (single-rank) tensor in `layout` with S tokens and H heads.
-std::vector<int64_t> full_shape(Layout layout, int64_t B, int64_t S, int64_t H, int64_t D) {
-  switch (layout) {
-    case Layout::kBSHD: return {B, S, H, D};
-    case Layout::kSBHD: return {S, B, H, D};
-    case Layout::kBHSD: return {B, H, S, D};
-  }
-  return {};
-}
+using testing::full_shape;
 
 struct Case {
   int P;
@@ -59,8 +47,8 @@ TEST_P(AllToAll, RoundTrip) {
     auto part = HeadPartition::make(c.hq, c.hkv, c.P);
     auto seq = SequencePartition::even(c.S, c.P);
     const int64_t sdim = seq_dim(c.layout), hdim = head_dim(c.layout);
-    at::Tensor Q = randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 1);
-    at::Tensor K = randn(full_shape(c.layout, c.B, c.S, c.hkv, c.D), 2);
+    at::Tensor Q = seeded_randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 1);
+    at::Tensor K = seeded_randn(full_shape(c.layout, c.B, c.S, c.hkv, c.D), 2);
     const Range mine = seq.range(g.rank());
     at::Tensor q = Q.narrow(sdim, mine.begin, mine.size()).contiguous();
     at::Tensor k = K.narrow(sdim, mine.begin, mine.size()).contiguous();
@@ -91,9 +79,9 @@ TEST_P(AllToAll, MatchesSingleRankReference) {
     const int64_t sdim = seq_dim(c.layout), hdim = head_dim(c.layout);
     const int me = g.rank();
     const Range mine = seq.range(me);
-    at::Tensor Q = randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 11);
-    at::Tensor K = randn(full_shape(c.layout, c.B, c.S, c.hkv, c.D), 12);
-    at::Tensor V = randn(full_shape(c.layout, c.B, c.S, c.hkv, c.Dv), 13);
+    at::Tensor Q = seeded_randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 11);
+    at::Tensor K = seeded_randn(full_shape(c.layout, c.B, c.S, c.hkv, c.D), 12);
+    at::Tensor V = seeded_randn(full_shape(c.layout, c.B, c.S, c.hkv, c.Dv), 13);
     auto shard = [&](const at::Tensor& X) {
       return X.narrow(sdim, mine.begin, mine.size()).contiguous().requires_grad_();
     };
@@ -104,7 +92,7 @@ TEST_P(AllToAll, MatchesSingleRankReference) {
     // Per-rank loss weights, reproducible on every rank: W[t][r] for tensor t on rank r.
     auto weight = [&](const at::Tensor& X, Heads h, int r, uint64_t salt) {
       const Range hr = plan.ranges(h)[r];
-      return randn(X.narrow(hdim, hr.begin, hr.size()).sizes(), 100 * salt + r);
+      return seeded_randn(X.narrow(hdim, hr.begin, hr.size()).sizes(), 100 * salt + r);
     };
     for (bool fused : {false, true}) {
       std::vector<at::Tensor> ys;
@@ -155,8 +143,8 @@ TEST_P(AllToAll, GatherBackwardMatchesReference) {
     const int64_t sdim = seq_dim(c.layout), hdim = head_dim(c.layout);
     const int me = g.rank();
     const Range hr = part.q_range(me), mine = seq.range(me);
-    at::Tensor O = randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 21);
-    at::Tensor W = randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 22);
+    at::Tensor O = seeded_randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 21);
+    at::Tensor W = seeded_randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 22);
     at::Tensor y = O.narrow(hdim, hr.begin, hr.size()).contiguous().requires_grad_();
     AllToAllPlan plan{part, seq, c.layout};
     at::Tensor o = gather_heads(y, Heads::kQuery, plan, g);
@@ -197,7 +185,7 @@ void interleave(int P, int64_t hq_a, int64_t hkv_a, int64_t hq_b, int64_t hkv_b)
     auto part_a = HeadPartition::make(hq_a, hkv_a, P);
     auto part_b = HeadPartition::make(hq_b, hkv_b, P);
     const HeadPartition a_before = part_a;
-    at::Tensor A = randn({1, 6, hq_a, 4}, 31), B = randn({1, 6, hq_b, 4}, 32);
+    at::Tensor A = seeded_randn({1, 6, hq_a, 4}, 31), B = seeded_randn({1, 6, hq_b, 4}, 32);
     at::Tensor a = A.narrow(1, mine.begin, mine.size()).contiguous().requires_grad_();
     at::Tensor b = B.narrow(1, mine.begin, mine.size()).contiguous().requires_grad_();
     auto plan_a = agree_plan(g, part_a, L, {{a, Heads::kQuery, "a"}});
@@ -224,7 +212,7 @@ TEST(AllToAllInstances, Gqa6Over3AndMha4Interleave) { interleave(2, 6, 3, 4, 4);
 TEST(AllToAllInstances, TwelveHeadsOverFourAfterOtherInstances) {
   interleave(4, 7, 7, 5, 5);  // Other head counts run first in this process.
   expect_ranks_succeed(4, [](Group& g) {
-    at::Tensor x = randn({1, 2, 12, 4}, 41);
+    at::Tensor x = seeded_randn({1, 2, 12, 4}, 41);
     auto y = scatter_heads(x, HeadPartition::make(12, 12, 4), Heads::kQuery, Layout::kBSHD, g);
     EXPECT_EQ(y.size(2), 3);
     EXPECT_EQ(y.size(1), 8);
@@ -286,7 +274,7 @@ TEST(AllToAllErrors, RanksDisagreeOnDtype) {
 
 TEST(AllToAllDtypes, Bfloat16RoundTrip) {
   expect_ranks_succeed(2, [](Group& g) {
-    at::Tensor x = randn({2, 3, 4, 8}, 51).to(at::kBFloat16);
+    at::Tensor x = seeded_randn({2, 3, 4, 8}, 51).to(at::kBFloat16);
     auto plan = agree_plan(g, HeadPartition::make(4, 4, 2), Layout::kBSHD, {{x, Heads::kQuery, "x"}});
     EXPECT_TRUE(gather_heads(scatter_heads(x, Heads::kQuery, plan, g), Heads::kQuery, plan, g).equal(x));
   });

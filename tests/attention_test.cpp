@@ -1,7 +1,6 @@
 // Local attention reference and the pure mask decision.
 #include "ulysses/attention.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
@@ -11,10 +10,7 @@
 namespace ulysses {
 namespace {
 
-at::Tensor randn(at::IntArrayRef shape, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, gen);
-}
+using testing::seeded_randn;
 
 // Straightforward per-head loops, written independently of math_attention.
 at::Tensor naive_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -38,10 +34,10 @@ at::Tensor naive_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 TEST(MathAttention, MatchesNaiveLoopsWithGqaMaskCausalAndDocuments) {
   const int64_t B = 2, H = 3, Hkv = 2, S = 7, D = 5;
-  at::Tensor q = randn({B, H, S, D}, 1), k = randn({B, Hkv, S, D}, 2), v = randn({B, Hkv, S, 4}, 3);
+  at::Tensor q = seeded_randn({B, H, S, D}, 1), k = seeded_randn({B, Hkv, S, D}, 2), v = seeded_randn({B, Hkv, S, 4}, 3);
   std::vector<int64_t> kv_map{1, 0, 1};  // A non-uniform head map.
-  at::Tensor mask = randn({B, 1, S, S}, 4).gt(-0.8);
-  at::Tensor bias = randn({1, H, S, S}, 5);
+  at::Tensor mask = seeded_randn({B, 1, S, S}, 4).gt(-0.8);
+  at::Tensor bias = seeded_randn({1, H, S, S}, 5);
   at::Tensor pos = at::tensor({0, 1, 2, 0, 1, 2, 3}, at::kLong);
   at::Tensor doc = document_ids(pos);
   EXPECT_TRUE(doc.equal(at::tensor({0, 0, 0, 1, 1, 1, 1}, at::kLong)));
@@ -63,8 +59,8 @@ TEST(MathAttention, MatchesNaiveLoopsWithGqaMaskCausalAndDocuments) {
 }
 
 TEST(MathAttention, FullyMaskedRowsGiveZerosAndFiniteGradients) {
-  at::Tensor q = randn({1, 1, 3, 4}, 1).requires_grad_();
-  at::Tensor k = randn({1, 1, 3, 4}, 2).requires_grad_(), v = randn({1, 1, 3, 4}, 3);
+  at::Tensor q = seeded_randn({1, 1, 3, 4}, 1).requires_grad_();
+  at::Tensor k = seeded_randn({1, 1, 3, 4}, 2).requires_grad_(), v = seeded_randn({1, 1, 3, 4}, 3);
   at::Tensor mask = at::tensor({1, 1, 1, 0, 0, 0, 1, 0, 1}, at::kLong).view({1, 1, 3, 3}).to(at::kBool);
   at::Tensor o = math_attention({q, k, v, {0}, mask, c10::nullopt, false, 0.0});
   EXPECT_TRUE(o[0][0][1].eq(0).all().item<bool>());

@@ -1,7 +1,6 @@
 // DistributedAttention against single-rank attention on the full inputs, forward and backward.
 #include "ulysses/distributed_attention.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
@@ -19,10 +18,7 @@ using testing::rel_error;
 using testing::run_ranks;
 using testing::where;
 
-at::Tensor randn(at::IntArrayRef shape, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, gen);
-}
+using testing::seeded_randn;
 
 enum class Rows { kSharded, kFull, kOne };
 
@@ -55,14 +51,7 @@ std::string describe(const Case& c) {
 }
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
 
-std::vector<int64_t> full_shape(Layout layout, int64_t B, int64_t S, int64_t H, int64_t D) {
-  switch (layout) {
-    case Layout::kBSHD: return {B, S, H, D};
-    case Layout::kSBHD: return {S, B, H, D};
-    case Layout::kBHSD: return {B, H, S, D};
-  }
-  return {};
-}
+using testing::full_shape;
 
 at::Tensor layout_to_bhsd(const at::Tensor& x, Layout l) {
   if (l == Layout::kBSHD) return x.permute({0, 2, 1, 3});
@@ -90,10 +79,10 @@ void check_case(const Case& c) {
     const int64_t sdim = seq_dim(L);
     const auto seq = SequencePartition::even(c.S, c.P);
     const Range mine = seq.range(g.rank());
-    at::Tensor Q = randn(full_shape(L, c.B, c.S, c.hq, c.D), 1);
-    at::Tensor K = randn(full_shape(L, c.B, c.S, c.hkv, c.D), 2);
-    at::Tensor V = randn(full_shape(L, c.B, c.S, c.hkv, c.Dv), 3);
-    at::Tensor W = randn(full_shape(L, c.B, c.S, c.hq, c.Dv), 4);
+    at::Tensor Q = seeded_randn(full_shape(L, c.B, c.S, c.hq, c.D), 1);
+    at::Tensor K = seeded_randn(full_shape(L, c.B, c.S, c.hkv, c.D), 2);
+    at::Tensor V = seeded_randn(full_shape(L, c.B, c.S, c.hkv, c.Dv), 3);
+    at::Tensor W = seeded_randn(full_shape(L, c.B, c.S, c.hq, c.Dv), 4);
     auto shard = [&](const at::Tensor& X) {
       return X.narrow(sdim, mine.begin, mine.size()).clone().requires_grad_();
     };
@@ -105,7 +94,7 @@ void check_case(const Case& c) {
     at::Tensor mask_full, mask_mine;
     if (has_mask) {
       const int64_t rows = m.rows == Rows::kOne ? 1 : c.S;
-      at::Tensor raw = randn({m.batch ? c.B : 1, m.per_head ? c.hq : 1, rows, m.keys_one ? 1 : c.S}, 5);
+      at::Tensor raw = seeded_randn({m.batch ? c.B : 1, m.per_head ? c.hq : 1, rows, m.keys_one ? 1 : c.S}, 5);
       mask_full = m.is_bool ? raw.gt(-0.6) : raw * 0.5;
       at::Tensor piece = m.rows == Rows::kSharded ? mask_full.narrow(2, mine.begin, mine.size())
                                                    : mask_full;
@@ -216,8 +205,8 @@ INSTANTIATE_TEST_SUITE_P(Sweep, DistributedAttentionCase, ::testing::ValuesIn(ca
 TEST(DistributedAttention, SharedMaskIsGatheredOncePerStep) {
   expect_ranks_succeed(2, [](Group& g) {
     const auto seq = SequencePartition::even(8, 2);
-    at::Tensor q = randn({1, 4, 4, 8}, 1), k = randn({1, 4, 2, 8}, 2), v = randn({1, 4, 2, 8}, 3);
-    at::Tensor mask = randn({1, 1, 4, 8}, 4).gt(0);
+    at::Tensor q = seeded_randn({1, 4, 4, 8}, 1), k = seeded_randn({1, 4, 2, 8}, 2), v = seeded_randn({1, 4, 2, 8}, 3);
+    at::Tensor mask = seeded_randn({1, 1, 4, 8}, 4).gt(0);
     std::vector<DistributedAttention> layers(3, DistributedAttention(g));
     auto run = [&](StepContext* ctx) {
       const int64_t before = g.collective_count();
@@ -234,7 +223,7 @@ TEST(DistributedAttention, SharedMaskIsGatheredOncePerStep) {
 
 TEST(DistributedAttention, ChangedMaskIsNeverServedStale) {
   expect_ranks_succeed(2, [](Group& g) {
-    at::Tensor q = randn({1, 3, 2, 8}, 1), k = randn({1, 3, 2, 8}, 2), v = randn({1, 3, 2, 8}, 3);
+    at::Tensor q = seeded_randn({1, 3, 2, 8}, 1), k = seeded_randn({1, 3, 2, 8}, 2), v = seeded_randn({1, 3, 2, 8}, 3);
     at::Tensor mask = at::ones({1, 1, 3, 6}, at::kBool);
     DistributedAttention attention(g);
     StepContext step(g);
@@ -251,7 +240,7 @@ TEST(DistributedAttention, ChangedMaskIsNeverServedStale) {
 
 TEST(DistributedAttention, KeyShardedMaskFailsAlikeOnEveryRank) {
   auto errors = run_ranks(2, [](Group& g) {
-    at::Tensor q = randn({2, 4, 2, 8}, 1), k = randn({2, 4, 2, 8}, 2);
+    at::Tensor q = seeded_randn({2, 4, 2, 8}, 1), k = seeded_randn({2, 4, 2, 8}, 2);
     at::Tensor mask = at::ones({2, 1, 4, 4}, at::kBool);
     DistributedAttention attention(g);
     attention(q, k, k, {mask});
@@ -262,7 +251,7 @@ TEST(DistributedAttention, KeyShardedMaskFailsAlikeOnEveryRank) {
 
 TEST(DistributedAttention, KeyShardedShapeIsFineOnOneRank) {
   expect_ranks_succeed(1, [](Group& g) {
-    at::Tensor q = randn({2, 4, 2, 8}, 1), k = randn({2, 4, 2, 8}, 2);
+    at::Tensor q = seeded_randn({2, 4, 2, 8}, 1), k = seeded_randn({2, 4, 2, 8}, 2);
     at::Tensor mask = at::ones({2, 1, 4, 4}, at::kBool);
     DistributedAttention attention(g);
     EXPECT_EQ(attention(q, k, k, {mask}).sizes(), q.sizes());
@@ -282,8 +271,8 @@ TEST(DistributedAttention, TwoInstancesWithDifferentHeadCountsInterleave) {
       int64_t hq, hkv;
     };
     auto make = [&](int64_t hq, int64_t hkv, uint64_t seed) {
-      Model m{randn({1, 6, hq, 4}, seed), randn({1, 6, hkv, 4}, seed + 1),
-              randn({1, 6, hkv, 4}, seed + 2)};
+      Model m{seeded_randn({1, 6, hq, 4}, seed), seeded_randn({1, 6, hkv, 4}, seed + 1),
+              seeded_randn({1, 6, hkv, 4}, seed + 2)};
       m.hq = hq, m.hkv = hkv;
       m.q = m.Q.narrow(1, mine.begin, mine.size()).clone().requires_grad_();
       m.k = m.K.narrow(1, mine.begin, mine.size()).clone().requires_grad_();
@@ -316,7 +305,7 @@ TEST(DistributedAttention, TwoInstancesWithDifferentHeadCountsInterleave) {
 TEST(DistributedAttention, HeadCountChangeOnOneRankFailsAlike) {
   auto errors = run_ranks(2, [](Group& g) {
     const int64_t h = g.rank() == 0 ? 4 : 2;
-    at::Tensor q = randn({1, 3, h, 8}, 1);
+    at::Tensor q = seeded_randn({1, 3, h, 8}, 1);
     DistributedAttention attention(g);
     attention(q, q, q);
   });

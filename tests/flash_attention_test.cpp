@@ -1,7 +1,6 @@
 // flash_attention against math_attention, forward and backward.
 #include "ulysses/flash_attention.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
@@ -14,10 +13,7 @@ namespace {
 
 using testing::rel_error;
 
-at::Tensor randn(at::IntArrayRef shape, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, gen);
-}
+using testing::seeded_randn;
 
 enum class MaskKind { kNone, kBoolB1SS, kBoolBHSS, kFloat11SS, kFloat2D, kBoolKeys, kFloatB11S,
                       kLearnableB1SS, kLearnableHSS };
@@ -47,22 +43,22 @@ class Flash : public ::testing::TestWithParam<Case> {};
 TEST_P(Flash, MatchesMathAttentionForwardAndBackward) {
   const Case c = GetParam();
   const bool low = c.dtype != at::kFloat;
-  at::Tensor q = randn({c.B, c.Hq, c.S, c.D}, 1).to(c.dtype);
-  at::Tensor k = randn({c.B, c.Hkv, c.S, c.D}, 2).to(c.dtype);
-  at::Tensor v = randn({c.B, c.Hkv, c.S, c.Dv}, 3).to(c.dtype);
-  at::Tensor w = randn({c.B, c.Hq, c.S, c.Dv}, 4);
+  at::Tensor q = seeded_randn({c.B, c.Hq, c.S, c.D}, 1).to(c.dtype);
+  at::Tensor k = seeded_randn({c.B, c.Hkv, c.S, c.D}, 2).to(c.dtype);
+  at::Tensor v = seeded_randn({c.B, c.Hkv, c.S, c.Dv}, 3).to(c.dtype);
+  at::Tensor w = seeded_randn({c.B, c.Hq, c.S, c.Dv}, 4);
   c10::optional<at::Tensor> mask;
   const int64_t B = c.B, H = c.Hq, S = c.S;
   switch (c.mask) {
     case MaskKind::kNone: break;
-    case MaskKind::kBoolB1SS: mask = randn({B, 1, S, S}, 5).gt(-0.5); break;
-    case MaskKind::kBoolBHSS: mask = randn({B, H, S, S}, 5).gt(-0.3); break;
-    case MaskKind::kFloat11SS: mask = randn({1, 1, S, S}, 5); break;
-    case MaskKind::kFloat2D: mask = randn({S, S}, 5); break;
-    case MaskKind::kBoolKeys: mask = randn({B, 1, 1, S}, 5).gt(-0.5); break;  // Padding.
-    case MaskKind::kFloatB11S: mask = randn({B, 1, 1, S}, 5); break;
-    case MaskKind::kLearnableB1SS: mask = randn({B, 1, S, S}, 5).requires_grad_(); break;
-    case MaskKind::kLearnableHSS: mask = randn({H, S, S}, 5).requires_grad_(); break;
+    case MaskKind::kBoolB1SS: mask = seeded_randn({B, 1, S, S}, 5).gt(-0.5); break;
+    case MaskKind::kBoolBHSS: mask = seeded_randn({B, H, S, S}, 5).gt(-0.3); break;
+    case MaskKind::kFloat11SS: mask = seeded_randn({1, 1, S, S}, 5); break;
+    case MaskKind::kFloat2D: mask = seeded_randn({S, S}, 5); break;
+    case MaskKind::kBoolKeys: mask = seeded_randn({B, 1, 1, S}, 5).gt(-0.5); break;  // Padding.
+    case MaskKind::kFloatB11S: mask = seeded_randn({B, 1, 1, S}, 5); break;
+    case MaskKind::kLearnableB1SS: mask = seeded_randn({B, 1, S, S}, 5).requires_grad_(); break;
+    case MaskKind::kLearnableHSS: mask = seeded_randn({H, S, S}, 5).requires_grad_(); break;
   }
   std::vector<int64_t> map = c.kv_map;
   if (map.empty())
@@ -130,14 +126,14 @@ INSTANTIATE_TEST_SUITE_P(Sweep, Flash, ::testing::ValuesIn(cases()),
 
 TEST(FlashAttention, ReadsStridedBshdViewsInPlace) {
   // BSHD tensors viewed as BHSD (as DistributedAttention passes them): no copy, same result.
-  at::Tensor q = randn({2, 40, 4, 16}, 1).permute({0, 2, 1, 3});
-  at::Tensor k = randn({2, 40, 2, 16}, 2).permute({0, 2, 1, 3});
+  at::Tensor q = seeded_randn({2, 40, 4, 16}, 1).permute({0, 2, 1, 3});
+  at::Tensor k = seeded_randn({2, 40, 2, 16}, 2).permute({0, 2, 1, 3});
   LocalAttentionArgs args{q, k, k, {0, 0, 1, 1}};
   EXPECT_LT(rel_error(flash_attention(args, {8, 16}), math_attention(args)), 2e-5);
 }
 
 TEST(FlashAttention, FullyMaskedRowsAreZero) {
-  at::Tensor q = randn({1, 1, 4, 8}, 1), k = randn({1, 1, 4, 8}, 2);
+  at::Tensor q = seeded_randn({1, 1, 4, 8}, 1), k = seeded_randn({1, 1, 4, 8}, 2);
   at::Tensor mask = at::ones({1, 1, 4, 4}, at::kBool);
   mask[0][0][2].fill_(false);
   at::Tensor o = flash_attention({q, k, k, {0}, mask});
@@ -147,7 +143,7 @@ TEST(FlashAttention, FullyMaskedRowsAreZero) {
 
 TEST(FlashAttention, MultiThreadedMatchesSingleThreaded) {
   const int threads = at::get_num_threads();
-  at::Tensor q = randn({1, 4, 90, 16}, 1).requires_grad_(), k = randn({1, 1, 90, 16}, 2);
+  at::Tensor q = seeded_randn({1, 4, 90, 16}, 1).requires_grad_(), k = seeded_randn({1, 1, 90, 16}, 2);
   LocalAttentionArgs args{q, k, k, {0, 0, 0, 0}, c10::nullopt, c10::nullopt, true};
   at::set_num_threads(1);
   at::Tensor a = flash_attention(args, {16, 16});

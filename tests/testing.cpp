@@ -1,5 +1,6 @@
 #include "testing.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -56,6 +57,20 @@ double rel_error(const at::Tensor& a, const at::Tensor& b, double floor) {
   EXPECT_EQ(x.sizes(), y.sizes());
   if (x.numel() == 0) return 0.0;
   return (x - y).abs().max().item<double>() / std::max(y.abs().max().item<double>(), floor);
+}
+
+at::Tensor seeded_randn(at::IntArrayRef shape, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, gen);
+}
+
+std::vector<int64_t> full_shape(Layout layout, int64_t B, int64_t S, int64_t H, int64_t D) {
+  switch (layout) {
+    case Layout::kBSHD: return {B, S, H, D};
+    case Layout::kSBHD: return {S, B, H, D};
+    case Layout::kBHSD: return {B, H, S, D};
+  }
+  return {};
 }
 
 std::string where(const Group& g, const at::Tensor& t) {

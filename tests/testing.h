@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ulysses/group.h"
+#include "ulysses/partition.h"
 
 namespace ulysses::testing {
 
@@ -27,6 +28,13 @@ void expect_ranks_fail_alike(const std::vector<std::string>& errors, const std::
 // Max |a - b| / max(max|b|, floor): relative error, absolute where the reference is below
 // `floor` (a gradient that is exactly 0 in exact arithmetic, for example).
 double rel_error(const at::Tensor& a, const at::Tensor& b, double floor = 1e-30);
+
+// Standard normal values from a generator seeded with `seed`: reproducible on every rank
+// thread without touching the global generator.
+at::Tensor seeded_randn(at::IntArrayRef shape, uint64_t seed);
+
+// The shape of a full (single-rank) tensor with S tokens and H heads in `layout`.
+std::vector<int64_t> full_shape(Layout layout, int64_t B, int64_t S, int64_t H, int64_t D);
 
 // Context for failure messages: rank, world, dtype and shape.
 std::string where(const Group& g, const at::Tensor& t);

@@ -11,7 +11,7 @@ namespace {
 const char* kUsage = R"(usage: ulysses <command> [options]
 
 commands:
-  train   [--nproc 4] [--sp P] [--dp D] [--seq-len 512] [--batch 8] [--steps 200]
+  train   [--nproc 4] [--sp P] [--dp D] [--seq-len 256] [--batch 8] [--steps 200]
           [--dim 64] [--layers 2] [--q-heads 4] [--kv-heads 2] [--lr 1e-2] [--warmup 20]
           [--clip 1.0] [--pairs 16] [--shuffle] [--data FILE] [--eval-every 50] [--seed 0]
           [--check] [--save DIR] [--resume DIR]

@@ -25,7 +25,7 @@ namespace {
 struct TrainOptions {
   int nproc = 4;
   int sp = 0;  // 0: the whole world.
-  int64_t seq_len = 512, batch = 8, steps = 200, pairs = 16;
+  int64_t seq_len = 256, batch = 8, steps = 200, pairs = 16;
   double lr = 1e-2, clip = 1.0, weight_decay = 0.01;
   int64_t warmup = 20, eval_every = 50, eval_sequences = 64;
   uint64_t seed = 0;

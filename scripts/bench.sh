@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Reproduces the benchmark tables and docs/*.png (takes ~15 minutes on 2 cores).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -n "${SKIP_BUILD:-}" ] || bash scripts/build.sh >/dev/null
+u=./build/ulysses
+mkdir -p docs
+$u bench a2a --nproc 2 --seq-lens 256,512,1024,2048,16384 --repeats 7 --json docs/bench_a2a.json
+$u bench attention --seq-lens 1024,2048,4096 --repeats 3 --json docs/bench_attention.json
+$u bench attention --seq-lens 8192 --no-math --repeats 2 --json docs/bench_attention_8192.json
+$u bench attention --seq-lens 16384 --q-heads 1 --kv-heads 1 --causal 0 --repeats 1 --memory \
+  --json docs/bench_attention_memory.json
+for p in 1 2 4; do
+  $u bench layer --nproc $p --seq-lens 2048,4096,8192 --json docs/bench_layer_p$p.json
+done
+command -v /usr/bin/python3 >/dev/null && /usr/bin/python3 -c "import matplotlib" 2>/dev/null ||
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-matplotlib; }
+/usr/bin/python3 scripts/plot_bench.py docs/bench_a2a.json docs/bench_attention.json \
+  docs/bench_attention_8192.json docs/bench_layer_p*.json
