@@ -46,11 +46,7 @@ int bench_a2a_main(const Argv& argv) {
   const std::string layout_name = args.str("--layout", "BSHD");
   const std::string json = args.str("--json", "");
   args.finish();
-  const int code = relaunch_as_ranks(nproc, "bench", [&] {
-    Argv a{"a2a"};
-    a.insert(a.end(), argv.begin(), argv.end());
-    return a;
-  }());
+  const int code = relaunch_as_ranks(nproc, {"bench", "a2a"}, argv);
   if (code >= 0) return code;
 
   at::set_num_threads(1);

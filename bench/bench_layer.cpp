@@ -21,11 +21,7 @@ int bench_layer_main(const Argv& argv) {
   const int repeats = static_cast<int>(args.integer("--repeats", 3));
   const std::string json = args.str("--json", "");
   args.finish();
-  const int code = relaunch_as_ranks(nproc, "bench", [&] {
-    Argv a{"layer"};
-    a.insert(a.end(), argv.begin(), argv.end());
-    return a;
-  }());
+  const int code = relaunch_as_ranks(nproc, {"bench", "layer"}, argv);
   if (code >= 0) return code;
 
   Group g = Group::from_env();

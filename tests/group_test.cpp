@@ -74,13 +74,13 @@ TEST(Group, AbsentPeerIsAnErrorNotAHang) {
       2,
       [](Group& g) {
         if (g.rank() == 1) {
-          std::this_thread::sleep_for(std::chrono::seconds(3));  // Never joins the collective.
+          std::this_thread::sleep_for(std::chrono::seconds(5));  // Never joins the collective.
           return;
         }
         at::Tensor t = at::ones({8});
         g.all_reduce_sum(t);
       },
-      std::chrono::milliseconds(1000));
+      std::chrono::milliseconds(2500));
   EXPECT_NE(errors[0].find("collective all_reduce failed on rank 0 of 2"), std::string::npos)
       << errors[0];
   EXPECT_EQ(errors[1], "");

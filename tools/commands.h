@@ -31,8 +31,8 @@ struct LaunchOptions {
 int launch(const LaunchOptions& options, const Argv& command);
 
 // For subcommands with --nproc N: when this process is not already a rank (no RANK in the
-// environment) and N > 1, re-runs this executable with `args` as N local ranks and returns
-// the exit code to use; otherwise returns -1 and the caller runs as a rank.
-int relaunch_as_ranks(int nproc, const std::string& subcommand, const Argv& args);
+// environment) and N > 1, re-runs this executable as `<subcommand...> <args...>` on N local
+// ranks and returns the exit code to use; otherwise returns -1 and the caller runs as a rank.
+int relaunch_as_ranks(int nproc, const Argv& subcommand, const Argv& args);
 
 }  // namespace ulysses::cli

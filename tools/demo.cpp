@@ -18,7 +18,7 @@ int demo_main(const Argv& argv) {
   const int64_t S = args.integer("--seq-len", 1024);
   const int64_t D = args.integer("--head-dim", 64);
   args.finish();
-  const int code = relaunch_as_ranks(nproc, "demo", argv);
+  const int code = relaunch_as_ranks(nproc, {"demo"}, argv);
   if (code >= 0) return code;
 
   at::set_num_threads(1);

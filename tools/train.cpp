@@ -222,7 +222,7 @@ TrainOptions parse(const Argv& argv) {
 
 int train_main(const Argv& argv) {
   TrainOptions o = parse(argv);
-  const int code = relaunch_as_ranks(o.nproc, "train", argv);
+  const int code = relaunch_as_ranks(o.nproc, {"train"}, argv);
   if (code >= 0) return code;
 
   // Ranks of this machine share its cores.
