@@ -24,7 +24,8 @@ namespace {
 
 struct TrainOptions {
   int nproc = 4;
-  int sp = 0;  // 0: the whole world.
+  int sp = 0;  // 0: the world divided by dp.
+  int dp = 0;  // 0: the world divided by sp.
   int64_t seq_len = 256, batch = 8, steps = 200, pairs = 16;
   double lr = 1e-2, clip = 1.0, weight_decay = 0.01;
   int64_t warmup = 20, eval_every = 50, eval_sequences = 64;
@@ -188,7 +189,7 @@ TrainOptions parse(const Argv& argv) {
   TrainOptions o;
   o.nproc = static_cast<int>(args.integer("--nproc", o.nproc));
   o.sp = static_cast<int>(args.integer("--sp", 0));
-  const int dp = static_cast<int>(args.integer("--dp", 0));
+  o.dp = static_cast<int>(args.integer("--dp", 0));
   o.seq_len = args.integer("--seq-len", o.seq_len);
   o.batch = args.integer("--batch", o.batch);
   o.steps = args.integer("--steps", o.steps);
@@ -211,9 +212,6 @@ TrainOptions parse(const Argv& argv) {
   o.model.kv_heads = args.integer("--kv-heads", o.model.kv_heads);
   o.model.ffn_dim = args.integer("--ffn-dim", 0);
   args.finish();
-  if (dp > 0 && o.sp > 0 && dp * o.sp != o.nproc && std::getenv("RANK") == nullptr)
-    throw UsageError("--sp x --dp must equal --nproc");
-  if (dp > 0 && o.sp == 0) o.sp = std::max(1, o.nproc / dp);
   if (o.batch < 1 || o.steps < 0 || o.seq_len < 1) throw UsageError("bad --batch/--steps/--seq-len");
   return o;
 }
@@ -229,7 +227,9 @@ int train_main(const Argv& argv) {
   const int local_ranks = std::max(1, std::atoi(std::getenv("LOCAL_WORLD_SIZE") ? std::getenv("LOCAL_WORLD_SIZE") : "1"));
   at::set_num_threads(std::max<int>(1, std::thread::hardware_concurrency() / local_ranks));
   Group world = Group::from_env();
-  const int sp = o.sp > 0 ? o.sp : world.size();
+  const int sp = o.sp > 0 ? o.sp : o.dp > 0 ? std::max(1, world.size() / o.dp) : world.size();
+  TORCH_CHECK_VALUE(o.dp == 0 || sp * o.dp == world.size(), "train: --sp (", sp, ") x --dp (",
+                    o.dp, ") must equal the number of ranks (", world.size(), ")");
   Mesh mesh = Mesh::create(world, sp);
   const bool lead = world.rank() == 0;
   const Data data(o);
