@@ -23,15 +23,18 @@ std::vector<int64_t> to_bhsd(Layout layout) {
 }
 
 std::vector<int64_t> from_bhsd(Layout layout) {
-  switch (layout) {
-    case Layout::kBSHD: return {0, 2, 1, 3};
-    case Layout::kSBHD: return {2, 0, 1, 3};
-    case Layout::kBHSD: return {0, 1, 2, 3};
-  }
-  TORCH_INTERNAL_ASSERT(false);
+  const std::vector<int64_t> to = to_bhsd(layout);
+  std::vector<int64_t> inverse(to.size());
+  for (size_t i = 0; i < to.size(); ++i) inverse[to[i]] = static_cast<int64_t>(i);
+  return inverse;
 }
 
-}  // namespace
+// `mask` (bool or additive, or none) further restricted to the `allowed` positions.
+at::Tensor restrict_mask(const c10::optional<at::Tensor>& mask, const at::Tensor& allowed) {
+  if (!mask) return allowed;
+  if (mask->scalar_type() == at::kBool) return mask->logical_and(allowed);
+  return mask->masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+}
 
 // Note [Local attention by device]: CPU tensors use our fused kernel. CUDA tensors use
 // at::scaled_dot_product_attention where libtorch has it publicly (>= 2.0; kv heads expanded
@@ -47,24 +50,16 @@ at::Tensor sdpa_attention(const LocalAttentionArgs& a) {
   if (a.positions) {
     at::Tensor doc = document_ids(*a.positions);
     if (doc.dim() == 1) doc = doc.unsqueeze(0);
-    at::Tensor same = doc.unsqueeze(-1).eq(doc.unsqueeze(-2)).unsqueeze(1);
-    if (!mask) {
-      mask = same;
-    } else if (mask->scalar_type() == at::kBool) {
-      mask = mask->logical_and(same);
-    } else {
-      mask = mask->masked_fill(same.logical_not(), -std::numeric_limits<double>::infinity());
-    }
+    mask = restrict_mask(mask, doc.unsqueeze(-1).eq(doc.unsqueeze(-2)).unsqueeze(1));
   }
-  if (a.causal && mask) {
+  if (a.causal && mask) {  // SDPA takes a mask or is_causal, not both.
     at::Tensor tril = at::ones({q.size(2), k.size(2)}, q.options().dtype(at::kBool)).tril();
-    mask = mask->scalar_type() == at::kBool
-               ? mask->logical_and(tril)
-               : mask->masked_fill(tril.logical_not(), -std::numeric_limits<double>::infinity());
-    return detail::public_sdpa(q, k, v, mask, false);
+    return detail::public_sdpa(q, k, v, restrict_mask(mask, tril), false);
   }
   return detail::public_sdpa(q, k, v, mask, a.causal);
 }
+
+}  // namespace
 
 LocalAttention default_local_attention() {
   return [](const LocalAttentionArgs& args) {

@@ -105,10 +105,9 @@ int run_check(Transformer& model, const TrainOptions& o, const Data& data, const
   Group solo = Group::create(c10::make_intrusive<c10d::HashStore>(), 0, 1);
   Transformer reference(o.model, solo, o.seed);
   const TokenBatch global = data.batch(0, 0, 0, o.batch * dp);
-  const auto full = SequencePartition::even(o.seq_len, 1);
-  at::Tensor logits = reference->forward(global.input_ids.contiguous(),
-                                         shard_batch(global, full, 0).position_ids);
-  ShardedLoss ref = sharded_cross_entropy(logits, shard_batch(global, full, 0).labels, solo);
+  const TokenBatch whole = shard_batch(global, SequencePartition::even(o.seq_len, 1), 0);
+  at::Tensor logits = reference->forward(whole.input_ids, whole.position_ids);
+  ShardedLoss ref = sharded_cross_entropy(logits, whole.labels, solo);
   ref.loss.backward();
 
   double worst = std::abs(ours.global_loss - ref.global_loss) / std::abs(ref.global_loss);
