@@ -1,5 +1,7 @@
 #include "bench_util.h"
 
+#include "proc_status.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -34,24 +36,13 @@ Stats time_ms(const std::function<void()>& fn, int warmup, int repeats) {
   return {median, ms.front(), ms.back()};
 }
 
-namespace {
-// A "VmXXX:   1234 kB" line of /proc/self/status, in bytes.
-int64_t status_bytes(const std::string& key) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(key + ":", 0) == 0) return std::stoll(line.substr(key.size() + 1)) * 1024;
-  }
-  return -1;
-}
-}  // namespace
 
 int64_t peak_extra_bytes(const std::function<void()>& prepare, const std::function<void()>& run) {
   prepare();
   std::ofstream("/proc/self/clear_refs") << "5";  // Reset VmHWM to the current RSS.
-  const int64_t base = status_bytes("VmRSS");
+  const int64_t base = cli::proc_status_bytes("VmRSS");
   run();
-  return status_bytes("VmHWM") - base;
+  return cli::proc_status_bytes("VmHWM") - base;
 }
 
 int64_t peak_in_child(const std::vector<std::string>& args) {

@@ -15,6 +15,7 @@
 
 #include "args.h"
 #include "commands.h"
+#include "proc_status.h"
 #include "train_data.h"
 #include "ulysses/model.h"
 #include "ulysses/sharding.h"
@@ -35,16 +36,6 @@ struct TrainOptions {
   bool shuffle = false;
   ModelConfig model;
 };
-
-// Resident memory numbers of this process from /proc/self/status, in bytes.
-int64_t proc_status_bytes(const char* key) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  const std::string k = std::string(key) + ":";
-  while (std::getline(in, line))
-    if (line.rfind(k, 0) == 0) return std::stoll(line.substr(k.size())) * 1024;
-  return -1;
-}
 
 std::string mb(int64_t bytes) {
   std::ostringstream os;
