@@ -37,7 +37,7 @@ struct HeadCase {
 
 }  // namespace
 
-int bench_a2a_main(const Argv& argv) {
+int bench_a2a_main(const Argv& argv, const Runtime& runtime) {
   Args args(argv, {});
   const int nproc = static_cast<int>(args.integer("--nproc", 2));
   const auto seq_lens = bench::parse_list(args.str("--seq-lens", "2048,16384"));
@@ -46,11 +46,11 @@ int bench_a2a_main(const Argv& argv) {
   const std::string layout_name = args.str("--layout", "BSHD");
   const std::string json = args.str("--json", "");
   args.finish();
-  const int code = relaunch_as_ranks(nproc, {"bench", "a2a"}, argv);
+  const int code = relaunch_as_ranks(nproc, runtime.self, {"bench", "a2a"}, argv);
   if (code >= 0) return code;
 
   at::set_num_threads(1);
-  Group g = Group::from_env();
+  Group g = runtime.join_world(GroupOptions{});
   const int P = g.size();
   const bool lead = g.rank() == 0;
   const Layout layout = parse_layout(layout_name);

@@ -40,7 +40,7 @@ double matmul_gflops(int64_t n) {
 
 }  // namespace
 
-int bench_attention_main(const Argv& argv) {
+int bench_attention_main(const Argv& argv, const Runtime& runtime) {
   Args args(argv, {"--memory", "--no-math"});
   const auto seq_lens = bench::parse_list(args.str("--seq-lens", "1024,4096"));
   const int64_t B = args.integer("--batch", 1), Hq = args.integer("--q-heads", 8),
@@ -109,7 +109,7 @@ int bench_attention_main(const Argv& argv) {
                                                                  100.0 * gflops / mm);
       if (memory) {
         auto peak = [&](const std::string& impl) {
-          return bench::peak_in_child(
+          return bench::peak_in_child(runtime.self,
               {"bench", "attention", "--measure-peak", impl, "--seq-lens", std::to_string(S),
                "--causal", causal ? "1" : "0", "--batch", std::to_string(B), "--q-heads",
                std::to_string(Hq), "--kv-heads", std::to_string(Hkv), "--head-dim",

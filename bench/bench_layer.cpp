@@ -12,7 +12,7 @@
 
 namespace ulysses::cli {
 
-int bench_layer_main(const Argv& argv) {
+int bench_layer_main(const Argv& argv, const Runtime& runtime) {
   Args args(argv, {});
   const int nproc = static_cast<int>(args.integer("--nproc", 2));
   const auto seq_lens = bench::parse_list(args.str("--seq-lens", "2048,4096,8192"));
@@ -21,10 +21,10 @@ int bench_layer_main(const Argv& argv) {
   const int repeats = static_cast<int>(args.integer("--repeats", 3));
   const std::string json = args.str("--json", "");
   args.finish();
-  const int code = relaunch_as_ranks(nproc, {"bench", "layer"}, argv);
+  const int code = relaunch_as_ranks(nproc, runtime.self, {"bench", "layer"}, argv);
   if (code >= 0) return code;
 
-  Group g = Group::from_env();
+  Group g = runtime.join_world(GroupOptions{});
   const int P = g.size();
   // Ranks share the machine's cores.
   at::set_num_threads(std::max<int>(1, static_cast<int>(std::thread::hardware_concurrency()) / P));

@@ -45,11 +45,9 @@ int64_t peak_extra_bytes(const std::function<void()>& prepare, const std::functi
   return cli::proc_status_bytes("VmHWM") - base;
 }
 
-int64_t peak_in_child(const std::vector<std::string>& args) {
-  char self[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
-  if (n <= 0) return -1;
-  std::string command = "'" + std::string(self, n) + "'";
+int64_t peak_in_child(const std::vector<std::string>& self, const std::vector<std::string>& args) {
+  std::string command;
+  for (const auto& a : self) command += "'" + a + "' ";
   for (const auto& a : args) command += " '" + a + "'";
   FILE* pipe = ::popen((command + " 2>/dev/null").c_str(), "r");
   if (!pipe) return -1;

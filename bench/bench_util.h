@@ -25,10 +25,10 @@ Stats time_ms(const std::function<void()>& fn, int warmup, int repeats);
 // a fresh process (see peak_in_child) so earlier allocations do not hide the peak.
 int64_t peak_extra_bytes(const std::function<void()>& prepare, const std::function<void()>& run);
 
-// Runs this executable with `args` in a fresh process (not fork: OpenMP does not survive a
+// Runs `self args...` (this tool) in a fresh process (not fork: OpenMP does not survive a
 // fork) and returns the number it printed on a line "peak_extra_bytes: N", or -1 if it died
 // (e.g. out of memory) or printed none.
-int64_t peak_in_child(const std::vector<std::string>& args);
+int64_t peak_in_child(const std::vector<std::string>& self, const std::vector<std::string>& args);
 
 // One benchmark case: ordered (name, JSON value) fields.
 class Record {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The main job on its embedded default: builds, then runs it on local ranks (Gloo, loopback).
+# The main job: builds, then runs `ulysses train` on 4 local ranks (Gloo on loopback).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/build.sh >/dev/null
-exec ./build/ulysses train --nproc 4 "$@"
+bash scripts/build.sh
+exec .venv/bin/ulysses train --nproc 4 "$@"

@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
-# Installs every build and run dependency of ulysses from Debian 12 packages.
-# Idempotent: packages already present are skipped by apt-get.
+# Installs everything ulysses needs into .venv (PyTorch 2.13 from pip, build and test tools)
+# and the few Debian packages the C++ build uses. Idempotent; works on Debian 12 and 13.
 set -euo pipefail
-packages=(
-  build-essential cmake ninja-build
-  libtorch-dev libgloo-dev
-  libopenblas0-pthread       # libtorch fp32 matmul: ~190 GFLOP/s vs ~6 with reference BLAS
-  libblas-dev                # libblas.so for the kernel's sgemm_ (resolves to OpenBLAS)
-  googletest libgtest-dev libgmock-dev libbenchmark-dev
-  python3
-)
+cd "$(dirname "$0")/.."
+packages=(g++ cmake ninja-build libgtest-dev libgmock-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if ((${#missing[@]})); then
+  echo "setup: installing Debian packages: ${missing[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
   export DEBIAN_FRONTEND=noninteractive
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  python3 -m venv .venv
+fi
+want=(torch==2.13.0 scikit-build-core pytest numpy hypothesis)
+if ! .venv/bin/python -c "import torch, pytest, scikit_build_core, numpy, hypothesis; assert torch.__version__.startswith('2.13.')" 2>/dev/null; then
+  echo "setup: installing ${want[*]} into .venv"
+  .venv/bin/pip install -q --disable-pip-version-check "${want[@]}"
 fi

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Builds ulysses and runs every test (GoogleTest through ctest, CLI end to end).
+# Builds ulysses and runs every test: the C++ suite (GoogleTest through ctest) and the Python
+# suite (pytest: ops, module, torch.compile, CLI end to end under torchrun).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/build.sh
-cd build
-ctest -j 2 --output-on-failure --timeout 300
+export OMP_NUM_THREADS=1
+(cd build && ctest -j 2 --output-on-failure --timeout 300)
+.venv/bin/python -m pytest -q tests/python

@@ -5,7 +5,6 @@
 #include <cmath>
 #include <limits>
 
-#include "detail/compat.h"
 #include "ulysses/flash_attention.h"
 #include "ulysses/mask.h"
 
@@ -37,15 +36,14 @@ at::Tensor restrict_mask(const c10::optional<at::Tensor>& mask, const at::Tensor
 }
 
 // Note [Local attention by device]: CPU tensors use our fused kernel. CUDA tensors use
-// at::scaled_dot_product_attention where libtorch has it publicly (>= 2.0; kv heads expanded
-// through the kv map, packed documents folded into the mask), else the math reference.
+// at::scaled_dot_product_attention (kv heads expanded through the kv map, packed documents
+// folded into the mask), which picks the flash or memory-efficient backend.
 at::Tensor sdpa_attention(const LocalAttentionArgs& a) {
-  if (!detail::kHasPublicSdpa) return math_attention(a);
   at::Tensor map = at::tensor(a.kv_map, a.q.options().dtype(at::kLong));
   at::Tensor k = a.k.index_select(1, map), v = a.v.index_select(1, map);
-  const double D = static_cast<double>(a.q.size(-1));
-  // Pre-scaling q keeps to the 2.0 signature (no `scale` argument before 2.1).
-  at::Tensor q = a.scale > 0 ? a.q * (a.scale * std::sqrt(D)) : a.q;
+  const at::Tensor& q = a.q;
+  const c10::optional<double> scale =
+      a.scale > 0 ? c10::optional<double>(a.scale) : c10::optional<double>();
   c10::optional<at::Tensor> mask = a.mask;
   if (a.positions) {
     at::Tensor doc = document_ids(*a.positions);
@@ -54,9 +52,9 @@ at::Tensor sdpa_attention(const LocalAttentionArgs& a) {
   }
   if (a.causal && mask) {  // SDPA takes a mask or is_causal, not both.
     at::Tensor tril = at::ones({q.size(2), k.size(2)}, q.options().dtype(at::kBool)).tril();
-    return detail::public_sdpa(q, k, v, restrict_mask(mask, tril), false);
+    return at::scaled_dot_product_attention(q, k, v, restrict_mask(mask, tril), 0.0, false, scale);
   }
-  return detail::public_sdpa(q, k, v, mask, a.causal);
+  return at::scaled_dot_product_attention(q, k, v, mask, 0.0, a.causal, scale);
 }
 
 }  // namespace

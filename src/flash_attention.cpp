@@ -24,9 +24,11 @@ using Vec = at::vec::Vectorized<float>;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// Row-major C[M, N] = alpha * op(A) * op(B) + beta * C, through the system BLAS that libtorch
-// also uses (OpenBLAS here; libtorch does not export its own gemm wrapper). A row-major matrix
-// is its transpose in BLAS's column-major view, hence the swapped operands.
+// Row-major C[M, N] = alpha * op(A) * op(B) + beta * C, through the BLAS inside libtorch_cpu
+// (the PyTorch wheel links MKL statically and exports its Fortran `sgemm_`; its own cpublas
+// wrapper is not exported). Never a system BLAS: see docs/DESIGN.md on OpenBLAS mis-detecting
+// this CPU. A row-major matrix is its transpose in BLAS's column-major view, hence the swapped
+// operands.
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
           const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
           int64_t ldc) {
@@ -291,10 +293,8 @@ at::Tensor as_kernel_input(const at::Tensor& t) {
   return usable ? f : f.contiguous();
 }
 
-}  // namespace
-
-at::Tensor flash_attention(const LocalAttentionArgs& a, const FlashOptions& options) {
-  if (a.q.scalar_type() == at::kDouble) return math_attention(a);
+// The kernel's view of `a` (checked), with tile sizes from `options`.
+Problem make_problem(const LocalAttentionArgs& a, const FlashOptions& options) {
   TORCH_CHECK_VALUE(a.q.dim() == 4 && a.k.dim() == 4 && a.v.dim() == 4,
                     "flash_attention: q, k, v must be 4-D BHSD; got ", a.q.sizes(), ", ",
                     a.k.sizes(), ", ", a.v.sizes());
@@ -329,7 +329,6 @@ at::Tensor flash_attention(const LocalAttentionArgs& a, const FlashOptions& opti
     p.bk = std::max<int64_t>(16, std::min<int64_t>(128, fit / 16 * 16));
   }
   const std::vector<int64_t> full{p.B, p.Hq, p.Sq, p.Sk};
-  bool bias_grad = false;
   if (a.mask) {
     if (a.mask->scalar_type() == at::kBool) {
       p.allowed = a.mask->expand(full);
@@ -337,7 +336,6 @@ at::Tensor flash_attention(const LocalAttentionArgs& a, const FlashOptions& opti
       TORCH_CHECK_TYPE(a.mask->is_floating_point(), "flash_attention: mask must be bool or "
                        "floating point; got ", a.mask->scalar_type());
       p.bias = a.mask->detach().to(at::kFloat).expand(full);
-      bias_grad = a.mask->requires_grad();
     }
   }
   if (a.positions) {
@@ -348,30 +346,57 @@ at::Tensor flash_attention(const LocalAttentionArgs& a, const FlashOptions& opti
     p.doc = doc.expand({p.B, p.Sk});
   }
 
-  at::Tensor out, lse;
-  {
-    at::NoGradGuard no_grad;
-    std::tie(out, lse) = forward(p);
-  }
-  std::vector<at::Tensor> outs{out.scalar_type() == a.q.scalar_type() ? out
-                                                                      : out.to(a.q.scalar_type())};
+  return p;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> flash_attention_forward(const LocalAttentionArgs& a,
+                                                           const FlashOptions& options) {
+  TORCH_CHECK_TYPE(a.q.scalar_type() != at::kDouble, "flash_attention_forward: fp64 is not "
+                   "supported (flash_attention falls back to math_attention for it)");
+  const Problem p = make_problem(a, options);
+  at::NoGradGuard no_grad;
+  auto [out, lse] = forward(p);
+  if (out.scalar_type() != a.q.scalar_type()) out = out.to(a.q.scalar_type());
+  return {out, lse};
+}
+
+std::vector<at::Tensor> flash_attention_backward(const at::Tensor& grad_out,
+                                                 const LocalAttentionArgs& a,
+                                                 const at::Tensor& out, const at::Tensor& lse,
+                                                 bool mask_grad, const FlashOptions& options) {
+  TORCH_CHECK_VALUE(!mask_grad || (a.mask && a.mask->is_floating_point()),
+                    "flash_attention_backward: a mask gradient needs a floating-point mask");
+  const Problem p = make_problem(a, options);
+  at::NoGradGuard no_grad;
+  Grads g = backward(p, grad_out.to(at::kFloat).contiguous(), out.to(at::kFloat), lse, mask_grad);
+  std::vector<at::Tensor> result{g.dq.to(a.q.scalar_type()), g.dk.to(a.k.scalar_type()),
+                                 g.dv.to(a.v.scalar_type()), at::Tensor()};
+  if (mask_grad) result[3] = g.dbias.sum_to_size(a.mask->sizes()).to(a.mask->scalar_type());
+  return result;
+}
+
+at::Tensor flash_attention(const LocalAttentionArgs& a, const FlashOptions& options) {
+  if (a.q.scalar_type() == at::kDouble) return math_attention(a);
+  auto [out, lse] = flash_attention_forward(a, options);
+  const bool mask_grad = a.mask && a.mask->is_floating_point() && a.mask->requires_grad();
+  std::vector<at::Tensor> outs{out};
   std::vector<at::Tensor> inputs{a.q, a.k, a.v};
-  if (bias_grad) inputs.push_back(*a.mask);
-  const auto q_type = a.q.scalar_type(), k_type = a.k.scalar_type(), v_type = a.v.scalar_type();
-  const std::vector<int64_t> mask_shape = a.mask ? a.mask->sizes().vec() : std::vector<int64_t>{};
-  const auto mask_type = a.mask ? a.mask->scalar_type() : at::kFloat;
-  // The node saves a detached alias of its own output: saving `out` itself would make a
-  // reference cycle (out -> grad_fn -> node -> out) and leak every step's graph.
-  out = out.detach();
-  detail::attach_backward(
-      inputs, outs, "FlashAttentionBackward",
-      [p, out, lse, bias_grad, q_type, k_type, v_type, mask_shape,
-       mask_type](std::vector<at::Tensor>&& grads) {
-        Grads g = backward(p, grads[0].to(at::kFloat).contiguous(), out, lse, bias_grad);
-        std::vector<at::Tensor> result{g.dq.to(q_type), g.dk.to(k_type), g.dv.to(v_type)};
-        if (bias_grad) result.push_back(g.dbias.sum_to_size(mask_shape).to(mask_type));
-        return result;
-      });
+  if (mask_grad) inputs.push_back(*a.mask);
+  // The node keeps detached inputs and a detached alias of its own output: saving `out` itself
+  // would make a reference cycle (out -> grad_fn -> node -> out) and leak every step's graph.
+  LocalAttentionArgs saved = a;
+  saved.q = a.q.detach(), saved.k = a.k.detach(), saved.v = a.v.detach();
+  if (a.mask) saved.mask = a.mask->detach();
+  at::Tensor out_saved = out.detach();
+  detail::attach_backward(inputs, outs, "FlashAttentionBackward",
+                          [saved, out_saved, lse, mask_grad, options](std::vector<at::Tensor>&& g) {
+                            auto grads = flash_attention_backward(g[0], saved, out_saved, lse,
+                                                                  mask_grad, options);
+                            if (!mask_grad) grads.pop_back();
+                            return grads;
+                          });
   return outs[0];
 }
 

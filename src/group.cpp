@@ -1,13 +1,8 @@
 #include "ulysses/group.h"
 
 #include <c10/util/Exception.h>
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#ifdef USE_C10D_NCCL
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-#endif
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <atomic>
 #include <map>
@@ -16,7 +11,6 @@
 #include <cstdlib>
 #include <sstream>
 
-#include "detail/compat.h"
 
 namespace ulysses {
 namespace detail {
@@ -62,12 +56,10 @@ class BufferCache {
   const int64_t limit_;
 };
 
-struct GroupState {
-  c10::intrusive_ptr<C10dBackend> backend;  // Never null.
-  c10::intrusive_ptr<c10d::Store> store;    // The store the group met through.
-  GroupOptions options;
-  int rank = 0;
-  int size = 1;
+// State shared by every handle of one process group.
+struct GroupRuntime {
+  explicit GroupRuntime(int64_t cache_bytes)
+      : buffers(std::make_shared<BufferCache>(cache_bytes)) {}
   std::atomic<int64_t> collectives{0};     // Collectives issued.
   std::atomic<int64_t> collective_ns{0};   // Wall time spent inside them.
   std::shared_ptr<BufferCache> buffers;    // Shared with the deleters of tensors it lent.
@@ -76,7 +68,7 @@ struct GroupState {
 // Counts one collective and the time spent in it.
 class CollectiveScope {
  public:
-  explicit CollectiveScope(GroupState& s) : s_(s), t0_(std::chrono::steady_clock::now()) {
+  explicit CollectiveScope(GroupRuntime& s) : s_(s), t0_(std::chrono::steady_clock::now()) {
     ++s_.collectives;
   }
   ~CollectiveScope() {
@@ -86,7 +78,7 @@ class CollectiveScope {
   }
 
  private:
-  GroupState& s_;
+  GroupRuntime& s_;
   std::chrono::steady_clock::time_point t0_;
 };
 
@@ -94,113 +86,98 @@ class CollectiveScope {
 
 namespace {
 
-std::string env_or(const char* name, const std::string& fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::string(v) : fallback;
-}
+// Runtime state per live process group, so that handles resolved by name on every op call
+// share one buffer cache and one set of counters. Entries of destroyed groups are dropped.
+struct RuntimeEntry {
+  c10::weak_intrusive_ptr<c10d::ProcessGroup> group;
+  std::shared_ptr<detail::GroupRuntime> runtime;
+};
 
-int env_int(const char* name, int fallback) {
-  const std::string v = env_or(name, "");
-  if (v.empty()) return fallback;
-  try {
-    return std::stoi(v);
-  } catch (const std::exception&) {
-    TORCH_CHECK_VALUE(false, "Group::from_env: ", name, " must be an integer; got '", v, "'");
+std::shared_ptr<detail::GroupRuntime> runtime_of(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t cache_bytes) {
+  static std::mutex mu;
+  static std::map<const c10d::ProcessGroup*, RuntimeEntry> entries;  // Guarded by mu.
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto it = entries.begin(); it != entries.end();) {
+    it = it->second.group.expired() ? entries.erase(it) : std::next(it);
   }
+  auto it = entries.find(pg.get());
+  if (it != entries.end()) return it->second.runtime;
+  auto runtime = std::make_shared<detail::GroupRuntime>(cache_bytes);
+  entries.emplace(pg.get(), RuntimeEntry{c10::weak_intrusive_ptr<c10d::ProcessGroup>(pg), runtime});
+  return runtime;
 }
 
-bool is_loopback(const std::string& addr) {
-  return addr.empty() || addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
+void check_options(const GroupOptions& options) {
+  TORCH_CHECK_VALUE(options.timeout.count() > 0, "Group: timeout must be > 0 ms; got ",
+                    options.timeout.count(), " ms");
+  TORCH_CHECK_VALUE(options.buffer_cache_bytes >= 0, "Group: buffer_cache_bytes must be >= 0; got ",
+                    options.buffer_cache_bytes);
 }
 
 // Waits for `work`, turning a backend failure into an error that says where it happened.
-void wait(const detail::GroupState& s, const char* op,
-          const c10::intrusive_ptr<c10d::Work>& work) {
+void wait(const Group& g, const char* op, const c10::intrusive_ptr<c10d::Work>& work) {
+  auto fail = [&](const std::string& what) {
+    TORCH_CHECK(false, "ulysses: collective ", op, " failed on rank ", g.rank(), " of ", g.size(),
+                " (timeout ", g.options().timeout.count(),
+                " ms; a peer may have died or skipped it): ", what);
+  };
   try {
-    work->wait(s.options.timeout);
+    work->wait(g.options().timeout);
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "ulysses: collective ", op, " failed on rank ", s.rank, " of ", s.size,
-                " (timeout ", s.options.timeout.count(), " ms; a peer may have died or skipped it): ",
-                e.what_without_backtrace());
+    fail(e.what_without_backtrace());
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "ulysses: collective ", op, " failed on rank ", s.rank, " of ", s.size,
-                " (timeout ", s.options.timeout.count(), " ms; a peer may have died or skipped it): ",
-                e.what());
+    fail(e.what());
   }
 }
 
 }  // namespace
 
-Group Group::create(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-                    const GroupOptions& options) {
-  TORCH_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size,
-                    "Group::create: rank must be in [0, size); got rank=", rank, ", size=", size);
-  auto state = std::make_shared<detail::GroupState>();
-  state->store = store;
-  state->options = options;
-  state->rank = rank;
-  state->size = size;
-  state->buffers = std::make_shared<detail::BufferCache>(options.buffer_cache_bytes);
-  store->setTimeout(options.timeout);
-  switch (options.backend) {
-    case Backend::kGloo: {
-      auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
-      const std::string addr = options.gloo_address.empty() ? "127.0.0.1" : options.gloo_address;
-      gloo_options->devices.push_back(
-          c10d::ProcessGroupGloo::createDeviceForHostname(addr));
-      state->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, gloo_options);
-      break;
-    }
-    case Backend::kNccl: {
-#ifdef USE_C10D_NCCL
-      auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
-      nccl_options->timeout = options.timeout;
-      state->backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, nccl_options);
-      break;
-#else
-      TORCH_CHECK_NOT_IMPLEMENTED(false,
-                                  "Group::create: this libtorch was built without NCCL; use "
-                                  "Backend::kGloo");
-#endif
-    }
-  }
-  return Group(std::move(state));
+Group::Group(c10::intrusive_ptr<c10d::ProcessGroup> pg,
+             std::shared_ptr<detail::GroupRuntime> runtime, int rank, int size,
+             GroupOptions options)
+    : pg_(std::move(pg)), runtime_(std::move(runtime)), rank_(rank), size_(size),
+      options_(options) {}
+
+Group Group::from_process_group(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                                const GroupOptions& options) {
+  TORCH_CHECK_VALUE(process_group, "Group::from_process_group: process_group must not be null");
+  check_options(options);
+  auto runtime = runtime_of(process_group, options.buffer_cache_bytes);
+  const int rank = process_group->getRank(), size = process_group->getSize();
+  return Group(std::move(process_group), std::move(runtime), rank, size, options);
 }
 
-Group Group::from_env(const GroupOptions& options) {
-  const int world = env_int("WORLD_SIZE", 1);
-  const int rank = env_int("RANK", 0);
-  if (world == 1) return create(c10::make_intrusive<c10d::HashStore>(), 0, 1, options);
-  const std::string addr = env_or("MASTER_ADDR", "127.0.0.1");
-  const int port = env_int("MASTER_PORT", 29500);
-  c10d::TCPStoreOptions store_options;
-  store_options.port = static_cast<uint16_t>(port);
-  store_options.isServer = rank == 0;
-  store_options.numWorkers = world;
-  store_options.timeout = options.timeout;
-  auto store = c10::make_intrusive<c10d::TCPStore>(addr, store_options);
-  GroupOptions resolved = options;
-  if (resolved.gloo_address.empty() && !is_loopback(addr)) {
-    resolved.gloo_address = env_or("ULYSSES_GLOO_ADDRESS", "");
-    TORCH_CHECK_VALUE(!resolved.gloo_address.empty(),
-                      "Group::from_env: MASTER_ADDR=", addr,
-                      " is not loopback; set GroupOptions::gloo_address or ULYSSES_GLOO_ADDRESS "
-                      "to this host's address");
+Group Group::resolve(const std::string& name, const GroupOptions& options) {
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  try {
+    pg = c10d::resolve_process_group(name);
+  } catch (const std::exception& e) {
+    TORCH_CHECK_VALUE(false, "Group::resolve: no live process group is registered under the name '",
+                      name, "' (pass a group made by torch.distributed, or its group_name)");
   }
-  return create(store, rank, world, resolved);
+  return from_process_group(std::move(pg), options);
 }
 
-int Group::rank() const { return state_->rank; }
-int Group::size() const { return state_->size; }
-const GroupOptions& Group::options() const { return state_->options; }
-c10::intrusive_ptr<c10d::Store> Group::store() const { return state_->store; }
-int64_t Group::collective_count() const { return state_->collectives.load(); }
-double Group::collective_seconds() const { return state_->collective_ns.load() * 1e-9; }
+Group Group::solo(const GroupOptions& options) {
+  check_options(options);
+  return Group({}, std::make_shared<detail::GroupRuntime>(options.buffer_cache_bytes), 0, 1,
+               options);
+}
+
+Group Group::with_options(const GroupOptions& options) const {
+  check_options(options);
+  return Group(pg_, runtime_, rank_, size_, options);
+}
+
+std::string Group::name() const { return pg_ ? pg_->getGroupName() : std::string(); }
+int64_t Group::collective_count() const { return runtime_->collectives.load(); }
+double Group::collective_seconds() const { return runtime_->collective_ns.load() * 1e-9; }
 
 at::Tensor Group::new_buffer(at::IntArrayRef shape, const at::TensorOptions& options) const {
-  TORCH_INTERNAL_ASSERT(options.device().is_cpu());
+  if (!options.device().is_cpu()) return at::empty(shape, options);
   const size_t bytes = c10::multiply_integers(shape) * options.dtype().itemsize();
-  std::shared_ptr<detail::BufferCache> cache = state_->buffers;
+  std::shared_ptr<detail::BufferCache> cache = runtime_->buffers;
   void* p = cache->take(bytes);
   return at::from_blob(
       p, shape, [cache, bytes](void* q) { cache->give_back(q, bytes); }, options);
@@ -211,50 +188,49 @@ void Group::all_to_all(at::Tensor& output, at::Tensor& input,
                        const std::vector<int64_t>& input_splits) const {
   TORCH_INTERNAL_ASSERT(output.dim() == 1 && input.dim() == 1 && output.is_contiguous() &&
                         input.is_contiguous());
-  detail::CollectiveScope scope(*state_);
+  detail::CollectiveScope scope(*runtime_);
   if (size() == 1) {
     output.copy_(input);
     return;
   }
   std::vector<int64_t> out_splits = output_splits, in_splits = input_splits;
-  wait(*state_, "all_to_all",
-       state_->backend->alltoall_base(output, input, out_splits, in_splits));
+  wait(*this, "all_to_all", pg_->alltoall_base(output, input, out_splits, in_splits));
 }
 
 at::Tensor Group::all_gather(const at::Tensor& input) const {
-  detail::CollectiveScope scope(*state_);
+  detail::CollectiveScope scope(*runtime_);
   at::Tensor in = input.contiguous();
   if (size() == 1) return in.unsqueeze(0).clone();
   at::Tensor out = at::empty({size(), in.numel()}, in.options());
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int i = 0; i < size(); ++i) outputs[0].push_back(out[i]);
   std::vector<at::Tensor> inputs{in.view({-1})};
-  wait(*state_, "all_gather", state_->backend->allgather(outputs, inputs));
+  wait(*this, "all_gather", pg_->allgather(outputs, inputs));
   std::vector<int64_t> shape{size()};
   for (int64_t s : in.sizes()) shape.push_back(s);
   return out.view(shape);
 }
 
 void Group::all_reduce_sum(at::Tensor& tensor) const {
-  detail::CollectiveScope scope(*state_);
+  detail::CollectiveScope scope(*runtime_);
   if (size() == 1) return;
   std::vector<at::Tensor> tensors{tensor};
-  wait(*state_, "all_reduce", state_->backend->allreduce(tensors));
+  wait(*this, "all_reduce", pg_->allreduce(tensors));
 }
 
 void Group::broadcast(at::Tensor& tensor, int root) const {
-  detail::CollectiveScope scope(*state_);
+  detail::CollectiveScope scope(*runtime_);
   if (size() == 1) return;
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  wait(*state_, "broadcast", state_->backend->broadcast(tensors, opts));
+  wait(*this, "broadcast", pg_->broadcast(tensors, opts));
 }
 
 void Group::barrier() const {
-  detail::CollectiveScope scope(*state_);
+  detail::CollectiveScope scope(*runtime_);
   if (size() == 1) return;
-  wait(*state_, "barrier", state_->backend->barrier());
+  wait(*this, "barrier", pg_->barrier());
 }
 
 namespace {
@@ -329,22 +305,30 @@ std::vector<std::vector<int64_t>> Group::agree(
   throw_kind(acc[failing][0], msg.str());
 }
 
-Mesh Mesh::create(const Group& world, int sp_size) {
+std::vector<std::vector<int>> Mesh::sp_partition(int world_size, int sp_size) {
+  std::vector<std::vector<int>> groups(world_size / sp_size);
+  for (int w = 0; w < world_size; ++w) groups[w / sp_size].push_back(w);
+  return groups;
+}
+
+std::vector<std::vector<int>> Mesh::dp_partition(int world_size, int sp_size) {
+  std::vector<std::vector<int>> groups(sp_size);
+  for (int w = 0; w < world_size; ++w) groups[w % sp_size].push_back(w);
+  return groups;
+}
+
+Mesh Mesh::create(const Group& world, int sp_size, const Split& split) {
   TORCH_CHECK_VALUE(sp_size >= 1 && world.size() % sp_size == 0,
                     "Mesh::create: world size (", world.size(),
                     ") must be a multiple of the sequence-parallel size (", sp_size, ")");
-  const int w = world.rank();
-  const int dp_size = world.size() / sp_size;
-  if (sp_size == world.size()) {
-    auto solo = c10::make_intrusive<c10d::PrefixStore>("dp" + std::to_string(w), world.store());
-    return Mesh{world, world, Group::create(solo, 0, 1, world.options())};
-  }
-  auto sp_store =
-      c10::make_intrusive<c10d::PrefixStore>("sp" + std::to_string(w / sp_size), world.store());
-  Group sp = Group::create(sp_store, w % sp_size, sp_size, world.options());
-  auto dp_store =
-      c10::make_intrusive<c10d::PrefixStore>("dp" + std::to_string(w % sp_size), world.store());
-  Group dp = Group::create(dp_store, w / sp_size, dp_size, world.options());
+  const int n = world.size();
+  auto make = [&](const std::vector<std::vector<int>>& partition) {
+    if (partition.size() == 1) return world;
+    if (partition[0].size() == 1) return Group::solo(world.options());
+    return split(partition).with_options(world.options());
+  };
+  Group sp = make(sp_partition(n, sp_size));
+  Group dp = make(dp_partition(n, sp_size));
   return Mesh{world, sp, dp};
 }
 

@@ -18,11 +18,13 @@ std::string sizes_str(const std::array<int64_t, 4>& s) {
 // Collectives move bytes: bool travels as uint8.
 at::Tensor wire(const at::Tensor& t) { return t.scalar_type() == at::kBool ? t.view(at::kByte) : t; }
 
-// The 4-D view of a 2-D [Sq, Sk] or 3-D [H, Sq, Sk] mask.
-at::Tensor as_4d(const at::Tensor& mask) {
-  if (mask.dim() == 2) return mask.unsqueeze(0).unsqueeze(0);
-  if (mask.dim() == 3) return mask.unsqueeze(0);
-  return mask;
+std::array<int64_t, 4> sizes_4d(const std::vector<int64_t>& s, const std::string& name) {
+  TORCH_CHECK_VALUE(s.size() >= 2 && s.size() <= 4, "rebuild_mask: ", name,
+                    " must be 2-D [Sq, Sk], 3-D [heads, Sq, Sk] or 4-D [B, heads, Sq, Sk]; got "
+                    "shape ", c10::IntArrayRef(s));
+  std::array<int64_t, 4> out{1, 1, 1, 1};
+  std::copy(s.begin(), s.end(), out.begin() + (4 - s.size()));
+  return out;
 }
 
 at::Tensor gather_impl(const at::Tensor& x, int64_t dim, const SequencePartition& seq,
@@ -143,28 +145,81 @@ at::Tensor reduce_scatter_sequence(const at::Tensor& x, int64_t dim, const Seque
   return outs[0];
 }
 
-at::Tensor rebuild_mask(const at::Tensor& mask, const AllToAllPlan& plan, const Group& group,
-                        const std::string& name) {
-  if (group.size() == 1) return mask;
-  const int P = group.size(), me = group.rank();
-  const int64_t Hq = plan.heads.q_heads();
+at::Tensor as_4d_mask(const at::Tensor& mask) {
+  if (mask.dim() == 2) return mask.unsqueeze(0).unsqueeze(0);
+  if (mask.dim() == 3) return mask.unsqueeze(0);
+  return mask;
+}
+
+namespace {
+
+// Every rank's 4-D mask sizes, agreed in one small collective, and the decision they imply.
+MaskDecision agree_mask(const std::vector<int64_t>& mask_sizes, const c10::ScalarType dtype,
+                        const AllToAllPlan& plan, const Group& group, const std::string& name) {
   auto all = group.agree(
       [&] {
-        TORCH_CHECK_VALUE(mask.dim() >= 2 && mask.dim() <= 4, "rebuild_mask: ", name,
-                          " must be 2-D [Sq, Sk], 3-D [heads, Sq, Sk] or 4-D [B, heads, Sq, Sk]; "
-                          "got shape ",
-                          mask.sizes(), " (rank ", me, " of ", P, ")");
-        TORCH_CHECK_TYPE(mask.scalar_type() == at::kBool || mask.is_floating_point(),
-                         "rebuild_mask: ", name, " must be bool or floating point; got ",
-                         mask.scalar_type());
-        auto s = as_4d(mask).sizes();
-        return std::vector<int64_t>{s[0], s[1], s[2], s[3]};
+        TORCH_CHECK_TYPE(dtype == at::kBool || c10::isFloatingType(dtype), "rebuild_mask: ",
+                         name, " must be bool or floating point; got ", dtype);
+        const auto s = sizes_4d(mask_sizes, name);
+        return std::vector<int64_t>(s.begin(), s.end());
       },
       4);
   std::vector<std::array<int64_t, 4>> sizes;
   for (const auto& m : all) sizes.push_back({m[0], m[1], m[2], m[3]});
-  const MaskDecision d = decide_mask(sizes, Hq, plan.seq, name);
-  const at::Tensor m4 = as_4d(mask);
+  return decide_mask(sizes, plan.heads.q_heads(), plan.seq, name);
+}
+
+// Per-head query-sharded masks move like Q: [Bm, Hq, S_r, Sk] is a BHSD tensor with "head
+// dim" Sk.
+AllToAllPlan mask_plan(const AllToAllPlan& plan) {
+  AllToAllPlan bhsd = plan;
+  bhsd.layout = Layout::kBHSD;
+  return bhsd;
+}
+
+}  // namespace
+
+std::vector<int64_t> rebuilt_mask_shape(const std::vector<int64_t>& sizes,
+                                        const HeadPartition& heads, const SequencePartition& seq,
+                                        int64_t rank) {
+  auto s = sizes_4d(sizes, "mask");
+  if (seq.sp_size() == 1) return {s[0], s[1], s[2], s[3]};
+  std::vector<std::array<int64_t, 4>> all;
+  for (int64_t r = 0; r < seq.sp_size(); ++r) {
+    auto t = s;
+    if (s[2] == seq.length(rank)) t[2] = seq.length(r);  // Sharded rows on every rank.
+    all.push_back(t);
+  }
+  const MaskDecision d = decide_mask(all, heads.q_heads(), seq);
+  const int64_t rows = d.rows == MaskRows::kSharded ? seq.seq_len() : s[2];
+  const int64_t h = d.heads == MaskHeads::kShared ? 1 : heads.q_range(rank).size();
+  return {s[0], h, rows, s[3]};
+}
+
+at::Tensor rebuild_mask_backward(const at::Tensor& grad, const std::vector<int64_t>& mask_sizes,
+                                 const AllToAllPlan& plan, const Group& group) {
+  if (group.size() == 1) return grad.reshape(mask_sizes);
+  const MaskDecision d = agree_mask(mask_sizes, grad.scalar_type(), plan, group, "mask");
+  const auto s = sizes_4d(mask_sizes, "mask");
+  at::Tensor g;
+  if (d.heads == MaskHeads::kShared) {
+    g = d.rows == MaskRows::kSharded ? reduce_scatter_impl(grad, 2, plan.seq, group) : grad;
+  } else if (d.rows != MaskRows::kSharded) {
+    const Range r = plan.heads.q_range(group.rank());
+    g = at::zeros({s[0], s[1], s[2], s[3]}, grad.options());
+    g.narrow(1, r.begin, r.size()).copy_(grad);
+  } else {
+    g = gather_heads(grad, Heads::kQuery, mask_plan(plan), group);
+  }
+  return g.reshape(mask_sizes);
+}
+
+at::Tensor rebuild_mask(const at::Tensor& mask, const AllToAllPlan& plan, const Group& group,
+                        const std::string& name) {
+  if (group.size() == 1) return mask;
+  const int me = group.rank();
+  const MaskDecision d = agree_mask(mask.sizes().vec(), mask.scalar_type(), plan, group, name);
+  const at::Tensor m4 = as_4d_mask(mask);
   if (d.heads == MaskHeads::kShared) {
     return d.rows == MaskRows::kSharded ? all_gather_sequence(m4, 2, plan.seq, group) : m4;
   }
@@ -172,9 +227,7 @@ at::Tensor rebuild_mask(const at::Tensor& mask, const AllToAllPlan& plan, const 
     const Range r = plan.heads.q_range(me);
     return m4.narrow(1, r.begin, r.size());
   }
-  // Per-head query-sharded mask: [Bm, Hq, S_r, Sk] is a BHSD tensor with "head dim" Sk.
-  AllToAllPlan bhsd = plan;
-  bhsd.layout = Layout::kBHSD;
+  const AllToAllPlan bhsd = mask_plan(plan);
   if (m4.scalar_type() == at::kBool) {
     return scatter_heads(m4.view(at::kByte), Heads::kQuery, bhsd, group).view(at::kBool);
   }

@@ -52,7 +52,7 @@ TEST(Group, AgreeRaisesTheSameErrorOfTheSameTypeOnEveryRank) {
 
 TEST(Group, MeshSpGroupsAreConsecutiveRanks) {
   expect_ranks_succeed(4, [](Group& world) {
-    Mesh mesh = Mesh::create(world, 2);
+    Mesh mesh = Mesh::create(world, 2, testing::thread_split(world));
     EXPECT_EQ(mesh.sp.size(), 2);
     EXPECT_EQ(mesh.dp.size(), 2);
     at::Tensor w = at::full({1}, world.rank(), at::kLong);
@@ -65,7 +65,7 @@ TEST(Group, MeshSpGroupsAreConsecutiveRanks) {
 }
 
 TEST(Group, MeshRejectsIndivisibleWorld) {
-  auto errors = run_ranks(3, [](Group& world) { Mesh::create(world, 2); });
+  auto errors = run_ranks(3, [](Group& world) { Mesh::create(world, 2, testing::thread_split(world)); });
   expect_ranks_fail_alike(errors, "world size (3) must be a multiple of the sequence-parallel size (2)");
 }
 

@@ -3,26 +3,72 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <pybind11/embed.h>
+#include <pybind11/stl.h>
 
+#include <map>
+#include <mutex>
 #include <sstream>
 #include <thread>
 
+namespace py = pybind11;
+
 namespace ulysses::testing {
+namespace {
+
+// The embedded interpreter that creates the ranks' process groups through torch.distributed
+// (tests/thread_groups.py). Started on first use; the GIL is released between uses.
+class Python {
+ public:
+  static Python& get() {
+    static Python python;
+    return python;
+  }
+  // Runs `fn` holding the GIL.
+  template <typename Fn>
+  auto with_gil(Fn&& fn) {
+    py::gil_scoped_acquire gil;
+    return fn(helpers_);
+  }
+
+ private:
+  Python() {
+    py::initialize_interpreter();
+    {
+      py::module_ sys = py::module_::import("sys");
+      sys.attr("path").attr("insert")(0, ULYSSES_SITE_PACKAGES);
+      sys.attr("path").attr("insert")(0, ULYSSES_TESTS_DIR);
+      helpers_ = py::module_::import("thread_groups");
+    }
+    saved_ = PyEval_SaveThread();
+  }
+  py::module_ helpers_;              // tests/thread_groups.py.
+  PyThreadState* saved_ = nullptr;   // The main thread state while the GIL is released.
+};
+
+}  // namespace
 
 std::vector<std::string> run_ranks(int world, const std::function<void(Group&)>& body,
                                    std::chrono::milliseconds timeout) {
   // The ranks share the machine's cores: one intra-op thread each.
   at::set_num_threads(1);
-  auto store = c10::make_intrusive<c10d::HashStore>();
+  // Real Gloo groups from torch.distributed, one per rank thread, found by name in C++.
+  std::vector<Group> groups;
+  Python::get().with_gil([&](py::module_& helpers) {
+    py::tuple made = helpers.attr("make_thread_groups")(world, timeout.count() / 1000.0);
+    GroupOptions options;
+    options.timeout = timeout;
+    for (const auto& name : made[0].cast<std::vector<std::string>>())
+      groups.push_back(Group::resolve(name, options));
+    helpers.attr("release")(made[0]);
+    return 0;
+  });
   std::vector<std::string> errors(world);
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
       try {
-        GroupOptions options;
-        options.timeout = timeout;
-        Group g = Group::create(store, r, world, options);
+        Group g = groups[r];
         body(g);
       } catch (const c10::Error& e) {
         errors[r] = e.what_without_backtrace();
@@ -35,6 +81,35 @@ std::vector<std::string> run_ranks(int world, const std::function<void(Group&)>&
   }
   for (auto& t : threads) t.join();
   return errors;
+}
+
+Mesh::Split thread_split(const Group& world) {
+  const std::string name = world.name();
+  const std::string run = name.substr(0, name.rfind('/'));
+  const int rank = world.rank();
+  const auto timeout = world.options().timeout;
+  return [run, rank, timeout](const std::vector<std::vector<int>>& partition) {
+    static std::mutex mu;
+    static std::map<std::pair<std::string, std::vector<std::vector<int>>>, std::vector<Group>>
+        made;  // Guarded by mu: for each run and partition, every rank's group.
+    std::lock_guard<std::mutex> lock(mu);
+    auto& groups = made[{run, partition}];
+    if (groups.empty()) {
+      int world_size = 0;
+      for (const auto& part : partition) world_size += static_cast<int>(part.size());
+      groups.resize(world_size, Group::solo());
+      Python::get().with_gil([&](py::module_& helpers) {
+        for (const auto& part : partition) {
+          py::tuple t = helpers.attr("make_thread_groups")(part.size(), timeout.count() / 1000.0);
+          auto names = t[0].cast<std::vector<std::string>>();
+          for (size_t i = 0; i < part.size(); ++i) groups[part[i]] = Group::resolve(names[i]);
+          helpers.attr("release")(t[0]);
+        }
+        return 0;
+      });
+    }
+    return groups.at(rank);
+  };
 }
 
 void expect_ranks_succeed(int world, const std::function<void(Group&)>& body) {

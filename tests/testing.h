@@ -1,5 +1,6 @@
-// Multi-rank test harness: ranks are threads in this process, meeting through a shared
-// HashStore, with Gloo on 127.0.0.1 (as PyTorch's ProcessGroupGlooTest does).
+// Multi-rank test harness: ranks are threads in this process with real Gloo process groups on
+// 127.0.0.1, created through torch.distributed (tests/thread_groups.py, run by an embedded
+// interpreter) and found by name, as PyTorch's ProcessGroupGlooTest does with a shared store.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -18,6 +19,10 @@ namespace ulysses::testing {
 // ("" when the rank finished cleanly). Collectives time out after `timeout`.
 std::vector<std::string> run_ranks(int world, const std::function<void(Group&)>& body,
                                    std::chrono::milliseconds timeout = std::chrono::seconds(30));
+
+// A Mesh::Split for the thread ranks of `world` (a group from run_ranks): the first rank to
+// ask for a partition creates every group of it; each rank gets its own.
+Mesh::Split thread_split(const Group& world);
 
 // Runs `body` on `world` ranks and fails the test with every rank's error, if any.
 void expect_ranks_succeed(int world, const std::function<void(Group&)>& body);

@@ -2,7 +2,6 @@
 // the model, against one rank holding the whole sequence.
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "testing.h"
 #include "ulysses/model.h"
@@ -68,7 +67,7 @@ void check_against_single_rank(int P, int64_t S) {
     loss.loss.backward();
     all_reduce_gradients(model->parameters(), g);
 
-    Group solo = Group::create(c10::make_intrusive<c10d::HashStore>(), 0, 1);
+    Group solo = Group::solo();
     Transformer reference(tiny(), solo, 11);
     TokenBatch whole = shard_batch(global, SequencePartition::even(S, 1), 0);
     ShardedLoss ref = sharded_cross_entropy(reference->forward(whole.input_ids, whole.position_ids),

@@ -4,12 +4,12 @@
 
 namespace ulysses::cli {
 
-int bench_main(const Argv& args) {
+int bench_main(const Argv& args, const Runtime& runtime) {
   if (args.empty()) throw UsageError("bench: say what to measure: attention, a2a or layer");
   const Argv rest(args.begin() + 1, args.end());
-  if (args[0] == "attention") return bench_attention_main(rest);
-  if (args[0] == "a2a") return bench_a2a_main(rest);
-  if (args[0] == "layer") return bench_layer_main(rest);
+  if (args[0] == "attention") return bench_attention_main(rest, runtime);
+  if (args[0] == "a2a") return bench_a2a_main(rest, runtime);
+  if (args[0] == "layer") return bench_layer_main(rest, runtime);
   throw UsageError("bench: unknown benchmark '" + args[0] + "'");
 }
 

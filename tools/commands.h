@@ -2,21 +2,39 @@
 // the process exit code.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
+
+#include "ulysses/group.h"
 
 namespace ulysses::cli {
 
 using Argv = std::vector<std::string>;
 
+// What the subcommands need from the program that hosts them (the Python front end, which
+// owns process groups: torch.distributed creates them, C++ resolves them by name).
+struct Runtime {
+  // The command that runs this tool again, e.g. {"/venv/bin/python", "-m", "ulysses"}.
+  Argv self;
+  // Joins the world group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
+  // MASTER_PORT); a process outside any launcher is a world of one rank. Called once.
+  std::function<Group(const GroupOptions&)> join_world;
+  // Creates this rank's sub-group of the world (see Mesh::Split).
+  Mesh::Split split;
+};
+
+// Runs `ulysses <argv...>` and returns the process exit code.
+int run_cli(const Argv& argv, const Runtime& runtime);
+
 int launch_main(const Argv& args);
 int plan_main(const Argv& args);
-int demo_main(const Argv& args);
-int bench_main(const Argv& args);
-int train_main(const Argv& args);
-int bench_attention_main(const Argv& args);
-int bench_a2a_main(const Argv& args);
-int bench_layer_main(const Argv& args);
+int demo_main(const Argv& args, const Runtime& runtime);
+int bench_main(const Argv& args, const Runtime& runtime);
+int train_main(const Argv& args, const Runtime& runtime);
+int bench_attention_main(const Argv& args, const Runtime& runtime);
+int bench_a2a_main(const Argv& args, const Runtime& runtime);
+int bench_layer_main(const Argv& args, const Runtime& runtime);
 
 // Options of the local launcher.
 struct LaunchOptions {
@@ -31,8 +49,8 @@ struct LaunchOptions {
 int launch(const LaunchOptions& options, const Argv& command);
 
 // For subcommands with --nproc N: when this process is not already a rank (no RANK in the
-// environment) and N > 1, re-runs this executable as `<subcommand...> <args...>` on N local
-// ranks and returns the exit code to use; otherwise returns -1 and the caller runs as a rank.
-int relaunch_as_ranks(int nproc, const Argv& subcommand, const Argv& args);
+// environment) and N > 1, re-runs `self <subcommand...> <args...>` on N local ranks and returns
+// the exit code to use; otherwise returns -1 and the caller runs as a rank.
+int relaunch_as_ranks(int nproc, const Argv& self, const Argv& subcommand, const Argv& args);
 
 }  // namespace ulysses::cli

@@ -10,7 +10,7 @@
 
 namespace ulysses::cli {
 
-int demo_main(const Argv& argv) {
+int demo_main(const Argv& argv, const Runtime& runtime) {
   Args args(argv, {});
   const int nproc = static_cast<int>(args.integer("--nproc", 4));
   const int64_t hq = args.integer("--q-heads", 8);
@@ -18,11 +18,11 @@ int demo_main(const Argv& argv) {
   const int64_t S = args.integer("--seq-len", 1024);
   const int64_t D = args.integer("--head-dim", 64);
   args.finish();
-  const int code = relaunch_as_ranks(nproc, {"demo"}, argv);
+  const int code = relaunch_as_ranks(nproc, runtime.self, {"demo"}, argv);
   if (code >= 0) return code;
 
   at::set_num_threads(1);
-  Group group = Group::from_env();
+  Group group = runtime.join_world(GroupOptions{});
   const int P = group.size(), me = group.rank();
   const auto heads = HeadPartition::make(hq, hkv, P);
   const auto seq = SequencePartition::even(S, P);

@@ -169,12 +169,9 @@ int launch(const LaunchOptions& options, const Argv& command) {
   return first_failure;
 }
 
-int relaunch_as_ranks(int nproc, const Argv& subcommand, const Argv& args) {
+int relaunch_as_ranks(int nproc, const Argv& self, const Argv& subcommand, const Argv& args) {
   if (std::getenv("RANK") != nullptr || nproc <= 1) return -1;
-  char self[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
-  if (n <= 0) throw std::runtime_error("launch: cannot find this executable");
-  Argv command{std::string(self, n)};
+  Argv command = self;
   command.insert(command.end(), subcommand.begin(), subcommand.end());
   command.insert(command.end(), args.begin(), args.end());
   LaunchOptions options;

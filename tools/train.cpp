@@ -1,6 +1,5 @@
 // `ulysses train`: sequence-parallel training of a GQA transformer on local ranks.
 #include <ATen/Parallel.h>
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -93,7 +92,7 @@ int run_check(Transformer& model, const TrainOptions& o, const Data& data, const
   model->zero_grad();
   const ShardedLoss ours = forward_backward(model, shard_batch(local, seq, mesh.sp.rank()), mesh);
 
-  Group solo = Group::create(c10::make_intrusive<c10d::HashStore>(), 0, 1);
+  Group solo = Group::solo();
   Transformer reference(o.model, solo, o.seed);
   const TokenBatch global = data.batch(0, 0, 0, o.batch * dp);
   const TokenBatch whole = shard_batch(global, SequencePartition::even(o.seq_len, 1), 0);
@@ -208,19 +207,19 @@ TrainOptions parse(const Argv& argv) {
 
 }  // namespace
 
-int train_main(const Argv& argv) {
+int train_main(const Argv& argv, const Runtime& runtime) {
   TrainOptions o = parse(argv);
-  const int code = relaunch_as_ranks(o.nproc, {"train"}, argv);
+  const int code = relaunch_as_ranks(o.nproc, runtime.self, {"train"}, argv);
   if (code >= 0) return code;
 
   // Ranks of this machine share its cores.
   const int local_ranks = std::max(1, std::atoi(std::getenv("LOCAL_WORLD_SIZE") ? std::getenv("LOCAL_WORLD_SIZE") : "1"));
   at::set_num_threads(std::max<int>(1, std::thread::hardware_concurrency() / local_ranks));
-  Group world = Group::from_env();
+  Group world = runtime.join_world(GroupOptions{});
   const int sp = o.sp > 0 ? o.sp : o.dp > 0 ? std::max(1, world.size() / o.dp) : world.size();
   TORCH_CHECK_VALUE(o.dp == 0 || sp * o.dp == world.size(), "train: --sp (", sp, ") x --dp (",
                     o.dp, ") must equal the number of ranks (", world.size(), ")");
-  Mesh mesh = Mesh::create(world, sp);
+  Mesh mesh = Mesh::create(world, sp, runtime.split);
   const bool lead = world.rank() == 0;
   const Data data(o);
   o.model.vocab = data.vocab();

@@ -13,6 +13,9 @@
 
 #include <ATen/ATen.h>
 
+#include <tuple>
+#include <vector>
+
 #include "ulysses/attention.h"
 
 namespace ulysses {
@@ -31,5 +34,17 @@ struct FlashOptions {
 // Differentiable in q, k, v and a floating-point mask. fp64 inputs fall back to
 // math_attention.
 at::Tensor flash_attention(const LocalAttentionArgs& args, const FlashOptions& options = {});
+
+// The two passes of flash_attention, without autograd (for the dispatcher op, whose autograd is
+// registered around them). Forward returns o [B, Hq, Sq, Dv] in q's dtype and the row
+// log-sum-exp lse [B, Hq, Sq] (fp32). fp32, bf16 and fp16 only.
+std::tuple<at::Tensor, at::Tensor> flash_attention_forward(const LocalAttentionArgs& args,
+                                                           const FlashOptions& options = {});
+// Gradients {dq, dk, dv, dmask} of flash_attention for `grad_out` [B, Hq, Sq, Dv], given the
+// forward's `out` and `lse`. dmask (summed to the mask's shape) is defined only if `mask_grad`.
+std::vector<at::Tensor> flash_attention_backward(const at::Tensor& grad_out,
+                                                 const LocalAttentionArgs& args,
+                                                 const at::Tensor& out, const at::Tensor& lse,
+                                                 bool mask_grad, const FlashOptions& options = {});
 
 }  // namespace ulysses

@@ -1,15 +1,19 @@
-// Process groups for sequence parallelism, over PyTorch's c10d (Gloo on CPU; NCCL on CUDA
-// builds).
+// Process groups for sequence parallelism, over PyTorch's c10d.
+//
+// A Group wraps a c10d::ProcessGroup made by torch.distributed (init_process_group, new_group,
+// DeviceMesh) and found by its group name, or handed over by a C++ caller. Gloo carries CPU
+// tensors, NCCL CUDA tensors: the ProcessGroup dispatches by the tensors' device.
 //
 // World = DP x SP mesh; SP groups are consecutive ranks:
 //   sp_group(w) = { (w / P) * P + i : 0 <= i < P },   dp_group(w) = { w % P + j * P : j }.
-// Every collective runs under GroupOptions::timeout: a dead or absent peer is an error, not a
-// hang. `agree` is the fail-fast step: ranks exchange the outcome of their local checks before
+// Every collective waits at most GroupOptions::timeout: a dead or absent peer is an error, not
+// a hang. `agree` is the fail-fast step: ranks exchange the outcome of their local checks before
 // any data moves, so an invalid setup raises the same error on every rank.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
 #include <cstdint>
@@ -18,64 +22,56 @@
 #include <string>
 #include <vector>
 
-namespace c10d {
-class Store;
-}
-
 namespace ulysses {
 
-// Which c10d backend carries the collectives.
-enum class Backend {
-  kGloo,  // CPU tensors; always available.
-  kNccl,  // CUDA tensors; only when libtorch was built with NCCL.
-};
-
-// Options of a process group.
+// Options of a Group handle.
 struct GroupOptions {
-  // Limit for every collective and for rendezvous. A peer silent this long is an error.
+  // Longest wait for any collective, in milliseconds; > 0. A peer silent this long is an error.
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};
-  // Address the Gloo transport binds to. Empty: loopback for a loopback or unset MASTER_ADDR,
-  // else the address this host's name resolves to.
-  std::string gloo_address = "";
-  Backend backend = Backend::kGloo;
-  // Most bytes of freed buffers (see Group::new_buffer) this group keeps for reuse.
+  // Most bytes of freed CPU buffers (see Group::new_buffer) kept for reuse; >= 0.
   int64_t buffer_cache_bytes = int64_t{1} << 30;
 };
 
 namespace detail {
-struct GroupState;
+struct GroupRuntime;
 }
 
 // A handle to one process group: cheap to copy (copies share the connection and counters).
 class Group {
  public:
-  // Rank `rank` of `size` ranks that meet through `store` (every rank passes the same store
-  // contents; a HashStore shared by threads, or a TCPStore).
-  static Group create(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-                      const GroupOptions& options = {});
-  // The world group described by torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR
-  // (default 127.0.0.1), MASTER_PORT (default 29500). Without WORLD_SIZE: one rank alone.
-  static Group from_env(const GroupOptions& options = {});
+  // Wraps `process_group` (never null). Runtime state (buffer cache, collective counters) is
+  // shared by every handle of the same process group.
+  static Group from_process_group(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                                  const GroupOptions& options = {});
+  // The process group torch.distributed registered under `name` (its `group_name`; see
+  // c10d::resolve_process_group). Throws c10::ValueError naming `name` if there is none.
+  static Group resolve(const std::string& name, const GroupOptions& options = {});
+  // A group of this rank alone: every collective is a local copy.
+  static Group solo(const GroupOptions& options = {});
 
-  int rank() const;
-  int size() const;
-  const GroupOptions& options() const;
-  // The store this group met through (sub-groups meet through prefixes of it).
-  c10::intrusive_ptr<c10d::Store> store() const;
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const GroupOptions& options() const { return options_; }
+  // The same group with other options (same connection, counters and buffers).
+  Group with_options(const GroupOptions& options) const;
+  // The c10d group name ("" for solo()).
+  std::string name() const;
+  // The wrapped process group (null for solo()).
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
 
   // Splits the flat buffer `input` into chunks of `input_splits` elements, sends chunk j to
   // rank j, and receives rank j's chunk for us into `output` at the offsets of
   // `output_splits`. Both tensors are 1-D and contiguous.
   void all_to_all(at::Tensor& output, at::Tensor& input, const std::vector<int64_t>& output_splits,
                   const std::vector<int64_t>& input_splits) const;
-  // An uninitialised tensor whose memory comes from this group's cache of freed buffers and
-  // goes back to it when the tensor dies. Ops use it for staging buffers and outputs: on this
-  // kind of machine faulting in a fresh 33 MB buffer costs ~10x copying into a reused one.
+  // An uninitialised tensor. On CPU its memory comes from this group's cache of freed buffers
+  // and goes back to it when the tensor dies: on this kind of machine faulting in a fresh 33 MB
+  // buffer costs ~10x copying into a reused one. Other devices use their caching allocator.
   at::Tensor new_buffer(at::IntArrayRef shape, const at::TensorOptions& options) const;
 
   // Every rank's `input` (same shape on every rank), stacked: [P, *input.shape].
   at::Tensor all_gather(const at::Tensor& input) const;
-  // In-place sum (or other c10d reduction) of `tensor` over the group.
+  // In-place sum of `tensor` over the group.
   void all_reduce_sum(at::Tensor& tensor) const;
   // Copies rank `root`'s `tensor` into every rank's `tensor`.
   void broadcast(at::Tensor& tensor, int root) const;
@@ -89,26 +85,38 @@ class Group {
   std::vector<std::vector<int64_t>> agree(const std::function<std::vector<int64_t>()>& local_check,
                                           size_t meta_size = 0) const;
 
-  // True when both handles share one connection (e.g. a mesh whose SP group is the world).
-  bool operator==(const Group& other) const { return state_ == other.state_; }
-  bool operator!=(const Group& other) const { return state_ != other.state_; }
+  // True when both handles share one process group (e.g. a mesh whose SP group is the world).
+  bool operator==(const Group& other) const { return runtime_ == other.runtime_; }
+  bool operator!=(const Group& other) const { return runtime_ != other.runtime_; }
 
-  // Collectives issued through this group (agree counts once per round): for tests and
-  // benchmarks.
+  // Collectives issued through this process group (agree counts once per round): for tests
+  // and benchmarks.
   int64_t collective_count() const;
-  // Wall-clock seconds spent inside collectives issued through this group (copies share it).
+  // Wall-clock seconds spent inside collectives issued through this process group.
   double collective_seconds() const;
 
  private:
-  explicit Group(std::shared_ptr<detail::GroupState> state) : state_(std::move(state)) {}
-  std::shared_ptr<detail::GroupState> state_;  // Never null.
+  Group(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::shared_ptr<detail::GroupRuntime> runtime,
+        int rank, int size, GroupOptions options);
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;       // Null only for solo().
+  std::shared_ptr<detail::GroupRuntime> runtime_;   // Never null.
+  int rank_ = 0;                                     // In [0, size_).
+  int size_ = 1;                                     // >= 1.
+  GroupOptions options_;
 };
 
 // World = DP x SP. SP groups are consecutive blocks of `sp_size` ranks; DP groups take one
 // rank of each SP group.
 struct Mesh {
-  // Builds both sub-groups of this rank. world.size() must be a multiple of sp_size.
-  static Mesh create(const Group& world, int sp_size);
+  // Creates this rank's group for a partition of the world's ranks into disjoint groups. Every
+  // rank calls it with the same partition (as torch.distributed.new_subgroups_by_enumeration).
+  using Split = std::function<Group(const std::vector<std::vector<int>>& partition)>;
+  // The SP and DP partitions of `world_size` ranks for SP groups of `sp_size` ranks.
+  static std::vector<std::vector<int>> sp_partition(int world_size, int sp_size);
+  static std::vector<std::vector<int>> dp_partition(int world_size, int sp_size);
+  // Builds both sub-groups of this rank through `split`. world.size() must be a multiple of
+  // sp_size; a sub-group equal to the world (or of one rank) is made without calling `split`.
+  static Mesh create(const Group& world, int sp_size, const Split& split);
   Group world;
   Group sp;
   Group dp;

@@ -57,6 +57,22 @@ at::Tensor all_gather_sequence(const at::Tensor& x, int64_t dim, const SequenceP
 at::Tensor reduce_scatter_sequence(const at::Tensor& x, int64_t dim, const SequencePartition& seq,
                                    const Group& group);
 
+// The 4-D view [Bm, Hm, Sq, Sk] of a 2-D [Sq, Sk], 3-D [heads, Sq, Sk] or 4-D mask.
+at::Tensor as_4d_mask(const at::Tensor& mask);
+
+// The 4-D shape rebuild_mask returns on `rank` for a mask of `sizes` (2-4 dims) on that rank,
+// assuming every rank holds its mask the same way (sharded, full or broadcast rows): what a
+// compiler needs before any rank's shapes are known. Throws like decide_mask.
+std::vector<int64_t> rebuilt_mask_shape(const std::vector<int64_t>& sizes,
+                                        const HeadPartition& heads, const SequencePartition& seq,
+                                        int64_t rank);
+
+// The gradient of a mask of `mask_sizes` given `grad`, the gradient of its rebuilt form (the
+// adjoint of rebuild_mask: reduce-scatter, the reverse all-to-all, or zero-padding of this
+// rank's head block). Agrees on the mask's shape with the other ranks like rebuild_mask.
+at::Tensor rebuild_mask_backward(const at::Tensor& grad, const std::vector<int64_t>& mask_sizes,
+                                 const AllToAllPlan& plan, const Group& group);
+
 // Rebuilds `mask` (2-, 3- or 4-D, bool or float) for local attention on this rank's heads over
 // the full sequence, following the rules above. Differentiable for float masks. Returns a 4-D
 // mask broadcastable to [B, |R_r|, S, S] (or `mask` itself when P == 1).

@@ -42,8 +42,7 @@ class FunctionNode : public torch::autograd::Node {
 inline void attach_backward(const std::vector<at::Tensor>& inputs,
                             std::vector<at::Tensor>& outputs, std::string name, BackwardFn fn) {
   if (!torch::autograd::compute_requires_grad(inputs)) return;
-  auto node = std::shared_ptr<FunctionNode>(new FunctionNode(std::move(name), std::move(fn)),
-                                            torch::autograd::deleteNode);
+  auto node = c10::make_intrusive<FunctionNode>(std::move(name), std::move(fn));
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
   for (at::Tensor& out : outputs) {
     node->record_output(out);

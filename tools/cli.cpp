@@ -30,20 +30,21 @@ commands:
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  using namespace ulysses::cli;
-  if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
+namespace ulysses::cli {
+
+int run_cli(const Argv& argv, const Runtime& runtime) {
+  if (argv.empty() || argv[0] == "--help" || argv[0] == "-h") {
     std::cout << kUsage;
-    return argc < 2 ? 2 : 0;
+    return argv.empty() ? 2 : 0;
   }
-  const std::string command = argv[1];
-  const Argv args(argv + 2, argv + argc);
+  const std::string command = argv[0];
+  const Argv args(argv.begin() + 1, argv.end());
   try {
     if (command == "plan") return plan_main(args);
-    if (command == "demo") return demo_main(args);
-    if (command == "train") return train_main(args);
+    if (command == "demo") return demo_main(args, runtime);
+    if (command == "train") return train_main(args, runtime);
     if (command == "launch") return launch_main(args);
-    if (command == "bench") return bench_main(args);
+    if (command == "bench") return bench_main(args, runtime);
     std::cerr << "ulysses: unknown command '" << command << "'\n" << kUsage;
     return 2;
   } catch (const UsageError& e) {
@@ -57,3 +58,5 @@ int main(int argc, char** argv) {
     return 1;
   }
 }
+
+}  // namespace ulysses::cli

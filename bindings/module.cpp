@@ -1,0 +1,122 @@
+// ulysses._C: the pybind11 module behind the Python package. Thin: it converts arguments and
+// calls the core; every rule lives in C++ once (the planners, the mask rules, the CLI).
+#include <c10/util/Exception.h>
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "ulysses/group.h"
+#include "ulysses/mask.h"
+#include "ulysses/partition.h"
+
+namespace py = pybind11;
+
+namespace ulysses {
+namespace {
+
+py::list ranges(const std::vector<Range>& rs) {
+  py::list out;
+  for (const Range& r : rs) out.append(py::make_tuple(r.begin, r.end));
+  return out;
+}
+
+// The head partition (and sequence split) of every rank, as plain Python values.
+py::dict plan(int64_t q_heads, int64_t kv_heads, int64_t sp, c10::optional<int64_t> seq_len) {
+  const auto p = HeadPartition::make(q_heads, kv_heads, sp);
+  py::dict d;
+  std::vector<int64_t> nq, nkv;
+  std::vector<std::vector<int64_t>> maps;
+  for (int64_t r = 0; r < sp; ++r) {
+    nq.push_back(p.q_range(r).size());
+    nkv.push_back(p.kv_range(r).size());
+    maps.push_back(p.kv_map(r));
+  }
+  d["q_heads"] = nq;
+  d["kv_heads"] = nkv;
+  d["q_ranges"] = ranges(p.q_ranges());
+  d["kv_ranges"] = ranges(p.kv_ranges());
+  d["kv_map"] = maps;
+  if (seq_len) d["seq_lens"] = SequencePartition::even(*seq_len, sp).lengths();
+  d["total_q_heads"] = q_heads;
+  d["total_kv_heads"] = kv_heads;
+  d["sp"] = sp;
+  return d;
+}
+
+int run_cli(const std::vector<std::string>& argv, const std::vector<std::string>& self,
+            const std::function<std::string(int64_t)>& join_world,
+            const std::function<std::string(const std::vector<std::vector<int>>&)>& split) {
+  cli::Runtime runtime;
+  runtime.self = self;
+  // The callbacks run Python (torch.distributed): they take the GIL, which run_cli releases.
+  runtime.join_world = [&](const GroupOptions& options) {
+    std::string name;
+    {
+      py::gil_scoped_acquire gil;
+      name = join_world(options.timeout.count());
+    }
+    return name.empty() ? Group::solo(options) : Group::resolve(name, options);
+  };
+  runtime.split = [&](const std::vector<std::vector<int>>& partition) {
+    std::string name;
+    {
+      py::gil_scoped_acquire gil;
+      name = split(partition);
+    }
+    return Group::resolve(name);
+  };
+  py::gil_scoped_release release;
+  return cli::run_cli(argv, runtime);
+}
+
+}  // namespace
+}  // namespace ulysses
+
+PYBIND11_MODULE(_C, m) {
+  using namespace ulysses;
+  m.doc() = "ulysses C++ core (torch.ops.ulysses is registered when this module loads)";
+  // c10 errors keep their Python types (ValueError, TypeError, ...), as torch's own bindings do.
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const c10::ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    } catch (const c10::TypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
+    } catch (const c10::NotImplementedError& e) {
+      PyErr_SetString(PyExc_NotImplementedError, e.what_without_backtrace());
+    } catch (const c10::IndexError& e) {
+      PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
+    } catch (const c10::Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    }
+  });
+  m.def("plan", &plan, py::arg("q_heads"), py::arg("kv_heads"), py::arg("sp"),
+        py::arg("seq_len") = py::none());
+  m.def(
+      "rebuilt_mask_shape",
+      [](const std::vector<int64_t>& sizes, int64_t q_heads, int64_t kv_heads,
+         const std::vector<int64_t>& seq_lens, int64_t rank) {
+        return rebuilt_mask_shape(
+            sizes, HeadPartition::make(q_heads, kv_heads, static_cast<int64_t>(seq_lens.size())),
+            SequencePartition::from_lengths(seq_lens), rank);
+      },
+      py::arg("sizes"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("seq_lens"),
+      py::arg("rank"));
+  m.def(
+      "layout_dims",
+      [](const std::string& layout) {
+        const Layout l = parse_layout(layout);
+        return std::make_pair(seq_dim(l), head_dim(l));
+      },
+      py::arg("layout"), "(sequence dim, head dim) of a layout name such as 'BSHD'.");
+  m.def(
+      "collective_count", [](const std::string& group) { return Group::resolve(group).collective_count(); },
+      py::arg("group"));
+  m.def("run_cli", &run_cli, py::arg("argv"), py::arg("self"), py::arg("join_world"),
+        py::arg("split"));
+}

@@ -1,0 +1,219 @@
+// torch.ops.ulysses: the core's operations registered with PyTorch's dispatcher.
+//
+// Each op takes the process group as its torch.distributed group name (a string, as torch's
+// functional collectives do), so torch.compile can trace calls to it. The kernels here run
+// without autograd; python/ulysses/ops.py registers each op's autograd formula (the adjoint
+// op) and its fake kernel. Outputs never alias inputs (a dispatcher op contract).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "ulysses/all_to_all.h"
+#include "ulysses/flash_attention.h"
+#include "ulysses/group.h"
+#include "ulysses/mask.h"
+#include "ulysses/partition.h"
+
+namespace ulysses {
+namespace {
+
+Group group_of(const std::string& name, int64_t timeout_ms) {
+  GroupOptions options;
+  options.timeout = std::chrono::milliseconds(timeout_ms);
+  return Group::resolve(name, options);
+}
+
+std::vector<Heads> parse_heads(c10::ArrayRef<std::string> names) {
+  std::vector<Heads> kinds;
+  for (const std::string& n : names) {
+    TORCH_CHECK_VALUE(n == "q" || n == "kv", "ulysses: head kind must be 'q' or 'kv'; got '", n,
+                      "'");
+    kinds.push_back(n == "q" ? Heads::kQuery : Heads::kKeyValue);
+  }
+  return kinds;
+}
+
+AllToAllPlan plan_of(int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_lens,
+                     const std::string& layout, const Group& group) {
+  TORCH_CHECK_VALUE(static_cast<int64_t>(seq_lens.size()) == group.size(),
+                    "ulysses: seq_lens must have one entry per rank (", group.size(), "); got ",
+                    seq_lens.size());
+  return AllToAllPlan{HeadPartition::make(q_heads, kv_heads, group.size()),
+                      SequencePartition::from_lengths(seq_lens.vec()), parse_layout(layout)};
+}
+
+// Outputs of an op must not alias its inputs (the single-rank paths return them as they are).
+at::Tensor fresh(const at::Tensor& out, c10::ArrayRef<at::Tensor> inputs) {
+  for (const at::Tensor& in : inputs)
+    if (in.defined() && out.is_alias_of(in)) return out.clone();
+  return out;
+}
+
+std::vector<at::Tensor> fresh(std::vector<at::Tensor> outs, c10::ArrayRef<at::Tensor> inputs) {
+  for (at::Tensor& o : outs) o = fresh(o, inputs);
+  return outs;
+}
+
+at::Tensor sequence_lengths(const at::Tensor& x, int64_t dim, const std::string& group_name,
+                            int64_t timeout_ms) {
+  const Group group = group_of(group_name, timeout_ms);
+  auto all = group.agree(
+      [&] {
+        TORCH_CHECK_VALUE(x.dim() > 0, "sequence_lengths: x must have a sequence dim; got a 0-D "
+                          "tensor");
+        const int64_t d = dim < 0 ? dim + x.dim() : dim;
+        TORCH_CHECK_INDEX(d >= 0 && d < x.dim(), "sequence_lengths: dim ", dim,
+                          " is out of range for shape ", x.sizes());
+        return std::vector<int64_t>{x.size(d)};
+      },
+      1);
+  std::vector<int64_t> lengths;
+  for (const auto& m : all) lengths.push_back(m[0]);
+  return at::tensor(lengths, at::kLong);
+}
+
+std::vector<at::Tensor> scatter_heads_op(at::TensorList xs, c10::ArrayRef<std::string> heads,
+                                         int64_t q_heads, int64_t kv_heads,
+                                         c10::IntArrayRef seq_lens, const std::string& layout,
+                                         const std::string& group_name, int64_t timeout_ms) {
+  const Group group = group_of(group_name, timeout_ms);
+  const std::vector<Heads> kinds = parse_heads(heads);
+  TORCH_CHECK_VALUE(kinds.size() == xs.size(), "scatter_heads: ", xs.size(), " tensors but ",
+                    kinds.size(), " head kinds");
+  const HeadPartition partition = HeadPartition::make(q_heads, kv_heads, group.size());
+  std::vector<TensorSpec> specs;
+  for (size_t i = 0; i < xs.size(); ++i)
+    specs.push_back({xs[i], kinds[i], "tensor " + std::to_string(i)});
+  // Checks every rank's tensors and the given split in one small collective before data moves.
+  const AllToAllPlan plan =
+      agree_plan(group, partition, parse_layout(layout), specs,
+                 SequencePartition::from_lengths(seq_lens.vec()));
+  at::NoGradGuard no_grad;
+  return fresh(scatter_heads(xs.vec(), kinds, plan, group), xs);
+}
+
+std::vector<at::Tensor> gather_heads_op(at::TensorList ys, c10::ArrayRef<std::string> heads,
+                                        int64_t q_heads, int64_t kv_heads,
+                                        c10::IntArrayRef seq_lens, const std::string& layout,
+                                        const std::string& group_name, int64_t timeout_ms) {
+  const Group group = group_of(group_name, timeout_ms);
+  const std::vector<Heads> kinds = parse_heads(heads);
+  TORCH_CHECK_VALUE(kinds.size() == ys.size(), "gather_heads: ", ys.size(), " tensors but ",
+                    kinds.size(), " head kinds");
+  const AllToAllPlan plan = plan_of(q_heads, kv_heads, seq_lens, layout, group);
+  at::NoGradGuard no_grad;
+  return fresh(gather_heads(ys.vec(), kinds, plan, group), ys);
+}
+
+at::Tensor all_gather_sequence_op(const at::Tensor& x, int64_t dim, c10::IntArrayRef seq_lens,
+                                  const std::string& group_name, int64_t timeout_ms) {
+  const Group group = group_of(group_name, timeout_ms);
+  at::NoGradGuard no_grad;
+  return fresh(all_gather_sequence(x, dim, SequencePartition::from_lengths(seq_lens.vec()), group),
+               {x});
+}
+
+at::Tensor reduce_scatter_sequence_op(const at::Tensor& x, int64_t dim, c10::IntArrayRef seq_lens,
+                                      const std::string& group_name, int64_t timeout_ms) {
+  const Group group = group_of(group_name, timeout_ms);
+  at::NoGradGuard no_grad;
+  return fresh(
+      reduce_scatter_sequence(x, dim, SequencePartition::from_lengths(seq_lens.vec()), group),
+      {x});
+}
+
+at::Tensor rebuild_mask_op(const at::Tensor& mask, int64_t q_heads, int64_t kv_heads,
+                           c10::IntArrayRef seq_lens, const std::string& group_name,
+                           int64_t timeout_ms) {
+  const Group group = group_of(group_name, timeout_ms);
+  const AllToAllPlan plan = plan_of(q_heads, kv_heads, seq_lens, "BHSD", group);
+  at::NoGradGuard no_grad;
+  return fresh(as_4d_mask(rebuild_mask(mask, plan, group)), {mask});
+}
+
+at::Tensor rebuild_mask_backward_op(const at::Tensor& grad, c10::IntArrayRef mask_sizes,
+                                    int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_lens,
+                                    const std::string& group_name, int64_t timeout_ms) {
+  const Group group = group_of(group_name, timeout_ms);
+  const AllToAllPlan plan = plan_of(q_heads, kv_heads, seq_lens, "BHSD", group);
+  at::NoGradGuard no_grad;
+  return fresh(rebuild_mask_backward(grad, mask_sizes.vec(), plan, group), {grad});
+}
+
+LocalAttentionArgs local_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              c10::IntArrayRef kv_map, const c10::optional<at::Tensor>& mask,
+                              const c10::optional<at::Tensor>& positions, bool causal,
+                              double scale) {
+  LocalAttentionArgs a;
+  a.q = q, a.k = k, a.v = v;
+  a.kv_map = kv_map.vec();
+  a.mask = mask;
+  a.positions = positions;
+  a.causal = causal;
+  a.scale = scale;
+  return a;
+}
+
+std::tuple<at::Tensor, at::Tensor> flash_attention_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c10::IntArrayRef kv_map,
+    const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& positions,
+    bool causal, double scale) {
+  return flash_attention_forward(local_args(q, k, v, kv_map, mask, positions, causal, scale));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attention_backward_op(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, c10::IntArrayRef kv_map,
+    const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& positions,
+    bool causal, double scale, bool mask_grad) {
+  auto g = flash_attention_backward(
+      grad_out, local_args(q, k, v, kv_map, mask, positions, causal, scale), out, lse, mask_grad);
+  // No mask gradient: an empty tensor (a dispatcher op cannot return an undefined one).
+  if (!g[3].defined()) g[3] = at::empty({0}, q.options());
+  return {g[0], g[1], g[2], g[3]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(ulysses, m) {
+  m.def("sequence_lengths(Tensor x, int dim, str group, int timeout_ms) -> Tensor");
+  m.def("scatter_heads(Tensor[] xs, str[] heads, int q_heads, int kv_heads, int[] seq_lens, "
+        "str layout, str group, int timeout_ms) -> Tensor[]");
+  m.def("gather_heads(Tensor[] ys, str[] heads, int q_heads, int kv_heads, int[] seq_lens, "
+        "str layout, str group, int timeout_ms) -> Tensor[]");
+  m.def("all_gather_sequence(Tensor x, int dim, int[] seq_lens, str group, int timeout_ms) -> "
+        "Tensor");
+  m.def("reduce_scatter_sequence(Tensor x, int dim, int[] seq_lens, str group, int timeout_ms) "
+        "-> Tensor");
+  m.def("rebuild_mask(Tensor mask, int q_heads, int kv_heads, int[] seq_lens, str group, "
+        "int timeout_ms) -> Tensor");
+  m.def("rebuild_mask_backward(Tensor grad, int[] mask_sizes, int q_heads, int kv_heads, "
+        "int[] seq_lens, str group, int timeout_ms) -> Tensor");
+  m.def("flash_attention(Tensor q, Tensor k, Tensor v, int[] kv_map, Tensor? mask, "
+        "Tensor? positions, bool causal, float scale) -> (Tensor, Tensor)");
+  m.def("flash_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+        "Tensor lse, int[] kv_map, Tensor? mask, Tensor? positions, bool causal, float scale, "
+        "bool mask_grad) -> (Tensor, Tensor, Tensor, Tensor)");
+}
+
+// Collectives: one kernel for every device (the ProcessGroup dispatches by device).
+TORCH_LIBRARY_IMPL(ulysses, CompositeExplicitAutograd, m) {
+  m.impl("sequence_lengths", &sequence_lengths);
+  m.impl("scatter_heads", &scatter_heads_op);
+  m.impl("gather_heads", &gather_heads_op);
+  m.impl("all_gather_sequence", &all_gather_sequence_op);
+  m.impl("reduce_scatter_sequence", &reduce_scatter_sequence_op);
+  m.impl("rebuild_mask", &rebuild_mask_op);
+  m.impl("rebuild_mask_backward", &rebuild_mask_backward_op);
+}
+
+// The fused kernel is CPU code (CUDA tensors use SDPA in python/ulysses/attention.py).
+TORCH_LIBRARY_IMPL(ulysses, CPU, m) {
+  m.impl("flash_attention", &flash_attention_op);
+  m.impl("flash_attention_backward", &flash_attention_backward_op);
+}
+
+}  // namespace ulysses

@@ -1,0 +1,47 @@
+"""Ulysses sequence parallelism for transformer attention (C++ core, PyTorch front end).
+
+Loading the package registers the ``torch.ops.ulysses`` operators.
+"""
+
+from __future__ import annotations
+
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from . import _C
+from .attention import DistributedAttention, StepContext
+from .ops import (
+    all_gather_sequence,
+    flash_attention,
+    gather_heads,
+    rebuild_mask,
+    reduce_scatter_sequence,
+    scatter_heads,
+    sequence_lengths,
+)
+
+__version__ = "0.2.0"
+
+
+def plan(q_heads: int, kv_heads: int | None = None, sp: int = 1, seq_len: int | None = None) -> dict:
+    """Each rank's heads (and tokens) for one attention over an SP group of ``sp`` ranks.
+
+    Returns plain values: ``q_heads``/``kv_heads`` (per-rank counts), ``q_ranges``/``kv_ranges``
+    (per-rank ``(start, end)`` global head indices), ``kv_map`` (per rank, the local kv head of
+    each local query head) and, with ``seq_len``, ``seq_lens``. Raises ``ValueError`` for an
+    invalid setup (e.g. fewer query heads than ranks).
+    """
+    return _C.plan(q_heads, q_heads if kv_heads is None else kv_heads, sp, seq_len)
+
+
+__all__ = [
+    "DistributedAttention",
+    "StepContext",
+    "all_gather_sequence",
+    "flash_attention",
+    "gather_heads",
+    "plan",
+    "rebuild_mask",
+    "reduce_scatter_sequence",
+    "scatter_heads",
+    "sequence_lengths",
+]

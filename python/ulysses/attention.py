@@ -1,0 +1,163 @@
+"""``ulysses.DistributedAttention``: Ulysses sequence-parallel attention as an ``nn.Module``.
+
+    q, k, v on this rank's sequence shard [B, S_r, H, D] (BSHD; or SBHD, BHSD)
+      --scatter_heads (one fused all-to-all)-->  [B, S, my heads, D]
+    mask rebuilt for (all queries, my heads); position ids gathered to [B, S]
+    local attention on my heads over the full sequence (GQA through the partition's kv map)
+      --gather_heads-->  o on this rank's shard [B, S_r, Hq, Dv]
+
+Head counts belong to the instance (given, or captured from the first call): two instances
+with different head counts share a process freely. Every step is a torch.ops.ulysses op, so
+the module traces under torch.compile (pass ``seq_lens`` there: a compiled graph cannot learn
+them from the other ranks).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _C
+from . import ops as O
+
+_TO_BHSD = {"BSHD": (0, 2, 1, 3), "SBHD": (1, 2, 0, 3), "BHSD": (0, 1, 2, 3)}
+
+
+def _inverse(perm: Sequence[int]) -> tuple[int, ...]:
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return tuple(inv)
+
+
+class StepContext:
+    """Per-forward-step cache shared by the attention layers of one model.
+
+    A mask (or position ids) used by several layers is rebuilt (gathered) once per step, not
+    once per layer. Entries are keyed by the source tensor's identity and version counter, so a
+    mask changed in place is rebuilt. Create one per forward step (eager mode).
+    """
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[torch.Tensor, int, tuple, torch.Tensor]] = []
+        self.reuses = 0  # Rebuilds saved so far.
+
+    def get(self, source: torch.Tensor, key: tuple, build) -> torch.Tensor:
+        for src, version, k, result in self._entries:
+            if src is source and version == source._version and k == key:
+                self.reuses += 1
+                return result
+        result = build()
+        self._entries.append((source, source._version, key, result))
+        return result
+
+
+class DistributedAttention(nn.Module):
+    """Sequence-parallel attention over the ranks of ``group``.
+
+    Args:
+        group: the SP group: a ``torch.distributed`` ProcessGroup, a group name, or a
+            ``(DeviceMesh, dim)`` pair; None means the default group.
+        q_heads, kv_heads: total query / kv heads of this attention (None: taken from the first
+            call's q and k). Hq must be a multiple of Hkv and >= the group size.
+        layout: "BSHD" (HF, flash-attention), "SBHD" (Megatron) or "BHSD" (SDPA).
+        causal: causal attention (within each packed document when position ids are given).
+        scale: softmax scale (None: 1/sqrt(D)).
+        timeout: longest wait for any collective (timedelta or seconds; default 120 s).
+    """
+
+    def __init__(self, group=None, *, q_heads: int | None = None, kv_heads: int | None = None,
+                 layout: str = "BSHD", causal: bool = False, scale: float | None = None,
+                 timeout: datetime.timedelta | float | None = None) -> None:
+        super().__init__()
+        if isinstance(group, tuple):  # (DeviceMesh, dim)
+            mesh, dim = group
+            group = mesh.get_group(dim)
+        self.group_name = O.group_name(group)
+        pg = torch._C._distributed_c10d._resolve_process_group(self.group_name)
+        self.rank, self.sp_size = pg.rank(), pg.size()
+        self.layout = layout.upper()
+        if self.layout not in _TO_BHSD:
+            raise ValueError(f"DistributedAttention: layout must be BSHD, SBHD or BHSD; got {layout!r}")
+        self.seq_dim, self.head_dim = _C.layout_dims(self.layout)
+        self.causal = causal
+        self.scale = scale
+        self.timeout_ms = O.timeout_ms(timeout)
+        self.q_heads = q_heads
+        self.kv_heads = kv_heads if kv_heads is not None else q_heads
+        if q_heads is not None:
+            _C.plan(q_heads, self.kv_heads, self.sp_size)  # Fail fast on an invalid setup.
+
+    def extra_repr(self) -> str:
+        return (f"group={self.group_name!r}, sp={self.sp_size}, q_heads={self.q_heads}, "
+                f"kv_heads={self.kv_heads}, layout={self.layout}, causal={self.causal}")
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                seq_lens: Sequence[int] | None = None, step: StepContext | None = None) -> torch.Tensor:
+        """o = attention(q, k, v) on this rank's sequence shard.
+
+        q ``[B, S_r, Hq, D]``, k ``[B, S_r, Hkv, D]``, v ``[B, S_r, Hkv, Dv]`` (BSHD shown) ->
+        ``[B, S_r, Hq, Dv]``. ``mask``: bool (true = attend) or additive float, e.g. a padding
+        mask ``[B, 1, S_r, S]`` with query rows sharded (see ``rebuild_mask``). ``position_ids``:
+        this shard's global positions ``[B, S_r]`` or ``[S_r]`` (packed documents restart at 0).
+        ``seq_lens``: every rank's token count (learned with one small collective when None;
+        required under torch.compile). ``step``: shares rebuilt masks across layers.
+        """
+        if self.q_heads is None:
+            # Captured on this instance from the first call; the ops' agreement round makes
+            # ranks that disagree fail together.
+            if q.dim() != 4 or k.dim() != 4:
+                raise ValueError(f"DistributedAttention: q and k must be 4-D ({self.layout}); "
+                                 f"got {tuple(q.shape)} and {tuple(k.shape)}")
+            self.q_heads, self.kv_heads = q.shape[self.head_dim], k.shape[self.head_dim]
+        hq, hkv = self.q_heads, self.kv_heads
+        if seq_lens is None:
+            if torch.compiler.is_compiling():
+                raise ValueError("DistributedAttention: pass seq_lens (every rank's token count) "
+                                 "when compiling; a compiled graph cannot learn them")
+            seq_lens = O.sequence_lengths(q, self.seq_dim, self.group_name, self.timeout_ms / 1000)
+        seq_lens = [int(n) for n in seq_lens]
+        args = (hq, hkv, seq_lens)
+        group, t = self.group_name, self.timeout_ms
+        if q.dtype == k.dtype == v.dtype:
+            qh, kh, vh = O._ops.scatter_heads([q, k, v], ["q", "kv", "kv"], *args, self.layout, group, t)
+        else:
+            qh, kh, vh = (O._ops.scatter_heads([x], [h], *args, self.layout, group, t)[0]
+                          for x, h in ((q, "q"), (k, "kv"), (v, "kv")))
+        if mask is not None:
+            build = lambda: O._ops.rebuild_mask(mask, *args, group, t)  # noqa: E731
+            shared = mask.dim() < 3 or mask.shape[-3] == 1
+            mask = step.get(mask, ("mask", shared or (hq, hkv), tuple(seq_lens)), build) if step else build()
+        if position_ids is not None:
+            build = lambda: O._ops.all_gather_sequence(position_ids, -1, seq_lens, group, t)  # noqa: E731
+            position_ids = step.get(position_ids, ("positions", tuple(seq_lens)), build) if step else build()
+        perm = _TO_BHSD[self.layout]
+        kv_map = O._plan(hq, hkv, self.sp_size)["kv_map"][self.rank]
+        o = self._local(qh.permute(perm), kh.permute(perm), vh.permute(perm), kv_map, mask,
+                        position_ids)
+        return O._ops.gather_heads([o.permute(_inverse(perm))], ["q"], *args, self.layout, group, t)[0]
+
+    def _local(self, q, k, v, kv_map, mask, positions):
+        if q.device.type == "cpu" and q.dtype != torch.float64:
+            out, _ = O._ops.flash_attention(q, k, v, kv_map, mask, positions, self.causal,
+                                            0.0 if self.scale is None else float(self.scale))
+            return out
+        # Note [Local attention by device]: other devices use SDPA (flash / memory-efficient
+        # backends on CUDA) with kv heads expanded through the kv map.
+        if positions is not None:
+            raise NotImplementedError("DistributedAttention: packed documents (position_ids) "
+                                      f"are implemented by the CPU kernel only; got {q.device}")
+        index = torch.tensor(kv_map, device=q.device)
+        k, v = k.index_select(1, index), v.index_select(1, index)
+        if self.causal and mask is not None:
+            S = q.shape[2]
+            tril = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+            mask = mask & tril if mask.dtype == torch.bool else mask.masked_fill(~tril, float("-inf"))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal,
+                                              scale=self.scale)

@@ -1,0 +1,287 @@
+"""Functional ops over ``torch.ops.ulysses`` with their autograd formulas and fake kernels.
+
+The C++ kernels (bindings/ops.cpp) do the work; this file registers, for each op, the fake
+kernel torch.compile traces with (output shapes from the C++ planners) and the backward (the
+adjoint op). A process group is passed to the ops by its name, as torch's functional
+collectives do; the wrappers accept a ProcessGroup, a DeviceMesh dimension or a name.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+from typing import Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+GroupLike = Union[str, "dist.ProcessGroup", None]
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
+_ops = torch.ops.ulysses
+
+
+def group_name(group: GroupLike) -> str:
+    """The c10d name of ``group`` (a ProcessGroup, a name, or None for the default group)."""
+    if isinstance(group, str):
+        return group
+    if group is None:
+        group = dist.group.WORLD
+        if group is None:
+            raise ValueError("ulysses: no process group given and torch.distributed is not initialized")
+    return group.group_name
+
+
+def timeout_ms(timeout: datetime.timedelta | float | None) -> int:
+    """Milliseconds of a timedelta or of seconds (None: the default, 120 s)."""
+    if timeout is None:
+        timeout = DEFAULT_TIMEOUT
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    if not seconds > 0:
+        raise ValueError(f"ulysses: timeout must be > 0 seconds; got {seconds}")
+    return max(1, int(round(seconds * 1000)))
+
+
+def _rank_size(name: str) -> tuple[int, int]:
+    pg = torch._C._distributed_c10d._resolve_process_group(name)
+    return pg.rank(), pg.size()
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(q_heads: int, kv_heads: int, sp: int) -> dict:
+    return _C.plan(q_heads, kv_heads, sp)
+
+
+@functools.lru_cache(maxsize=8)
+def _dims(layout: str) -> tuple[int, int]:
+    return _C.layout_dims(layout)
+
+
+# ---- sequence_lengths ---------------------------------------------------------------------
+
+
+@torch.library.register_fake("ulysses::sequence_lengths")
+def _(x, dim, group, timeout_ms):
+    return x.new_empty((_rank_size(group)[1],), dtype=torch.long)
+
+
+def sequence_lengths(x: torch.Tensor, dim: int, group: GroupLike = None, timeout=None) -> list[int]:
+    """Every rank's length of ``x`` along ``dim`` (one small collective; eager only)."""
+    return _ops.sequence_lengths(x, dim, group_name(group), timeout_ms(timeout)).tolist()
+
+
+# ---- scatter_heads / gather_heads -----------------------------------------------------------
+
+
+def _a2a_shapes(xs, heads, q_heads, kv_heads, seq_lens, layout, group, to_heads: bool):
+    rank, size = _rank_size(group)
+    plan = _plan(q_heads, kv_heads, size)
+    sdim, hdim = _dims(layout)
+    outs = []
+    for x, h in zip(xs, heads):
+        shape = list(x.shape)
+        if to_heads:
+            shape[sdim] = sum(seq_lens)
+            shape[hdim] = plan["q_heads" if h == "q" else "kv_heads"][rank]
+        else:
+            shape[sdim] = seq_lens[rank]
+            shape[hdim] = q_heads if h == "q" else kv_heads
+        outs.append(x.new_empty(shape))
+    return outs
+
+
+@torch.library.register_fake("ulysses::scatter_heads")
+def _(xs, heads, q_heads, kv_heads, seq_lens, layout, group, timeout_ms):
+    return _a2a_shapes(xs, heads, q_heads, kv_heads, seq_lens, layout, group, True)
+
+
+@torch.library.register_fake("ulysses::gather_heads")
+def _(ys, heads, q_heads, kv_heads, seq_lens, layout, group, timeout_ms):
+    return _a2a_shapes(ys, heads, q_heads, kv_heads, seq_lens, layout, group, False)
+
+
+def _setup_a2a(ctx, inputs, output):
+    ctx.args = tuple(inputs[1:])
+    ctx.shapes = [(x.shape, x.dtype, x.device) for x in output]
+
+
+def _defined(grads, ctx):
+    # Outputs that did not reach the loss have no gradient: zeros keep the collective whole.
+    return [g if g is not None else torch.zeros(s, dtype=d, device=dev)
+            for g, (s, d, dev) in zip(grads, ctx.shapes)]
+
+
+def _scatter_backward(ctx, grads):
+    return (_ops.gather_heads(_defined(grads, ctx), *ctx.args),) + (None,) * 7
+
+
+def _gather_backward(ctx, grads):
+    return (_ops.scatter_heads(_defined(grads, ctx), *ctx.args),) + (None,) * 7
+
+
+torch.library.register_autograd("ulysses::scatter_heads", _scatter_backward, setup_context=_setup_a2a)
+torch.library.register_autograd("ulysses::gather_heads", _gather_backward, setup_context=_setup_a2a)
+
+
+def scatter_heads(xs: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int, kv_heads: int,
+                  seq_lens: Sequence[int], layout: str = "BSHD", group: GroupLike = None,
+                  timeout=None) -> list[torch.Tensor]:
+    """Sequence-sharded ``[B, S_r, H, D]`` tensors to head-sharded ``[B, S, H_r, D]`` (BSHD shown).
+
+    ``heads[i]`` is ``"q"`` (Hq heads) or ``"kv"`` (Hkv heads) for ``xs[i]``; all tensors move in
+    one all-to-all. ``seq_lens`` is every rank's token count. Every rank checks every rank's
+    inputs first (one small collective), so a mismatch raises the same error everywhere.
+    Differentiable: the backward is ``gather_heads``.
+    """
+    return _ops.scatter_heads(list(xs), list(heads), q_heads, kv_heads, list(seq_lens), layout,
+                              group_name(group), timeout_ms(timeout))
+
+
+def gather_heads(ys: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int, kv_heads: int,
+                 seq_lens: Sequence[int], layout: str = "BSHD", group: GroupLike = None,
+                 timeout=None) -> list[torch.Tensor]:
+    """The inverse of ``scatter_heads``: ``[B, S, H_r, D]`` back to ``[B, S_r, H, D]``.
+
+    Replicated kv heads (Hkv < P) are summed over the ranks that hold them, which makes it the
+    exact adjoint of ``scatter_heads``.
+    """
+    return _ops.gather_heads(list(ys), list(heads), q_heads, kv_heads, list(seq_lens), layout,
+                             group_name(group), timeout_ms(timeout))
+
+
+# ---- all_gather_sequence / reduce_scatter_sequence -------------------------------------------
+
+
+def _seq_shape(x, dim, seq_lens, group, gathered: bool):
+    rank, _ = _rank_size(group)
+    shape = list(x.shape)
+    shape[dim] = sum(seq_lens) if gathered else seq_lens[rank]
+    return x.new_empty(shape)
+
+
+@torch.library.register_fake("ulysses::all_gather_sequence")
+def _(x, dim, seq_lens, group, timeout_ms):
+    return _seq_shape(x, dim, seq_lens, group, True)
+
+
+@torch.library.register_fake("ulysses::reduce_scatter_sequence")
+def _(x, dim, seq_lens, group, timeout_ms):
+    return _seq_shape(x, dim, seq_lens, group, False)
+
+
+def _setup_seq(ctx, inputs, output):
+    ctx.args = tuple(inputs[1:])
+
+
+torch.library.register_autograd(
+    "ulysses::all_gather_sequence",
+    lambda ctx, g: (_ops.reduce_scatter_sequence(g, *ctx.args),) + (None,) * 4,
+    setup_context=_setup_seq)
+torch.library.register_autograd(
+    "ulysses::reduce_scatter_sequence",
+    lambda ctx, g: (_ops.all_gather_sequence(g, *ctx.args),) + (None,) * 4,
+    setup_context=_setup_seq)
+
+
+def all_gather_sequence(x: torch.Tensor, dim: int, seq_lens: Sequence[int], group: GroupLike = None,
+                        timeout=None) -> torch.Tensor:
+    """``[.., S_r, ..]`` shards along ``dim`` gathered into ``[.., S, ..]`` in rank order.
+
+    Backward: ``reduce_scatter_sequence`` (sum over the group, keep this rank's rows).
+    """
+    return _ops.all_gather_sequence(x, dim, list(seq_lens), group_name(group), timeout_ms(timeout))
+
+
+def reduce_scatter_sequence(x: torch.Tensor, dim: int, seq_lens: Sequence[int],
+                            group: GroupLike = None, timeout=None) -> torch.Tensor:
+    """Sum of ``x`` ``[.., S, ..]`` over the group, this rank's rows ``[.., S_r, ..]`` kept."""
+    return _ops.reduce_scatter_sequence(x, dim, list(seq_lens), group_name(group),
+                                        timeout_ms(timeout))
+
+
+# ---- rebuild_mask ------------------------------------------------------------------------------
+
+
+@torch.library.register_fake("ulysses::rebuild_mask")
+def _(mask, q_heads, kv_heads, seq_lens, group, timeout_ms):
+    rank, _ = _rank_size(group)
+    shape = _C.rebuilt_mask_shape(list(mask.shape), q_heads, kv_heads, list(seq_lens), rank)
+    return mask.new_empty(shape)
+
+
+@torch.library.register_fake("ulysses::rebuild_mask_backward")
+def _(grad, mask_sizes, q_heads, kv_heads, seq_lens, group, timeout_ms):
+    return grad.new_empty(mask_sizes)
+
+
+def _setup_mask(ctx, inputs, output):
+    mask = inputs[0]
+    ctx.sizes = list(mask.shape)
+    ctx.args = tuple(inputs[1:])
+
+
+def _mask_backward(ctx, grad):
+    return (_ops.rebuild_mask_backward(grad, ctx.sizes, *ctx.args),) + (None,) * 5
+
+
+torch.library.register_autograd("ulysses::rebuild_mask", _mask_backward, setup_context=_setup_mask)
+
+
+def rebuild_mask(mask: torch.Tensor, q_heads: int, kv_heads: int, seq_lens: Sequence[int],
+                 group: GroupLike = None, timeout=None) -> torch.Tensor:
+    """``mask`` rebuilt for attention on this rank's query heads over the full sequence.
+
+    Bool (true = attend) or additive float, 2-D ``[Sq, Sk]``, 3-D ``[heads, Sq, Sk]`` or 4-D
+    ``[B, heads, Sq, Sk]`` with ``Sq`` in {S_r, S, 1}, ``Sk`` in {S, 1}, heads in {1, Hq}.
+    Returns a 4-D mask broadcastable to ``[B, H_r, S, S]``. Differentiable for float masks.
+    """
+    return _ops.rebuild_mask(mask, q_heads, kv_heads, list(seq_lens), group_name(group),
+                             timeout_ms(timeout))
+
+
+# ---- flash_attention ---------------------------------------------------------------------------
+
+
+@torch.library.register_fake("ulysses::flash_attention")
+def _(q, k, v, kv_map, mask, positions, causal, scale):
+    B, H, S, _ = q.shape
+    return q.new_empty((B, H, S, v.shape[-1])), q.new_empty((B, H, S), dtype=torch.float32)
+
+
+@torch.library.register_fake("ulysses::flash_attention_backward")
+def _(grad_out, q, k, v, out, lse, kv_map, mask, positions, causal, scale, mask_grad):
+    dmask = torch.empty_like(mask) if mask_grad else q.new_empty((0,))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+
+
+def _setup_flash(ctx, inputs, output):
+    q, k, v, kv_map, mask, positions, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, mask, positions)
+    ctx.meta = (list(kv_map), causal, scale)
+    ctx.mask_grad = mask is not None and mask.is_floating_point() and mask.requires_grad
+
+
+def _flash_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, mask, positions = ctx.saved_tensors
+    kv_map, causal, scale = ctx.meta
+    dq, dk, dv, dmask = _ops.flash_attention_backward(
+        grad_out, q, k, v, out, lse, kv_map, mask, positions, causal, scale, ctx.mask_grad)
+    return dq, dk, dv, None, (dmask if ctx.mask_grad else None), None, None, None
+
+
+torch.library.register_autograd("ulysses::flash_attention", _flash_backward, setup_context=_setup_flash)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: Sequence[int],
+                    mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                    causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """The fused CPU attention kernel: q ``[B, Hq, S, D]``, k ``[B, Hkv, S, D]``, v ``[B, Hkv, S, Dv]``
+    (BHSD) -> ``[B, Hq, S, Dv]``. Query head h uses kv head ``kv_map[h]``; ``mask`` is bool or
+    additive float broadcastable to ``[B, Hq, S, S]``; ``positions`` ``[B, S]`` or ``[S]`` are
+    global position ids (packed documents restart at 0). Never materialises the S x S scores.
+    """
+    out, _ = _ops.flash_attention(q, k, v, list(kv_map), mask, positions, causal,
+                                  0.0 if scale is None else float(scale))
+    return out

@@ -1,0 +1,79 @@
+"""Shared helpers: ranks as threads over real Gloo groups (tests/thread_groups.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Callable
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import thread_groups  # noqa: E402
+
+import ulysses  # noqa: E402,F401  (registers torch.ops.ulysses)
+
+torch.set_num_threads(1)  # The ranks share the machine's cores.
+
+
+def run_ranks(world: int, body: Callable[[int, str], object], timeout_s: float = 30.0) -> list:
+    """Runs ``body(rank, group_name)`` on ``world`` thread ranks; returns results, raises the
+    first rank's error (with its rank) if any rank failed."""
+    names, groups = thread_groups.make_thread_groups(world, timeout_s)
+    results: list = [None] * world
+    errors: list = [None] * world
+
+    def run(r: int) -> None:
+        try:
+            results[r] = body(r, names[r])
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    thread_groups.release(names)
+    del groups
+    for r, e in enumerate(errors):
+        if e is not None:
+            raise AssertionError(f"rank {r} of {world} failed: {e!r}") from e
+    return results
+
+
+def run_ranks_errors(world: int, body: Callable[[int, str], object]) -> list[str]:
+    """Like run_ranks, but returns each rank's error message ('' for a clean finish)."""
+    names, groups = thread_groups.make_thread_groups(world, 30.0)
+    errors = [""] * world
+
+    def run(r: int) -> None:
+        try:
+            body(r, names[r])
+        except Exception as e:  # noqa: BLE001
+            errors[r] = f"{type(e).__name__}: {e}"
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    thread_groups.release(names)
+    del groups
+    return errors
+
+
+def seq_lens(S: int, P: int) -> list[int]:
+    return [S // P + (r < S % P) for r in range(P)]
+
+
+def shard(x: torch.Tensor, dim: int, rank: int, lens: list[int]) -> torch.Tensor:
+    start = sum(lens[:rank])
+    return x.narrow(dim, start, lens[rank])
+
+
+@pytest.fixture
+def ranks():
+    return run_ranks

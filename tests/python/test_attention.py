@@ -1,0 +1,170 @@
+"""ulysses.DistributedAttention on thread ranks vs a single-rank reference, forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ulysses
+from conftest import run_ranks, run_ranks_errors, seq_lens, shard
+from reference import reference_attention
+
+CASES = [
+    # (world, S, hq, hkv, mask kind, positions, causal)
+    (1, 9, 4, 2, None, False, False),
+    (2, 13, 4, 2, None, False, True),
+    (2, 13, 15, 15, "bool_padding", False, False),  # uneven heads
+    (3, 14, 6, 3, "float_learnable", False, False),  # GQA, uneven S
+    (3, 10, 4, 1, "bool_per_head", False, True),     # MQA, kv replicated
+    (4, 17, 8, 2, "float_full", True, True),         # packed documents
+    (2, 12, 2, 1, "key_broadcast", True, False),
+]
+
+
+def make_mask(kind, B, hq, S, gen):
+    if kind is None:
+        return None
+    if kind == "bool_padding":
+        m = torch.ones(B, 1, S, S, dtype=torch.bool)
+        m[0, :, :, S - 3:] = False  # right padding of batch 0
+        return m
+    if kind == "float_learnable":
+        return torch.randn(B, 1, S, S, generator=gen)
+    if kind == "bool_per_head":
+        return torch.rand(B, hq, S, S, generator=gen) > 0.3
+    if kind == "float_full":
+        return torch.randn(1, hq, S, S, generator=gen)
+    if kind == "key_broadcast":
+        return torch.randn(B, 1, 1, S, generator=gen)
+    raise AssertionError(kind)
+
+
+def positions_for(S):
+    # Three packed documents with global positions restarting at 0.
+    cut = [0, S // 3, S // 3 + S // 4, S]
+    return torch.cat([torch.arange(cut[i + 1] - cut[i]) for i in range(3)]).unsqueeze(0).expand(2, S)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("world,S,hq,hkv,mask_kind,packed,causal", CASES)
+def test_matches_single_rank_reference(world, S, hq, hkv, mask_kind, packed, causal):
+    B, D = 2, 8
+    gen = torch.Generator().manual_seed(world * 100 + S)
+    Q, K, V = (torch.randn(B, S, h, D, generator=gen) for h in (hq, hkv, hkv))
+    M = make_mask(mask_kind, B, hq, S, gen)
+    pos = positions_for(S) if packed else None
+    learn_mask = M is not None and M.is_floating_point()
+
+    # Reference: full tensors on one rank.
+    q, k, v = (t.clone().double().requires_grad_() for t in (Q, K, V))
+    m = M.clone().double().requires_grad_() if learn_mask else M
+    ref = reference_attention(q, k, v, m, pos, causal)
+    dO = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    (ref * dO).sum().backward()
+
+    lens = seq_lens(S, world)
+    sharded_rows = mask_kind in ("bool_padding", "float_learnable", "bool_per_head")
+
+    def body(rank, group):
+        attn = ulysses.DistributedAttention(group, causal=causal)
+        ql, kl, vl = (shard(t, 1, rank, lens).clone().requires_grad_() for t in (Q, K, V))
+        ml = None
+        if M is not None:
+            ml = shard(M, 2, rank, lens).clone() if sharded_rows else M.clone()
+            if learn_mask:
+                ml.requires_grad_()
+        pl = shard(pos, 1, rank, lens) if packed else None
+        o = attn(ql, kl, vl, mask=ml, position_ids=pl)
+        (o * shard(dO, 1, rank, lens).float()).sum().backward()
+        return o.detach(), ql.grad, kl.grad, vl.grad, (ml.grad if learn_mask else None)
+
+    results = run_ranks(world, body)
+    out = torch.cat([r[0] for r in results], 1)
+    assert rel(out, ref) < 1e-5
+    for i, full in ((1, q.grad), (2, k.grad), (3, v.grad)):
+        assert rel(torch.cat([r[i] for r in results], 1), full) < 1e-4, f"grad {i}"
+    if learn_mask:
+        if sharded_rows:
+            dm = torch.cat([r[4] for r in results], 2)
+        else:  # a full mask is an input of every rank: its gradient is the sum over ranks
+            dm = sum(r[4] for r in results)
+        assert rel(dm, m.grad) < 1e-4
+
+
+def test_two_modules_with_different_head_counts_interleave():
+    S, D = 10, 4
+    gen = torch.Generator().manual_seed(3)
+    A = [torch.randn(1, S, h, D, generator=gen) for h in (6, 3, 3)]
+    B = [torch.randn(1, S, h, D, generator=gen) for h in (4, 4, 4)]
+    ref_a, ref_b = reference_attention(*A), reference_attention(*B)
+    lens = seq_lens(S, 2)
+
+    def body(rank, group):
+        first = ulysses.DistributedAttention(group)  # heads captured from its first call
+        second = ulysses.DistributedAttention(group, q_heads=4, kv_heads=4)
+        outs = []
+        for _ in range(2):
+            outs.append(first(*(shard(t, 1, rank, lens) for t in A)))
+            outs.append(second(*(shard(t, 1, rank, lens) for t in B)))
+        assert (first.q_heads, first.kv_heads) == (6, 3)
+        return outs
+
+    results = run_ranks(2, body)
+    for i, ref in enumerate([ref_a, ref_b, ref_a, ref_b]):
+        assert rel(torch.cat([r[i] for r in results], 1), ref) < 1e-5
+
+
+def test_shared_mask_is_rebuilt_once_per_step():
+    S, hq, D = 8, 4, 4
+    gen = torch.Generator().manual_seed(5)
+    lens = seq_lens(S, 2)
+    X = [torch.randn(1, S, hq, D, generator=gen) for _ in range(3)]
+    M = torch.rand(1, 1, S, S, generator=gen) > 0.2
+
+    def body(rank, group):
+        layers = [ulysses.DistributedAttention(group, q_heads=hq) for _ in range(3)]
+        x = [shard(t, 1, rank, lens) for t in X]
+        mask = shard(M, 2, rank, lens)
+        step = ulysses.StepContext()
+        before = ulysses._C.collective_count(group)
+        for layer in layers:
+            layer(*x, mask=mask, seq_lens=lens, step=step)
+        with_step = ulysses._C.collective_count(group) - before
+        before = ulysses._C.collective_count(group)
+        for layer in layers:
+            layer(*x, mask=mask, seq_lens=lens)
+        without = ulysses._C.collective_count(group) - before
+        return with_step, without, step.reuses
+
+    for with_step, without, reuses in run_ranks(2, body):
+        assert reuses == 2
+        # Each mask rebuild is 2 collectives (agreement + all-gather): saved twice with the step.
+        assert without - with_step == 4
+
+
+def test_one_rank_with_wrong_heads_fails_alike_on_every_rank():
+    S, D = 8, 4
+    lens = seq_lens(S, 2)
+
+    def body(rank, group):
+        attn = ulysses.DistributedAttention(group, q_heads=4, kv_heads=2)
+        hkv = 2 if rank == 0 else 1
+        q = torch.randn(1, lens[rank], 4, D)
+        kv = torch.randn(1, lens[rank], hkv, D)
+        attn(q, kv, kv)
+
+    errors = run_ranks_errors(2, body)
+    assert errors[0] == errors[1] != ""
+    assert "must have 2 kv heads" in errors[0]
+
+
+def test_too_few_heads_is_a_clear_error():
+    def body(rank, group):
+        ulysses.DistributedAttention(group, q_heads=1)
+
+    errors = run_ranks_errors(2, body)
+    assert errors[0] == errors[1]
+    assert "query heads (1) must be >= sequence-parallel size (2)" in errors[0]

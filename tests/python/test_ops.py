@@ -1,0 +1,139 @@
+"""torch.ops.ulysses: schema, fake kernels and autograd registration (torch.library.opcheck),
+and each op's values against slicing of full single-rank tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import run_ranks, seq_lens, shard
+
+ops = torch.ops.ulysses
+TIMEOUT_MS = 30_000
+
+
+def opcheck_all_ranks(world: int, make_call) -> None:
+    """Runs torch.library.opcheck on every rank of a thread group (each rank runs the same
+    sequence of collectives, so the op's communication stays matched)."""
+
+    def body(rank, group):
+        op, args = make_call(rank, group)
+        torch.library.opcheck(op, args)
+
+    run_ranks(world, body)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_opcheck_scatter_and_gather_heads(world):
+    lens = seq_lens(7, world)
+
+    def call_scatter(rank, group):
+        q = torch.randn(2, lens[rank], 4, 8, generator=torch.Generator().manual_seed(rank))
+        k = torch.randn(2, lens[rank], 2, 8, generator=torch.Generator().manual_seed(10 + rank))
+        q.requires_grad_(), k.requires_grad_()
+        return ops.scatter_heads.default, ([q, k], ["q", "kv"], 4, 2, lens, "BSHD", group, TIMEOUT_MS)
+
+    def call_gather(rank, group):
+        nq = ulysses_plan(4, 2, world)["q_heads"][rank]
+        y = torch.randn(2, 7, nq, 8, requires_grad=True)
+        return ops.gather_heads.default, ([y], ["q"], 4, 2, lens, "BSHD", group, TIMEOUT_MS)
+
+    opcheck_all_ranks(world, call_scatter)
+    opcheck_all_ranks(world, call_gather)
+
+
+def ulysses_plan(hq, hkv, p):
+    import ulysses
+
+    return ulysses.plan(hq, hkv, p)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_opcheck_sequence_ops(world):
+    lens = seq_lens(5, world)
+
+    def call_gather(rank, group):
+        x = torch.randn(3, lens[rank], 2, requires_grad=True)
+        return ops.all_gather_sequence.default, (x, 1, lens, group, TIMEOUT_MS)
+
+    def call_reduce(rank, group):
+        x = torch.randn(3, 5, 2, requires_grad=True)
+        return ops.reduce_scatter_sequence.default, (x, 1, lens, group, TIMEOUT_MS)
+
+    opcheck_all_ranks(world, call_gather)
+    opcheck_all_ranks(world, call_reduce)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("heads", [1, 4])
+def test_opcheck_rebuild_mask(world, heads):
+    lens = seq_lens(5, world)
+
+    def call(rank, group):
+        m = torch.randn(2, heads, lens[rank], 5, requires_grad=True)
+        return ops.rebuild_mask.default, (m, 4, 2, lens, group, TIMEOUT_MS)
+
+    opcheck_all_ranks(world, call)
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_opcheck_flash_attention(with_mask):
+    q = torch.randn(1, 4, 9, 8, requires_grad=True)
+    k = torch.randn(1, 2, 9, 8, requires_grad=True)
+    v = torch.randn(1, 2, 9, 6, requires_grad=True)
+    mask = torch.randn(1, 1, 9, 9, requires_grad=True) if with_mask else None
+    pos = torch.tensor([0, 1, 2, 3, 0, 1, 2, 0, 1])
+    torch.library.opcheck(ops.flash_attention.default, (q, k, v, [0, 0, 1, 1], mask, pos, True, 0.0))
+    out, lse = ops.flash_attention(q, k, v, [0, 0, 1, 1], mask, pos, True, 0.0)
+    g = torch.randn_like(out)
+    torch.library.opcheck(ops.flash_attention_backward.default,
+                          (g, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
+                           [0, 0, 1, 1], None if mask is None else mask.detach(), pos, True, 0.0,
+                           with_mask))
+
+
+def test_opcheck_sequence_lengths():
+    def body(rank, group):
+        x = torch.randn(2, 3 + rank)
+        torch.library.opcheck(ops.sequence_lengths.default, (x, 1, group, TIMEOUT_MS),
+                              test_utils=("test_schema", "test_faketensor"))
+        return ops.sequence_lengths(x, 1, group, TIMEOUT_MS).tolist()
+
+    assert run_ranks(3, body) == [[3, 4, 5]] * 3
+
+
+@pytest.mark.parametrize("world,hq,hkv", [(2, 4, 2), (3, 6, 3), (2, 15, 15), (4, 8, 2), (3, 4, 1)])
+def test_scatter_heads_values_and_gradients(world, hq, hkv):
+    """Each rank's scatter output equals the slice of the full tensor; gradients flow back
+    through gather (kv replicas summed)."""
+    import ulysses
+
+    S, D = 11, 4
+    lens = seq_lens(S, world)
+    plan = ulysses.plan(hq, hkv, world)
+    Q = torch.randn(2, S, hq, D, generator=torch.Generator().manual_seed(0))
+    K = torch.randn(2, S, hkv, D, generator=torch.Generator().manual_seed(1))
+
+    def body(rank, group):
+        q = shard(Q, 1, rank, lens).clone().requires_grad_()
+        k = shard(K, 1, rank, lens).clone().requires_grad_()
+        qh, kh = ulysses.scatter_heads([q, k], ["q", "kv"], hq, hkv, lens, "BSHD", group)
+        q0, q1 = plan["q_ranges"][rank]
+        k0, k1 = plan["kv_ranges"][rank]
+        assert torch.equal(qh, Q[:, :, q0:q1]) and torch.equal(kh, K[:, :, k0:k1])
+        (qh.sum() * 2 + (kh * 3).sum()).backward()
+        replicas = sum(1 for a, b in plan["kv_ranges"] for h in range(hkv) if a <= h < b)
+        assert torch.equal(q.grad, torch.full_like(q, 2.0))
+        # Each kv head's gradient is summed over the ranks holding a replica of it.
+        counts = torch.tensor([sum(a <= h < b for a, b in plan["kv_ranges"]) for h in range(hkv)],
+                              dtype=torch.float32)
+        assert torch.equal(k.grad, (3.0 * counts).view(1, 1, hkv, 1).expand_as(k))
+        return replicas
+
+    run_ranks(world, body)
+
+
+def test_ops_reject_unknown_group():
+    x = torch.randn(2, 3)
+    with pytest.raises(ValueError, match="no live process group is registered under the name 'nope'"):
+        ops.sequence_lengths(x, 1, "nope", TIMEOUT_MS)
