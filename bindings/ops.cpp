@@ -45,11 +45,12 @@ AllToAllPlan plan_of(int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_len
                       SequencePartition::from_lengths(seq_lens.vec()), parse_layout(layout)};
 }
 
-// Outputs of an op must not alias its inputs (the single-rank paths return them as they are).
+// Outputs of an op must not alias its inputs (the single-rank paths return them as they are)
+// and are contiguous, as the fake kernels promise the compiler.
 at::Tensor fresh(const at::Tensor& out, c10::ArrayRef<at::Tensor> inputs) {
   for (const at::Tensor& in : inputs)
-    if (in.defined() && out.is_alias_of(in)) return out.clone();
-  return out;
+    if (in.defined() && out.is_alias_of(in)) return out.clone(at::MemoryFormat::Contiguous);
+  return out.contiguous();
 }
 
 std::vector<at::Tensor> fresh(std::vector<at::Tensor> outs, c10::ArrayRef<at::Tensor> inputs) {
@@ -161,7 +162,9 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_op(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c10::IntArrayRef kv_map,
     const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& positions,
     bool causal, double scale) {
-  return flash_attention_forward(local_args(q, k, v, kv_map, mask, positions, causal, scale));
+  auto [out, lse] =
+      flash_attention_forward(local_args(q, k, v, kv_map, mask, positions, causal, scale));
+  return {out.contiguous(), lse.contiguous()};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attention_backward_op(
@@ -173,7 +176,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attention_backw
       grad_out, local_args(q, k, v, kv_map, mask, positions, causal, scale), out, lse, mask_grad);
   // No mask gradient: an empty tensor (a dispatcher op cannot return an undefined one).
   if (!g[3].defined()) g[3] = at::empty({0}, q.options());
-  return {g[0], g[1], g[2], g[3]};
+  return {g[0].contiguous(), g[1].contiguous(), g[2].contiguous(), g[3].contiguous()};
 }
 
 }  // namespace

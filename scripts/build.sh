@@ -6,9 +6,21 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 echo "build: compiling ulysses (the first build takes several minutes on 2 cores)"
 # Editable install: Python sources are used from python/, the extension is built in build/.
-.venv/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
+# The compiler's progress lines ([n/N] ...) and errors are shown; the full log is build/pip.log.
+mkdir -p build
+set +e
+.venv/bin/pip install -v --disable-pip-version-check --no-build-isolation --no-deps \
   -Cbuild-dir=build -Ccmake.define.ULYSSES_BUILD_TESTS=ON \
-  -Ccmake.define.ULYSSES_NATIVE_ARCH=ON -Cbuild.verbose=true -e . "$@" 2>&1 |
-  grep --line-buffered -E '^\[[0-9]+/[0-9]+\]|error|Error' || true
-.venv/bin/python -c "import ulysses" || { echo "build: failed (see above)"; exit 1; }
+  -Ccmake.define.ULYSSES_NATIVE_ARCH=ON -e . "$@" >build/pip.log 2>&1 &
+pip_pid=$!
+tail -n +1 -f build/pip.log --pid=$pip_pid |
+  grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\] |error:|FAILED' | sed -u 's/^ *//; s/ -o .*//' | cut -c1-120
+wait $pip_pid
+status=$?
+set -e
+if [ $status -ne 0 ] || ! .venv/bin/python -c "import ulysses" 2>/dev/null; then
+  tail -n 40 build/pip.log
+  echo "build: failed (full log: build/pip.log)"
+  exit 1
+fi
 echo "build: done"

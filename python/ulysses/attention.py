@@ -34,6 +34,12 @@ def _inverse(perm: Sequence[int]) -> tuple[int, ...]:
     return tuple(inv)
 
 
+@torch.compiler.assume_constant_result
+def _local_kv_map(q_heads: int, kv_heads: int, sp: int, rank: int) -> list[int]:
+    # A pure function of integers: torch.compile evaluates it once while tracing.
+    return O._plan(q_heads, kv_heads, sp)["kv_map"][rank]
+
+
 class StepContext:
     """Per-forward-step cache shared by the attention layers of one model.
 
@@ -137,7 +143,7 @@ class DistributedAttention(nn.Module):
             build = lambda: O._ops.all_gather_sequence(position_ids, -1, seq_lens, group, t)  # noqa: E731
             position_ids = step.get(position_ids, ("positions", tuple(seq_lens)), build) if step else build()
         perm = _TO_BHSD[self.layout]
-        kv_map = O._plan(hq, hkv, self.sp_size)["kv_map"][self.rank]
+        kv_map = _local_kv_map(hq, hkv, self.sp_size, self.rank)
         o = self._local(qh.permute(perm), kh.permute(perm), vh.permute(perm), kv_map, mask,
                         position_ids)
         return O._ops.gather_heads([o.permute(_inverse(perm))], ["q"], *args, self.layout, group, t)[0]

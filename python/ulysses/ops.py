@@ -251,8 +251,8 @@ def _(q, k, v, kv_map, mask, positions, causal, scale):
 
 @torch.library.register_fake("ulysses::flash_attention_backward")
 def _(grad_out, q, k, v, out, lse, kv_map, mask, positions, causal, scale, mask_grad):
-    dmask = torch.empty_like(mask) if mask_grad else q.new_empty((0,))
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+    dmask = mask.new_empty(mask.shape) if mask_grad else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask
 
 
 def _setup_flash(ctx, inputs, output):

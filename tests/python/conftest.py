@@ -65,6 +65,29 @@ def run_ranks_errors(world: int, body: Callable[[int, str], object]) -> list[str
     return errors
 
 
+def _process_rank(rank, world, store, body, args, result_dir):
+    import torch.distributed as dist
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        torch.save(body(rank, dist.group.WORLD.group_name, *args), os.path.join(result_dir, str(rank)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_processes(world: int, body: Callable, *args, tmp_dir: str) -> list:
+    """Runs ``body(rank, group_name, *args)`` on ``world`` processes (spawned, one Gloo world
+    through a FileStore in ``tmp_dir``); ``body`` must be a module-level function. Returns each
+    rank's result; a failing rank fails the call."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_process_rank, args=(world, os.path.join(tmp_dir, "store"), body, args, tmp_dir),
+                       nprocs=world, start_method="spawn")
+    return [torch.load(os.path.join(tmp_dir, str(r)), weights_only=False) for r in range(world)]
+
+
 def seq_lens(S: int, P: int) -> list[int]:
     return [S // P + (r < S % P) for r in range(P)]
 

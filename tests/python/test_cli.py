@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -66,8 +67,12 @@ def test_train_check_matches_single_rank(args):
 def test_train_check_under_torchrun_default_rendezvous():
     """Plain torchrun: its agent serves the store on MASTER_PORT and every rank joins it as a
     client (TORCHELASTIC_USE_AGENT_STORE), through torch.distributed's env:// rendezvous."""
+    with socket.socket() as s:  # a free loopback port for the agent's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     r = run(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-            "--master_port", "0", "-m", "ulysses", "train", "--seq-len", "63", "--pairs", "4", "--check")
+            "--master_port", str(port), "-m", "ulysses", "train", "--seq-len", "63", "--pairs", "4",
+            "--check")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PASS" in r.stdout and "FAIL" not in r.stdout
 

@@ -6,74 +6,52 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run_ranks, seq_lens, shard
+from conftest import run_processes, run_ranks, seq_lens, shard
 
 ops = torch.ops.ulysses
 TIMEOUT_MS = 30_000
 
 
-def opcheck_all_ranks(world: int, make_call) -> None:
-    """Runs torch.library.opcheck on every rank of a thread group (each rank runs the same
-    sequence of collectives, so the op's communication stays matched)."""
-
-    def body(rank, group):
-        op, args = make_call(rank, group)
-        torch.library.opcheck(op, args)
-
-    run_ranks(world, body)
-
-
-@pytest.mark.parametrize("world", [1, 2])
-def test_opcheck_scatter_and_gather_heads(world):
-    lens = seq_lens(7, world)
-
-    def call_scatter(rank, group):
-        q = torch.randn(2, lens[rank], 4, 8, generator=torch.Generator().manual_seed(rank))
-        k = torch.randn(2, lens[rank], 2, 8, generator=torch.Generator().manual_seed(10 + rank))
-        q.requires_grad_(), k.requires_grad_()
-        return ops.scatter_heads.default, ([q, k], ["q", "kv"], 4, 2, lens, "BSHD", group, TIMEOUT_MS)
-
-    def call_gather(rank, group):
-        nq = ulysses_plan(4, 2, world)["q_heads"][rank]
-        y = torch.randn(2, 7, nq, 8, requires_grad=True)
-        return ops.gather_heads.default, ([y], ["q"], 4, 2, lens, "BSHD", group, TIMEOUT_MS)
-
-    opcheck_all_ranks(world, call_scatter)
-    opcheck_all_ranks(world, call_gather)
-
-
-def ulysses_plan(hq, hkv, p):
+def collective_op_calls(rank: int, group: str, world: int) -> list:
+    """One call of every collective op, with this rank's shapes (uneven S, GQA, float masks
+    of both head kinds, requires_grad everywhere it can be)."""
     import ulysses
 
-    return ulysses.plan(hq, hkv, p)
+    lens = seq_lens(7, world)
+    nq = ulysses.plan(4, 2, world)["q_heads"][rank]
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(2, lens[rank], 4, 8, generator=g, requires_grad=True)
+    k = torch.randn(2, lens[rank], 2, 8, generator=g, requires_grad=True)
+    y = torch.randn(2, 7, nq, 8, generator=g, requires_grad=True)
+    calls = [
+        (ops.scatter_heads.default, ([q, k], ["q", "kv"], 4, 2, lens, "BSHD", group, TIMEOUT_MS)),
+        (ops.gather_heads.default, ([y], ["q"], 4, 2, lens, "BSHD", group, TIMEOUT_MS)),
+        (ops.all_gather_sequence.default,
+         (torch.randn(3, lens[rank], 2, requires_grad=True), 1, lens, group, TIMEOUT_MS)),
+        (ops.reduce_scatter_sequence.default,
+         (torch.randn(3, 7, 2, requires_grad=True), 1, lens, group, TIMEOUT_MS)),
+    ]
+    for heads in (1, 4):
+        m = torch.randn(2, heads, lens[rank], 7, generator=g, requires_grad=True)
+        calls.append((ops.rebuild_mask.default, (m, 4, 2, lens, group, TIMEOUT_MS)))
+    calls.append((ops.rebuild_mask.default,  # a full (not sharded) per-head mask
+                  (torch.randn(1, 4, 7, 7, requires_grad=True), 4, 2, lens, group, TIMEOUT_MS)))
+    return calls
+
+
+def _opcheck_collectives(rank: int, group: str, world: int) -> int:
+    # Every rank runs the same sequence of checks, so the ops' collectives stay matched.
+    calls = collective_op_calls(rank, group, world)
+    for op, args in calls:
+        torch.library.opcheck(op, args)
+    return len(calls)
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_opcheck_sequence_ops(world):
-    lens = seq_lens(5, world)
-
-    def call_gather(rank, group):
-        x = torch.randn(3, lens[rank], 2, requires_grad=True)
-        return ops.all_gather_sequence.default, (x, 1, lens, group, TIMEOUT_MS)
-
-    def call_reduce(rank, group):
-        x = torch.randn(3, 5, 2, requires_grad=True)
-        return ops.reduce_scatter_sequence.default, (x, 1, lens, group, TIMEOUT_MS)
-
-    opcheck_all_ranks(world, call_gather)
-    opcheck_all_ranks(world, call_reduce)
-
-
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("heads", [1, 4])
-def test_opcheck_rebuild_mask(world, heads):
-    lens = seq_lens(5, world)
-
-    def call(rank, group):
-        m = torch.randn(2, heads, lens[rank], 5, requires_grad=True)
-        return ops.rebuild_mask.default, (m, 4, 2, lens, group, TIMEOUT_MS)
-
-    opcheck_all_ranks(world, call)
+def test_opcheck_collective_ops(tmp_path, world):
+    """opcheck (schema, autograd registration, fake tensors, AOT dispatch with dynamic shapes)
+    of every collective op, on real Gloo groups of `world` processes."""
+    assert run_processes(world, _opcheck_collectives, world, tmp_dir=str(tmp_path)) == [7] * world
 
 
 @pytest.mark.parametrize("with_mask", [False, True])
