@@ -14,7 +14,7 @@ set +e
   -Ccmake.define.ULYSSES_NATIVE_ARCH=ON -e . "$@" >build/pip.log 2>&1 &
 pip_pid=$!
 tail -n +1 -f build/pip.log --pid=$pip_pid |
-  grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\] |error:|FAILED' | sed -u 's/^ *//; s/ -o .*//' | cut -c1-120
+  grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\] |error:|FAILED' | sed -u -E 's/^ *//; s/^(.{100}).*/\1/'
 wait $pip_pid
 status=$?
 set -e

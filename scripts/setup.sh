@@ -22,5 +22,6 @@ fi
 want=(torch==2.13.0 scikit-build-core pytest numpy hypothesis)
 if ! .venv/bin/python -c "import torch, pytest, scikit_build_core, numpy, hypothesis; assert torch.__version__.startswith('2.13.')" 2>/dev/null; then
   echo "setup: installing ${want[*]} into .venv"
-  .venv/bin/pip install -q --disable-pip-version-check "${want[@]}"
+  # (This machine's pip configuration warns about index folders it lacks: noise, filtered.)
+  .venv/bin/pip install -q --disable-pip-version-check "${want[@]}" 2>&1 | grep -v "^WARNING: Location"
 fi

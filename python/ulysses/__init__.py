@@ -21,6 +21,12 @@ from .ops import (
 
 __version__ = "0.2.0"
 
+import os as _os
+
+#: CMAKE_PREFIX_PATH entry for C++ users: find_package(ulysses) then links ulysses::ulysses
+#: (the library this package loads), with torch.utils.cmake_prefix_path for Torch.
+cmake_prefix_path = _os.path.join(_os.path.dirname(_C.__file__), "share", "cmake")
+
 
 def plan(q_heads: int, kv_heads: int | None = None, sp: int = 1, seq_len: int | None = None) -> dict:
     """Each rank's heads (and tokens) for one attention over an SP group of ``sp`` ranks.
