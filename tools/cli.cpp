@@ -24,6 +24,8 @@ commands:
           [--head-dim 64] [--dtype float32|bfloat16] [--causal 0|1|both] [--threads 2]
           [--repeats 3] [--memory] [--no-math] [--block-q 64] [--block-k 0] [--json FILE]
           fused local attention kernel vs the math reference (time, GFLOP/s, peak memory)
+  bench gemm [--shapes M,N,K,...] [--threads 1] [--repeats 20]
+          the kernel's GEMM (sgemm_ inside libtorch_cpu) vs torch.matmul on the same shapes
   launch  -n N [--port P] -- <command> [args...]
           run <command> as N local ranks (torchrun's environment, Gloo on loopback)
 )";

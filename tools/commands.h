@@ -35,6 +35,7 @@ int train_main(const Argv& args, const Runtime& runtime);
 int bench_attention_main(const Argv& args, const Runtime& runtime);
 int bench_a2a_main(const Argv& args, const Runtime& runtime);
 int bench_layer_main(const Argv& args, const Runtime& runtime);
+int bench_gemm_main(const Argv& args);
 
 // Options of the local launcher.
 struct LaunchOptions {

@@ -1,0 +1,64 @@
+// `ulysses bench gemm`: the GEMM the attention kernel calls (the BLAS `sgemm_` exported by
+// libtorch_cpu, i.e. the MKL inside the PyTorch wheel) against torch.matmul (at::mm) on the
+// same shapes, the kernel's tile shapes included.
+#include <ATen/Parallel.h>
+#include <dlfcn.h>
+
+#include <iostream>
+
+#include "args.h"
+#include "bench_util.h"
+#include "commands.h"
+
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
+                       const int* k, const float* alpha, const float* a, const int* lda,
+                       const float* b, const int* ldb, const float* beta, float* c,
+                       const int* ldc);
+
+namespace ulysses::cli {
+
+int bench_gemm_main(const Argv& argv) {
+  Args args(argv, {});
+  // M x N x K triples: the kernel's tiles (s = q k^T: 64 x 128 x 64; o += p v: 64 x 64 x 128)
+  // and a large square product.
+  const auto dims = bench::parse_list(args.str("--shapes", "64,128,64,64,64,128,1024,1024,1024"));
+  const int threads = static_cast<int>(args.integer("--threads", 1));
+  const int repeats = static_cast<int>(args.integer("--repeats", 20));
+  args.finish();
+  if (dims.size() % 3 != 0) throw UsageError("bench gemm: --shapes takes M,N,K triples");
+  if (threads < 1 || repeats < 1) throw UsageError("bench gemm: --threads and --repeats must be >= 1");
+  at::set_num_threads(threads);
+  Dl_info info{};
+  const char* where = dladdr(reinterpret_cast<void*>(&sgemm_), &info) && info.dli_fname
+                          ? info.dli_fname
+                          : "unknown";
+  std::cout << "kernel GEMM: sgemm_ from " << where << "; " << threads << " thread(s)\n";
+  std::vector<bench::Record> records;
+  for (size_t i = 0; i < dims.size(); i += 3) {
+    const int m = static_cast<int>(dims[i]), n = static_cast<int>(dims[i + 1]),
+              k = static_cast<int>(dims[i + 2]);
+    at::Tensor a = at::randn({m, k}), b = at::randn({k, n}), c = at::empty({m, n});
+    // Row-major C = A B is column-major C^T = B^T A^T: the kernel's own call pattern.
+    const float one = 1.0f, zero = 0.0f;
+    auto kernel = bench::time_ms(
+        [&] {
+          sgemm_("N", "N", &n, &m, &k, &one, b.data_ptr<float>(), &n, a.data_ptr<float>(), &k,
+                 &zero, c.data_ptr<float>(), &n);
+        },
+        3, repeats);
+    at::Tensor expect = at::mm(a, b);
+    TORCH_CHECK(at::allclose(c, expect, 1e-4, 1e-4), "bench gemm: sgemm_ result differs from at::mm");
+    auto torch_mm = bench::time_ms([&] { at::mm_out(c, a, b); }, 3, repeats);
+    const double flop = 2.0 * m * n * k;
+    bench::Record r;
+    r.add("shape", std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k))
+        .add("kernel_gemm_gflops", flop / (kernel.median * 1e6))
+        .add("matmul_gflops", flop / (torch_mm.median * 1e6))
+        .add("kernel_over_matmul", torch_mm.median / kernel.median);
+    records.push_back(r);
+  }
+  bench::print_table(records, {"shape", "kernel_gemm_gflops", "matmul_gflops", "kernel_over_matmul"});
+  return 0;
+}
+
+}  // namespace ulysses::cli
