@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -n "${SKIP_BUILD:-}" ] || bash scripts/build.sh >/dev/null
-u=./build/ulysses
+u=.venv/bin/ulysses
 mkdir -p docs
 $u bench a2a --nproc 2 --seq-lens 256,512,1024,2048,16384 --repeats 7 --json docs/bench_a2a.json
 $u bench attention --seq-lens 1024,2048,4096 --repeats 3 --json docs/bench_attention.json
@@ -13,7 +13,7 @@ $u bench attention --seq-lens 16384 --q-heads 1 --kv-heads 1 --causal 0 --repeat
 for p in 1 2 4; do
   $u bench layer --nproc $p --seq-lens 2048,4096,8192 --json docs/bench_layer_p$p.json
 done
-command -v /usr/bin/python3 >/dev/null && /usr/bin/python3 -c "import matplotlib" 2>/dev/null ||
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-matplotlib; }
-/usr/bin/python3 scripts/plot_bench.py docs/bench_a2a.json docs/bench_attention.json \
+.venv/bin/python -c "import matplotlib" 2>/dev/null ||
+  .venv/bin/pip install -q --disable-pip-version-check matplotlib 2>&1 | { grep -v "^WARNING: Location" || true; }
+.venv/bin/python scripts/plot_bench.py docs/bench_a2a.json docs/bench_attention.json \
   docs/bench_attention_8192.json docs/bench_layer_p*.json

@@ -1,10 +1,12 @@
 // `ulysses train`: sequence-parallel training of a GQA transformer on local ranks.
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -147,29 +149,105 @@ double evaluate(Transformer& model, const TrainOptions& o, const Data& data, con
   return counts[1].item<double>() > 0 ? counts[0].item<double>() / counts[1].item<double>() : 0;
 }
 
-void save_checkpoint(Transformer& model, torch::optim::AdamW& optimizer, const TrainOptions& o,
-                     int64_t step) {
-  std::ostringstream mk;
-  mk << "mkdir -p '" << o.save << "'";
-  if (std::system(mk.str().c_str()) != 0) throw std::runtime_error("cannot create " + o.save);
-  torch::save(model, o.save + "/model.pt");
-  torch::save(optimizer, o.save + "/optimizer.pt");
-  std::ofstream(o.save + "/state.txt") << step << "\n" << config_line(o) << "\n";
+// Note [Crash-safe checkpoints]: a checkpoint directory holds versioned files
+// (model-<step>.pt, optimizer-<step>.pt) and state.txt, which names the current version with
+// each file's size and FNV-1a hash. A save writes the new version's files, then replaces
+// state.txt by an atomic rename (the commit point), then deletes older versions; a run killed at
+// any point leaves state.txt naming a complete version. A load checks sizes and hashes first,
+// so a truncated or corrupted file is a clear error naming it.
+constexpr const char* kCheckpointMagic = "ulysses-checkpoint 1";
+
+uint64_t file_hash(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  uint64_t h = 1469598103934665603ull;
+  char buf[1 << 16];
+  while (in.read(buf, sizeof(buf)) || in.gcount() > 0) {
+    for (std::streamsize i = 0; i < in.gcount(); ++i) {
+      h = (h ^ static_cast<unsigned char>(buf[i])) * 1099511628211ull;
+    }
+  }
+  return h;
 }
 
+// Flushes `path`'s contents to the disk, so a rename that follows never exposes a torn file.
+void sync_file(const std::filesystem::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  TORCH_CHECK(fd >= 0, "train: cannot open '", path.string(), "' to sync it");
+  ::fsync(fd);
+  ::close(fd);
+}
+
+void save_checkpoint(Transformer& model, torch::optim::AdamW& optimizer, const TrainOptions& o,
+                     int64_t step) {
+  namespace fs = std::filesystem;
+  const fs::path dir(o.save);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  TORCH_CHECK_VALUE(!ec, "train: cannot create checkpoint directory '", o.save, "': ",
+                    ec.message());
+  const std::string model_name = "model-" + std::to_string(step) + ".pt";
+  const std::string optim_name = "optimizer-" + std::to_string(step) + ".pt";
+  torch::save(model, (dir / model_name).string());
+  torch::save(optimizer, (dir / optim_name).string());
+  std::ostringstream state;
+  state << kCheckpointMagic << "\nstep " << step << "\nconfig " << config_line(o) << "\n";
+  for (const std::string& name : {model_name, optim_name}) {
+    sync_file(dir / name);
+    state << "file " << name << " " << fs::file_size(dir / name) << " " << std::hex
+          << file_hash(dir / name) << std::dec << "\n";
+  }
+  // Test hook: die as a crash would, after the new files but before the commit point.
+  if (std::getenv("ULYSSES_TEST_CRASH_BEFORE_COMMIT")) std::_Exit(9);
+  const fs::path tmp = dir / "state.txt.tmp";
+  std::ofstream(tmp) << state.str();
+  sync_file(tmp);
+  fs::rename(tmp, dir / "state.txt");  // The commit point.
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    const bool versioned = (name.rfind("model-", 0) == 0 || name.rfind("optimizer-", 0) == 0) &&
+                           entry.path().extension() == ".pt";
+    if (versioned && name != model_name && name != optim_name) fs::remove(entry.path(), ec);
+  }
+}
+
+// Reads and verifies the checkpoint in o.resume; returns its step. Errors name the file.
 int64_t load_checkpoint(Transformer& model, torch::optim::AdamW& optimizer,
                         const TrainOptions& o) {
-  std::ifstream in(o.resume + "/state.txt");
+  namespace fs = std::filesystem;
+  const fs::path dir(o.resume);
+  std::ifstream in(dir / "state.txt");
   TORCH_CHECK_VALUE(in.good(), "train: no checkpoint in '", o.resume, "' (state.txt missing)");
-  int64_t step = 0;
-  std::string line, config;
-  in >> step;
-  std::getline(in, line);
+  std::string magic, key, config;
+  int64_t step = -1;
+  std::getline(in, magic);
+  in >> key >> step;
+  std::getline(in, config);  // Rest of the step line.
   std::getline(in, config);
+  TORCH_CHECK_VALUE(magic == kCheckpointMagic && key == "step" && step >= 0 &&
+                        config.rfind("config ", 0) == 0,
+                    "train: '", (dir / "state.txt").string(),
+                    "' is not a ulysses checkpoint state file (or is corrupted)");
+  config = config.substr(7);
   TORCH_CHECK_VALUE(config == config_line(o), "train: checkpoint '", o.resume,
                     "' was saved with '", config, "' but this run has '", config_line(o), "'");
-  torch::load(model, o.resume + "/model.pt");
-  torch::load(optimizer, o.resume + "/optimizer.pt");
+  std::vector<fs::path> files;
+  std::string name;
+  uintmax_t size = 0;
+  uint64_t hash = 0;
+  while (in >> key >> name >> size >> std::hex >> hash >> std::dec && key == "file") {
+    const fs::path path = dir / name;
+    std::error_code ec;
+    const uintmax_t actual = fs::file_size(path, ec);
+    TORCH_CHECK_VALUE(!ec, "train: checkpoint file '", path.string(), "' is missing");
+    TORCH_CHECK_VALUE(actual == size && file_hash(path) == hash, "train: checkpoint file '",
+                      path.string(), "' is truncated or corrupted (", actual, " bytes, expected ",
+                      size, ", or its contents changed); resume from another checkpoint");
+    files.push_back(path);
+  }
+  TORCH_CHECK_VALUE(files.size() == 2, "train: '", (dir / "state.txt").string(),
+                    "' must name the model and optimizer files; it names ", files.size());
+  torch::load(model, files[0].string());
+  torch::load(optimizer, files[1].string());
   return step;
 }
 
@@ -240,7 +318,16 @@ int train_main(const Argv& argv, const Runtime& runtime) {
 
   int64_t start = 0;
   if (!o.resume.empty()) {
-    start = load_checkpoint(model, optimizer, o);
+    // Every rank reads the checkpoint; a bad file raises the same error on every rank.
+    world.agree([&] {
+      start = load_checkpoint(model, optimizer, o);
+      return std::vector<int64_t>{};
+    });
+    if (start >= o.steps) {
+      throw UsageError("the checkpoint in '" + o.resume + "' is at step " +
+                       std::to_string(start) + ": --steps " + std::to_string(o.steps) +
+                       " leaves nothing to train (pass --steps > " + std::to_string(start) + ")");
+    }
     if (lead) std::cout << "resumed from " << o.resume << " at step " << start << std::endl;
   }
   const int64_t setup_rss = proc_status_bytes("VmRSS");

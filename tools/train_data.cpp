@@ -59,16 +59,19 @@ TextData::TextData(const std::string& path, int64_t seq_len, uint64_t seed)
   std::ifstream in(path, std::ios::binary);
   TORCH_CHECK_VALUE(in.good(), "train: cannot read --data file '", path, "'");
   bytes_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  TORCH_CHECK_VALUE(static_cast<int64_t>(bytes_.size()) >= seq_len + 1, "train: --data file '",
-                    path, "' has ", bytes_.size(), " bytes; need at least seq-len + 1 = ",
-                    seq_len + 1);
+  // The held-out tenth must hold a whole sequence of its own, never bytes the model trains on.
+  TORCH_CHECK_VALUE(static_cast<int64_t>(bytes_.size()) >= 10 * (seq_len + 1),
+                    "train: --data file '", path, "' has ", bytes_.size(),
+                    " bytes; need at least 10 x (seq-len + 1) = ", 10 * (seq_len + 1),
+                    " so that the held-out last tenth holds a whole sequence (use a larger file "
+                    "or a smaller --seq-len)");
 }
 
 TokenBatch TextData::batch(int split, int64_t step, int64_t first, int64_t count) const {
   // The last tenth of the file is held out.
   const int64_t n = static_cast<int64_t>(bytes_.size());
-  const int64_t boundary = std::max<int64_t>(seq_len_ + 1, n * 9 / 10);
-  const int64_t lo = split == 0 ? 0 : std::min(boundary, n - seq_len_ - 1);
+  const int64_t boundary = n * 9 / 10;  // Training windows end before it, held-out ones start at it.
+  const int64_t lo = split == 0 ? 0 : boundary;
   const int64_t hi = split == 0 ? boundary - seq_len_ - 1 : n - seq_len_ - 1;
   at::Tensor ids = at::empty({count, seq_len_}, at::kLong);
   for (int64_t i = 0; i < count; ++i) {

@@ -15,8 +15,8 @@ import pytest
 ULYSSES = shutil.which("ulysses", path=os.path.dirname(sys.executable)) or "ulysses"
 
 
-def run(*args, timeout=240, **kw):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def run(*args, timeout=240, env_extra=None, **kw):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
     env.pop("RANK", None)
     return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, env=env, **kw)
 
@@ -91,3 +91,55 @@ def test_train_resume_equals_uninterrupted(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert len(losses(full.stdout)) == 6
     assert losses(resumed.stdout) == losses(full.stdout)[3:]
+
+
+COMMON = ["--nproc", "2", "--seq-len", "48", "--pairs", "4", "--batch", "2", "--eval-every", "0"]
+
+
+def test_save_path_is_never_run_by_a_shell(tmp_path):
+    evil = tmp_path / "ckpt'; touch INJECTED; echo '"
+    r = run(ULYSSES, "train", *COMMON, "--steps", "1", "--save", str(evil), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (evil / "state.txt").exists()
+    assert not (tmp_path / "INJECTED").exists()
+
+
+def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    assert run(ULYSSES, "train", *COMMON, "--steps", "2", "--save", ckpt).returncode == 0
+    crashed = run(ULYSSES, "train", *COMMON, "--steps", "3", "--resume", ckpt, "--save", ckpt,
+                  env_extra={"ULYSSES_TEST_CRASH_BEFORE_COMMIT": "1"})
+    assert crashed.returncode != 0
+    resumed = run(ULYSSES, "train", *COMMON, "--steps", "3", "--resume", ckpt)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
+
+
+def test_corrupted_checkpoint_is_the_same_clear_error_on_every_rank(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert run(ULYSSES, "train", *COMMON, "--steps", "2", "--save", str(ckpt)).returncode == 0
+    model = ckpt / "model-2.pt"
+    data = model.read_bytes()
+    model.write_bytes(data[: len(data) // 2])  # truncated
+    r = run(ULYSSES, "train", *COMMON, "--steps", "4", "--resume", str(ckpt))
+    assert r.returncode == 1
+    lines = [line for line in (r.stdout + r.stderr).splitlines() if "is truncated or corrupted" in line]
+    assert len(lines) == 2, r.stdout + r.stderr  # one per rank ...
+    assert lines[0].split("] ", 1)[1] == lines[1].split("] ", 1)[1]  # ... with the same text
+    assert str(model) in lines[0]
+
+
+def test_resume_with_nothing_left_to_train_fails(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    assert run(ULYSSES, "train", *COMMON, "--steps", "2", "--save", ckpt).returncode == 0
+    r = run(ULYSSES, "train", *COMMON, "--steps", "2", "--resume", ckpt)
+    assert r.returncode == 2
+    assert "leaves nothing to train" in r.stderr
+
+
+def test_data_file_too_small_for_a_held_out_split(tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_bytes(b"x" * 300)
+    r = run(ULYSSES, "train", "--nproc", "1", "--seq-len", "48", "--data", str(small), "--steps", "1")
+    assert r.returncode == 1
+    assert "need at least 10 x (seq-len + 1) = 490" in r.stderr

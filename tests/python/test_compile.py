@@ -47,9 +47,12 @@ def _worker(rank, world, store_path, S, result_path):
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     from conftest import seq_lens as even_lens, shard
 
+    from torch.distributed.device_mesh import init_device_mesh
+
     lens = even_lens(S, world)
     torch.manual_seed(0)
-    model = TinyGQA(dist.group.WORLD)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
+    model = TinyGQA((mesh, "sp"))  # the SP group as a DeviceMesh dimension
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 32, (2, S), generator=gen)
     targets = torch.randint(0, 32, (2, S), generator=gen)
