@@ -11,10 +11,11 @@ namespace {
 const char* kUsage = R"(usage: ulysses <command> [options]
 
 commands:
-  train   [--nproc 4] [--sp P] [--dp D] [--seq-len 256] [--batch 8] [--steps 200]
-          [--dim 64] [--layers 2] [--q-heads 4] [--kv-heads 2] [--lr 1e-2] [--warmup 20]
-          [--clip 1.0] [--pairs 16] [--shuffle] [--data FILE] [--eval-every 50] [--seed 0]
-          [--check] [--save DIR] [--resume DIR]
+  train   [--nproc 4] [--sp P] [--dp D] [--seq-len 256] [--batch 8] [--steps 400]
+          [--dim 128] [--layers 2] [--q-heads 8] [--kv-heads 2] [--ffn-dim 0] [--lr 5e-3]
+          [--warmup 50] [--lr-decay-steps STEPS] [--weight-decay 0.01] [--clip 1.0]
+          [--pairs 16] [--shuffle] [--data FILE] [--eval-every 100] [--eval-sequences 64]
+          [--log-every 25] [--seed 0] [--check] [--save DIR] [--resume DIR]
           sequence-parallel training of a GQA transformer on local ranks
   plan    --q-heads N [--kv-heads M] --sp P [--seq-len S] [--json]
           print the head (and sequence) partition of every rank

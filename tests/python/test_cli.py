@@ -78,7 +78,8 @@ def test_train_check_under_torchrun_default_rendezvous():
 
 
 def test_train_resume_equals_uninterrupted(tmp_path):
-    common = ["--nproc", "2", "--seq-len", "48", "--pairs", "4", "--batch", "2", "--eval-every", "0"]
+    common = ["--nproc", "2", "--seq-len", "48", "--pairs", "4", "--batch", "2", "--eval-every", "0",
+              "--log-every", "1", "--lr-decay-steps", "6"]
 
     def losses(out):
         return [line.split("loss ")[1].split()[0] for line in out.splitlines() if " loss " in line]
