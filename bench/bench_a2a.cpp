@@ -39,10 +39,10 @@ struct HeadCase {
 
 int bench_a2a_main(const Argv& argv, const Runtime& runtime) {
   Args args(argv, {});
-  const int nproc = static_cast<int>(args.integer("--nproc", 2));
-  const auto seq_lens = bench::parse_list(args.str("--seq-lens", "2048,16384"));
-  const int64_t D = args.integer("--head-dim", 64);
-  const int repeats = static_cast<int>(args.integer("--repeats", 5));
+  const int nproc = static_cast<int>(args.integer("--nproc", 2, 1, kMaxRanks));
+  const auto seq_lens = args.integers("--seq-lens", "2048,16384", 1);
+  const int64_t D = args.integer("--head-dim", 64, 1);
+  const int repeats = static_cast<int>(args.integer("--repeats", 5, 1, 100000));
   const std::string layout_name = args.str("--layout", "BSHD");
   const std::string json = args.str("--json", "");
   args.finish();

@@ -42,21 +42,21 @@ double matmul_gflops(int64_t n) {
 
 int bench_attention_main(const Argv& argv, const Runtime& runtime) {
   Args args(argv, {"--memory", "--no-math"});
-  const auto seq_lens = bench::parse_list(args.str("--seq-lens", "1024,4096"));
-  const int64_t B = args.integer("--batch", 1), Hq = args.integer("--q-heads", 8),
-                Hkv = args.integer("--kv-heads", 2), D = args.integer("--head-dim", 64);
+  const auto seq_lens = args.integers("--seq-lens", "1024,4096", 1);
+  const int64_t B = args.integer("--batch", 1, 1), Hq = args.integer("--q-heads", 8, 1),
+                Hkv = args.integer("--kv-heads", 2, 1), D = args.integer("--head-dim", 64, 1);
   const std::string dtype_name = args.str("--dtype", "float32");
   const std::string causal_arg = args.str("--causal", "both");
-  const int threads = static_cast<int>(args.integer("--threads", 2));
-  const int repeats = static_cast<int>(args.integer("--repeats", 3));
+  const int threads = static_cast<int>(args.integer("--threads", 2, 1, 1024));
+  const int repeats = static_cast<int>(args.integer("--repeats", 3, 1, 100000));
   const bool memory = args.has("--memory");
   const bool no_math = args.has("--no-math");
   const double math_limit_gb = args.real("--math-limit-gb", 0.6 * sysconf(_SC_PHYS_PAGES) *
                                                                 sysconf(_SC_PAGE_SIZE) / 1e9);
   const std::string json = args.str("--json", "");
   FlashOptions blocks;
-  blocks.block_q = args.integer("--block-q", blocks.block_q);
-  blocks.block_k = args.integer("--block-k", blocks.block_k);
+  blocks.block_q = args.integer("--block-q", blocks.block_q, 1);
+  blocks.block_k = args.integer("--block-k", blocks.block_k, 0);
   const std::string measure_peak = args.str("--measure-peak", "");  // Internal: child mode.
   args.finish();
   const at::ScalarType dtype = dtype_name == "bfloat16" ? at::kBFloat16 : at::kFloat;

@@ -21,12 +21,11 @@ int bench_gemm_main(const Argv& argv) {
   Args args(argv, {});
   // M x N x K triples: the kernel's tiles (s = q k^T: 64 x 128 x 64; o += p v: 64 x 64 x 128)
   // and a large square product.
-  const auto dims = bench::parse_list(args.str("--shapes", "64,128,64,64,64,128,1024,1024,1024"));
-  const int threads = static_cast<int>(args.integer("--threads", 1));
-  const int repeats = static_cast<int>(args.integer("--repeats", 20));
+  const auto dims = args.integers("--shapes", "64,128,64,64,64,128,1024,1024,1024", 1, 1 << 20);
+  const int threads = static_cast<int>(args.integer("--threads", 1, 1, 1024));
+  const int repeats = static_cast<int>(args.integer("--repeats", 20, 1, 100000));
   args.finish();
-  if (dims.size() % 3 != 0) throw UsageError("bench gemm: --shapes takes M,N,K triples");
-  if (threads < 1 || repeats < 1) throw UsageError("bench gemm: --threads and --repeats must be >= 1");
+  if (dims.size() % 3 != 0) throw UsageError("option --shapes takes M,N,K triples");
   at::set_num_threads(threads);
   Dl_info info{};
   const char* where = dladdr(reinterpret_cast<void*>(&sgemm_), &info) && info.dli_fname

@@ -14,11 +14,11 @@ namespace ulysses::cli {
 
 int bench_layer_main(const Argv& argv, const Runtime& runtime) {
   Args args(argv, {});
-  const int nproc = static_cast<int>(args.integer("--nproc", 2));
-  const auto seq_lens = bench::parse_list(args.str("--seq-lens", "2048,4096,8192"));
-  const int64_t Hq = args.integer("--q-heads", 8), Hkv = args.integer("--kv-heads", 2),
-                D = args.integer("--head-dim", 64);
-  const int repeats = static_cast<int>(args.integer("--repeats", 3));
+  const int nproc = static_cast<int>(args.integer("--nproc", 2, 1, kMaxRanks));
+  const auto seq_lens = args.integers("--seq-lens", "2048,4096,8192", 1);
+  const int64_t Hq = args.integer("--q-heads", 8, 1), Hkv = args.integer("--kv-heads", 2, 1),
+                D = args.integer("--head-dim", 64, 1);
+  const int repeats = static_cast<int>(args.integer("--repeats", 3, 1, 100000));
   const std::string json = args.str("--json", "");
   args.finish();
   const int code = relaunch_as_ranks(nproc, runtime.self, {"bench", "layer"}, argv);

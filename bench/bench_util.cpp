@@ -124,14 +124,4 @@ void write_json(const std::string& path, const std::vector<Record>& records) {
   out << "]\n";
 }
 
-std::vector<int64_t> parse_list(const std::string& text) {
-  std::vector<int64_t> out;
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (!item.empty()) out.push_back(std::stoll(item));
-  }
-  return out;
-}
-
 }  // namespace ulysses::bench

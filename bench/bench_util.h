@@ -52,7 +52,4 @@ void print_table(const std::vector<Record>& records, const std::vector<std::stri
 // Writes `records` as a JSON array to `path`.
 void write_json(const std::string& path, const std::vector<Record>& records);
 
-// Parses "1024,4096" into integers.
-std::vector<int64_t> parse_list(const std::string& text);
-
 }  // namespace ulysses::bench

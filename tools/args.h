@@ -1,6 +1,8 @@
 // A small strict flag parser for the ulysses subcommands: `--name value` and `--flag`.
 #pragma once
 
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <map>
 #include <set>
@@ -10,18 +12,18 @@
 
 namespace ulysses::cli {
 
-// Thrown for bad command lines; main prints it with the subcommand's usage.
+// Thrown for bad command lines: run_cli prints it on one line with where to find help, exit 2.
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
 class Args {
  public:
-  // Parses `args`; `flags` take no value, every other `--name` takes one.
+  // Parses `args`; `flags` take no value, every other `--name` (or `-n`) takes one.
   Args(const std::vector<std::string>& args, std::set<std::string> flags) : flags_(std::move(flags)) {
     for (size_t i = 0; i < args.size(); ++i) {
       const std::string& a = args[i];
-      if (a.rfind("--", 0) != 0) throw UsageError("unexpected argument '" + a + "'");
+      if (a.size() < 2 || a[0] != '-') throw UsageError("unexpected argument '" + a + "'");
       if (flags_.count(a)) {
         values_[a] = "1";
       } else {
@@ -37,27 +39,62 @@ class Args {
   std::string str(const std::string& name, const std::string& fallback) {
     return has(name) ? values_[name] : fallback;
   }
-  int64_t integer(const std::string& name, int64_t fallback) {
+  // The integer value of `name` (or `fallback`), which must lie in [lo, hi].
+  int64_t integer(const std::string& name, int64_t fallback, int64_t lo = kMin, int64_t hi = kMax) {
     if (!has(name)) return fallback;
+    int64_t v = 0;
     try {
       size_t end = 0;
-      const int64_t v = std::stoll(values_[name], &end);
-      if (end == values_[name].size()) return v;
+      v = std::stoll(values_[name], &end);
+      if (end != values_[name].size()) throw std::invalid_argument("trailing characters");
     } catch (const std::exception&) {
+      throw UsageError("option " + name + " must be an integer; got '" + values_[name] + "'");
     }
-    throw UsageError("option " + name + " must be an integer; got '" + values_[name] + "'");
+    check_range(name, v, lo, hi);
+    return v;
   }
-  double real(const std::string& name, double fallback) {
+  // The number value of `name` (or `fallback`), which must lie in [lo, hi].
+  double real(const std::string& name, double fallback, double lo = -1e300, double hi = 1e300) {
     if (!has(name)) return fallback;
+    double v = 0;
     try {
-      return std::stod(values_[name]);
+      size_t end = 0;
+      v = std::stod(values_[name], &end);
+      if (end != values_[name].size()) throw std::invalid_argument("trailing characters");
     } catch (const std::exception&) {
       throw UsageError("option " + name + " must be a number; got '" + values_[name] + "'");
     }
+    if (!(v >= lo && v <= hi)) {
+      throw UsageError("option " + name + " must be in [" + std::to_string(lo) + ", " +
+                       std::to_string(hi) + "]; got " + values_[name]);
+    }
+    return v;
   }
-  int64_t required_integer(const std::string& name) {
+  int64_t required_integer(const std::string& name, int64_t lo = kMin, int64_t hi = kMax) {
     if (!has(name)) throw UsageError("option " + name + " is required");
-    return integer(name, 0);
+    return integer(name, 0, lo, hi);
+  }
+  // A comma-separated list of integers, each in [lo, hi].
+  std::vector<int64_t> integers(const std::string& name, const std::string& fallback,
+                                int64_t lo = kMin, int64_t hi = kMax) {
+    const std::string text = str(name, fallback);
+    std::vector<int64_t> out;
+    size_t start = 0;
+    while (start <= text.size()) {
+      const size_t comma = std::min(text.find(',', start), text.size());
+      const std::string item = text.substr(start, comma - start);
+      try {
+        size_t end = 0;
+        out.push_back(std::stoll(item, &end));
+        if (end != item.size()) throw std::invalid_argument("trailing characters");
+      } catch (const std::exception&) {
+        throw UsageError("option " + name + " must be a comma-separated list of integers; got '" +
+                         text + "'");
+      }
+      check_range(name, out.back(), lo, hi);
+      start = comma + 1;
+    }
+    return out;
   }
   // Call after reading every option: rejects options nobody asked for.
   void finish() const {
@@ -66,6 +103,13 @@ class Args {
   }
 
  private:
+  static constexpr int64_t kMin = INT64_MIN, kMax = INT64_MAX;
+  static void check_range(const std::string& name, int64_t v, int64_t lo, int64_t hi) {
+    if (v >= lo && v <= hi) return;
+    std::string range = hi == kMax ? ">= " + std::to_string(lo)
+                                   : "in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+    throw UsageError("option " + name + " must be " + range + "; got " + std::to_string(v));
+  }
   std::set<std::string> flags_;
   std::map<std::string, std::string> values_;
   std::set<std::string> used_;

@@ -12,6 +12,9 @@ namespace ulysses::cli {
 
 using Argv = std::vector<std::string>;
 
+// Most local ranks a subcommand starts (--nproc) or plans for (--sp).
+constexpr int64_t kMaxRanks = 4096;
+
 // What the subcommands need from the program that hosts them (the Python front end, which
 // owns process groups: torch.distributed creates them, C++ resolves them by name).
 struct Runtime {

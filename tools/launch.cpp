@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -45,32 +46,38 @@ struct Child {
   pid_t pid = -1;
   int out_fd = -1, err_fd = -1;
   std::string out_tail, err_tail;
+  std::vector<std::string> held_err;  // Ranks > 0: stderr lines, printed at the end if unique.
   bool running = true;
 };
+
+// How long ranks get to exit by themselves after another rank failed: ranks that fail together
+// (an agreed error) all print their message and exit within it, so none of it is lost.
+constexpr auto kGrace = std::chrono::seconds(3);
 
 volatile sig_atomic_t g_interrupted = 0;  // Set by SIGINT/SIGTERM; read by the event loop.
 void on_signal(int) { g_interrupted = 1; }
 
-// Writes every complete line of `buf` with `prefix`, keeping the incomplete tail.
-void emit_lines(std::string& buf, const std::string& prefix, std::ostream& os, bool flush_all) {
+// Passes every complete line of `buf` to `emit`, keeping the incomplete tail (all of it when
+// `flush_all`).
+template <typename Emit>
+void take_lines(std::string& buf, bool flush_all, Emit&& emit) {
   size_t start = 0, nl;
   while ((nl = buf.find('\n', start)) != std::string::npos) {
-    os << prefix << buf.substr(start, nl - start + 1);
+    emit(buf.substr(start, nl - start));
     start = nl + 1;
   }
   buf.erase(0, start);
   if (flush_all && !buf.empty()) {
-    os << prefix << buf << "\n";
+    emit(buf);
     buf.clear();
   }
-  os.flush();
 }
 
 }  // namespace
 
 int launch(const LaunchOptions& options, const Argv& command) {
-  if (options.nproc < 1) throw UsageError("launch: -n must be >= 1");
-  if (command.empty()) throw UsageError("launch: no command given after --");
+  if (options.nproc < 1) throw UsageError("-n must be >= 1");
+  if (command.empty()) throw UsageError("no command given after --");
   const int port = options.master_port ? options.master_port : free_port();
   ::signal(SIGINT, on_signal);
   ::signal(SIGTERM, on_signal);
@@ -107,8 +114,10 @@ int launch(const LaunchOptions& options, const Argv& command) {
 
   int first_failure = 0;
   int running = options.nproc;
+  std::multiset<std::string> rank0_err;  // Rank 0's stderr lines so far.
   bool stopping = false;
   auto stop_started = std::chrono::steady_clock::now();
+  auto failed_at = stop_started;
   auto stop_all = [&](int sig) {
     for (Child& c : children)
       if (c.running) ::kill(-c.pid, sig);
@@ -130,13 +139,22 @@ int launch(const LaunchOptions& options, const Argv& command) {
       char buf[65536];
       const ssize_t n = ::read(fds[i].fd, buf, sizeof(buf));
       std::string& tail = is_err ? c.err_tail : c.out_tail;
-      const std::string prefix = "[rank " + std::to_string(owner[i].first) + "] ";
-      std::ostream& os = is_err ? std::cerr : std::cout;
-      if (n > 0) {
-        tail.append(buf, n);
-        emit_lines(tail, prefix, os, false);
-      } else {
-        emit_lines(tail, prefix, os, true);
+      const int rank = owner[i].first;
+      // Note [One copy of a shared error]: rank 0's stderr is shown as it comes; other ranks'
+      // stderr is held and shown at the end only where it differs from rank 0's, so an error
+      // every rank raised alike is printed once, as rank 0's.
+      auto emit = [&](const std::string& line) {
+        if (is_err && rank > 0) {
+          c.held_err.push_back(line);
+        } else {
+          (is_err ? std::cerr : std::cout) << "[rank " << rank << "] " << line << "\n";
+          if (is_err) rank0_err.insert(line);
+        }
+      };
+      if (n > 0) tail.append(buf, n);
+      take_lines(tail, n <= 0, emit);
+      (is_err ? std::cerr : std::cout).flush();
+      if (n <= 0) {
         ::close(fds[i].fd);
         (is_err ? c.err_fd : c.out_fd) = -1;
       }
@@ -150,21 +168,45 @@ int launch(const LaunchOptions& options, const Argv& command) {
       const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
       if (code != 0 && first_failure == 0 && !stopping) {
         first_failure = code;
+        failed_at = std::chrono::steady_clock::now();
         std::cerr << "[launch] rank " << r << " exited with code " << code
-                  << "; stopping the other ranks\n";
+                  << (running > 0 ? "; stopping the other ranks" : "") << "\n";
       }
     }
-    if ((first_failure != 0 || g_interrupted) && !stopping && running > 0) {
+    const auto now = std::chrono::steady_clock::now();
+    const bool grace_over = first_failure != 0 && now - failed_at > kGrace;
+    if ((grace_over || g_interrupted) && !stopping && running > 0) {
       stopping = true;
-      stop_started = std::chrono::steady_clock::now();
+      stop_started = now;
       if (first_failure == 0) first_failure = 130;
       stop_all(SIGTERM);
     }
-    if (stopping && running > 0 &&
-        std::chrono::steady_clock::now() - stop_started > std::chrono::seconds(5)) {
+    if (stopping && running > 0 && now - stop_started > std::chrono::seconds(5)) {
       stop_all(SIGKILL);
     }
     if (fds.empty() && running > 0) ::usleep(20000);
+  }
+  // Other ranks' stderr, where it differs from rank 0's (Note [One copy of a shared error]).
+  std::vector<int> alike;
+  for (int r = 1; r < options.nproc; ++r) {
+    std::multiset<std::string> shown = rank0_err;
+    bool repeated = false;
+    for (const std::string& line : children[r].held_err) {
+      auto it = shown.find(line);
+      if (it != shown.end()) {
+        shown.erase(it);
+        repeated = true;
+      } else {
+        std::cerr << "[rank " << r << "] " << line << "\n";
+      }
+    }
+    if (repeated) alike.push_back(r);
+  }
+  if (!alike.empty()) {
+    std::cerr << "[launch] rank";
+    if (alike.size() > 1) std::cerr << "s";
+    for (size_t i = 0; i < alike.size(); ++i) std::cerr << (i ? ", " : " ") << alike[i];
+    std::cerr << " printed the same as rank 0 (shown once)\n";
   }
   return first_failure;
 }
@@ -183,14 +225,15 @@ int launch_main(const Argv& args) {
   auto sep = std::find(args.begin(), args.end(), std::string("--"));
   Argv before(args.begin(), sep);
   for (auto& a : before)
-    if (a == "-n") a = "--nproc";
+    if (a == "--nproc") a = "-n";  // Both spellings; messages use -n, launch's own flag.
   Args parsed(before, {});
   LaunchOptions options;
-  options.nproc = static_cast<int>(parsed.required_integer("--nproc"));
-  options.master_port = static_cast<int>(parsed.integer("--port", 0));
+  if (!parsed.has("-n")) throw UsageError("-n N (the number of ranks) is required");
+  options.nproc = static_cast<int>(parsed.integer("-n", 1, 1, kMaxRanks));
+  options.master_port = static_cast<int>(parsed.integer("--port", 0, 0, 65535));
   options.master_addr = parsed.str("--addr", "127.0.0.1");
   parsed.finish();
-  if (sep == args.end()) throw UsageError("launch: expected -- <command>");
+  if (sep == args.end()) throw UsageError("expected -- <command> after the options");
   return launch(options, Argv(sep + 1, args.end()));
 }
 

@@ -256,22 +256,22 @@ int64_t load_checkpoint(Transformer& model, torch::optim::AdamW& optimizer,
 TrainOptions parse(const Argv& argv) {
   Args args(argv, {"--check", "--shuffle"});
   TrainOptions o;
-  o.nproc = static_cast<int>(args.integer("--nproc", o.nproc));
-  o.sp = static_cast<int>(args.integer("--sp", 0));
-  o.dp = static_cast<int>(args.integer("--dp", 0));
-  o.seq_len = args.integer("--seq-len", o.seq_len);
-  o.batch = args.integer("--batch", o.batch);
-  o.steps = args.integer("--steps", o.steps);
-  o.pairs = args.integer("--pairs", o.pairs);
-  o.lr = args.real("--lr", o.lr);
-  o.clip = args.real("--clip", o.clip);
-  o.weight_decay = args.real("--weight-decay", o.weight_decay);
-  o.warmup = args.integer("--warmup", o.warmup);
-  o.eval_every = args.integer("--eval-every", o.eval_every);
-  o.log_every = args.integer("--log-every", o.log_every);
-  o.decay_steps = args.integer("--lr-decay-steps", 0);
-  o.eval_sequences = args.integer("--eval-sequences", o.eval_sequences);
-  o.seed = static_cast<uint64_t>(args.integer("--seed", 0));
+  o.nproc = static_cast<int>(args.integer("--nproc", o.nproc, 1, kMaxRanks));
+  o.sp = static_cast<int>(args.integer("--sp", 0, 1, kMaxRanks));
+  o.dp = static_cast<int>(args.integer("--dp", 0, 1, kMaxRanks));
+  o.seq_len = args.integer("--seq-len", o.seq_len, 1);
+  o.batch = args.integer("--batch", o.batch, 1);
+  o.steps = args.integer("--steps", o.steps, 0);
+  o.pairs = args.integer("--pairs", o.pairs, 1);
+  o.lr = args.real("--lr", o.lr, 0.0, 10.0);
+  o.clip = args.real("--clip", o.clip, 0.0);
+  o.weight_decay = args.real("--weight-decay", o.weight_decay, 0.0);
+  o.warmup = args.integer("--warmup", o.warmup, 0);
+  o.eval_every = args.integer("--eval-every", o.eval_every, 0);
+  o.log_every = args.integer("--log-every", o.log_every, 1);
+  o.decay_steps = args.integer("--lr-decay-steps", 0, 1);
+  o.eval_sequences = args.integer("--eval-sequences", o.eval_sequences, 1);
+  o.seed = static_cast<uint64_t>(args.integer("--seed", 0, 0));
   o.data = args.str("--data", "");
   o.save = args.str("--save", "");
   o.resume = args.str("--resume", "");
@@ -279,14 +279,12 @@ TrainOptions parse(const Argv& argv) {
   o.shuffle = args.has("--shuffle");
   // The default model learns the default task's retrieval (held-out accuracy >= 0.99) within
   // the default 400 steps.
-  o.model.dim = args.integer("--dim", 128);
-  o.model.layers = args.integer("--layers", o.model.layers);
-  o.model.q_heads = args.integer("--q-heads", 8);
-  o.model.kv_heads = args.integer("--kv-heads", 2);
-  o.model.ffn_dim = args.integer("--ffn-dim", 0);
+  o.model.dim = args.integer("--dim", 128, 2);
+  o.model.layers = args.integer("--layers", o.model.layers, 1);
+  o.model.q_heads = args.integer("--q-heads", 8, 1);
+  o.model.kv_heads = args.integer("--kv-heads", 2, 1);
+  o.model.ffn_dim = args.integer("--ffn-dim", 0, 0);
   args.finish();
-  if (o.batch < 1 || o.steps < 0 || o.seq_len < 1) throw UsageError("bad --batch/--steps/--seq-len");
-  if (o.log_every < 1) throw UsageError("--log-every must be >= 1");
   return o;
 }
 
@@ -301,9 +299,19 @@ int train_main(const Argv& argv, const Runtime& runtime) {
   const int local_ranks = std::max(1, std::atoi(std::getenv("LOCAL_WORLD_SIZE") ? std::getenv("LOCAL_WORLD_SIZE") : "1"));
   at::set_num_threads(std::max<int>(1, std::thread::hardware_concurrency() / local_ranks));
   Group world = runtime.join_world(GroupOptions{});
-  const int sp = o.sp > 0 ? o.sp : o.dp > 0 ? std::max(1, world.size() / o.dp) : world.size();
-  TORCH_CHECK_VALUE(o.dp == 0 || sp * o.dp == world.size(), "train: --sp (", sp, ") x --dp (",
-                    o.dp, ") must equal the number of ranks (", world.size(), ")");
+  // The mesh from what the user gave: both sizes, one (the other derived), or neither (SP only).
+  const int W = world.size();
+  if (o.sp > 0 && o.dp > 0) {
+    TORCH_CHECK_VALUE(o.sp * o.dp == W, "train: --sp ", o.sp, " x --dp ", o.dp,
+                      " must equal the number of ranks (", W, ")");
+  } else if (o.dp > 0) {
+    TORCH_CHECK_VALUE(W % o.dp == 0, "train: --dp ", o.dp, " must divide the number of ranks (",
+                      W, "); the SP size is derived as ranks / --dp");
+  } else if (o.sp > 0) {
+    TORCH_CHECK_VALUE(W % o.sp == 0, "train: --sp ", o.sp, " must divide the number of ranks (",
+                      W, "); the DP size is derived as ranks / --sp");
+  }
+  const int sp = o.sp > 0 ? o.sp : o.dp > 0 ? W / o.dp : W;
   Mesh mesh = Mesh::create(world, sp, runtime.split);
   const bool lead = world.rank() == 0;
   const Data data(o);

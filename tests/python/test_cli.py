@@ -124,9 +124,10 @@ def test_corrupted_checkpoint_is_the_same_clear_error_on_every_rank(tmp_path):
     model.write_bytes(data[: len(data) // 2])  # truncated
     r = run(ULYSSES, "train", *COMMON, "--steps", "4", "--resume", str(ckpt))
     assert r.returncode == 1
-    lines = [line for line in (r.stdout + r.stderr).splitlines() if "is truncated or corrupted" in line]
-    assert len(lines) == 2, r.stdout + r.stderr  # one per rank ...
-    assert lines[0].split("] ", 1)[1] == lines[1].split("] ", 1)[1]  # ... with the same text
+    lines = [line for line in r.stderr.splitlines() if "is truncated or corrupted" in line]
+    # Both ranks raised the same error; it is shown once, as rank 0's.
+    assert len(lines) == 1 and lines[0].startswith("[rank 0] "), r.stderr
+    assert "[launch] rank 1 printed the same as rank 0" in r.stderr
     assert str(model) in lines[0]
 
 
@@ -144,3 +145,45 @@ def test_data_file_too_small_for_a_held_out_split(tmp_path):
     r = run(ULYSSES, "train", "--nproc", "1", "--seq-len", "48", "--data", str(small), "--steps", "1")
     assert r.returncode == 1
     assert "need at least 10 x (seq-len + 1) = 490" in r.stderr
+
+
+def test_version_and_help_per_command():
+    r = run(ULYSSES, "--version")
+    assert r.returncode == 0 and r.stdout.startswith("ulysses 0.2.0 (torch 2.13")
+    for command in (["train"], ["plan"], ["demo"], ["launch"], ["bench", "a2a"], ["bench", "layer"],
+                    ["bench", "attention"], ["bench", "gemm"]):
+        r = run(ULYSSES, *command, "--help")
+        assert r.returncode == 0 and r.stdout.startswith("usage: ulysses " + " ".join(command)), r
+    full = run(ULYSSES, "--help").stdout
+    for option in ("--ffn-dim", "--weight-decay", "--eval-sequences", "--addr", "bench a2a",
+                   "bench layer", "--log-every"):
+        assert option in full
+
+
+@pytest.mark.parametrize("args,message", [
+    (["train", "--nproc", "0"], "option --nproc must be in [1, 4096]; got 0"),
+    (["train", "--nproc", "-2"], "option --nproc must be in [1, 4096]; got -2"),
+    (["bench", "a2a", "--nproc", "0"], "option --nproc must be in [1, 4096]; got 0"),
+    (["plan", "--q-heads", "4", "--sp", "2", "--seq-len", "-5"], "option --seq-len must be >= 0; got -5"),
+    (["bench", "attention", "--repeats", "0"], "option --repeats must be in [1, 100000]; got 0"),
+    (["bench", "attention", "--head-dim", "0"], "option --head-dim must be >= 1; got 0"),
+    (["bench", "layer", "--seq-lens", "0"], "option --seq-lens must be >= 1; got 0"),
+    (["train", "--help-me"], "option --help-me needs a value"),
+    (["train", "--steps", "ten"], "option --steps must be an integer; got 'ten'"),
+    (["launch", "--", "true"], "-n N (the number of ranks) is required"),
+    (["bench"], "say what to measure: attention, a2a, layer or gemm"),
+])
+def test_usage_errors_are_one_line_and_exit_2(args, message):
+    r = run(ULYSSES, *args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "--help'" in lines[0], r.stderr
+    assert "bench: bench:" not in r.stderr
+
+
+def test_mesh_error_names_what_the_user_gave():
+    r = run(ULYSSES, "train", "--nproc", "4", "--dp", "3", "--steps", "1")
+    assert r.returncode == 1
+    assert "--dp 3 must divide the number of ranks (4)" in r.stderr
+    assert "--sp" not in r.stderr.split("must divide")[0]
+    assert r.stderr.count("must divide") == 1  # every rank raised it; shown once
