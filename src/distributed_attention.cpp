@@ -96,10 +96,13 @@ at::Tensor StepContext::gathered_positions(const at::Tensor& positions,
 
 DistributedAttention::DistributedAttention(Group group, AttentionOptions options)
     : group_(std::move(group)), options_(std::move(options)) {
+  TORCH_CHECK_VALUE(options_.q_heads >= 0 && options_.kv_heads >= 0,
+                    "DistributedAttention: q_heads and kv_heads must be >= 0 (0: taken from the "
+                    "first call); got q_heads=", options_.q_heads, ", kv_heads=",
+                    options_.kv_heads);
   if (!options_.local) options_.local = default_local_attention();
-  if (options_.q_heads > 0) {
-    const int64_t kv = options_.kv_heads > 0 ? options_.kv_heads : options_.q_heads;
-    partition_ = HeadPartition::make(options_.q_heads, kv, group_.size());
+  if (options_.q_heads > 0 && options_.kv_heads > 0) {
+    partition_ = HeadPartition::make(options_.q_heads, options_.kv_heads, group_.size());
   }
 }
 
@@ -112,11 +115,17 @@ at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& 
                     in.context ? in.context->group().size() : 0, " ranks but this attention's has ",
                     group_.size());
   if (!partition_) {
-    // Captured on this instance from the first call (each rank from its own tensors; the plan
-    // agreement below makes ranks that disagree fail together).
-    TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4, "DistributedAttention: q and k must be 4-D (",
-                      to_string(L), "); got ", q.sizes(), " and ", k.sizes());
-    partition_ = HeadPartition::make(q.size(hdim), k.size(hdim), group_.size());
+    // Head counts not given in the options are captured on this instance from the first
+    // call's q and k. Each rank reads its own tensors, so ranks agree on the outcome first: an
+    // invalid count on one rank raises the same error on every rank.
+    group_.agree([&] {
+      TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4, "DistributedAttention: q and k must be "
+                        "4-D (", to_string(L), "); got ", q.sizes(), " and ", k.sizes());
+      const int64_t hq = options_.q_heads > 0 ? options_.q_heads : q.size(hdim);
+      const int64_t hkv = options_.kv_heads > 0 ? options_.kv_heads : k.size(hdim);
+      partition_ = HeadPartition::make(hq, hkv, group_.size());
+      return std::vector<int64_t>{};
+    });
   }
   const HeadPartition& heads = *partition_;
   const AllToAllPlan plan = agree_plan(

@@ -312,5 +312,32 @@ TEST(DistributedAttention, HeadCountChangeOnOneRankFailsAlike) {
   expect_ranks_fail_alike(errors, "ranks disagree on head counts");
 }
 
+TEST(DistributedAttention, KvHeadsOmittedAreTakenFromK) {
+  expect_ranks_succeed(2, [](Group& g) {
+    AttentionOptions options;
+    options.q_heads = 4;  // kv_heads left 0: from the first call's k, as documented.
+    DistributedAttention attention(g, options);
+    at::Tensor q = seeded_randn({1, 3, 4, 8}, 1), kv = seeded_randn({1, 3, 2, 8}, 2);
+    EXPECT_EQ(attention(q, kv, kv).sizes(), q.sizes());
+    EXPECT_EQ(*attention.partition(), HeadPartition::make(4, 2, 2));
+  });
+}
+
+TEST(DistributedAttention, NegativeHeadCountsAreRejected) {
+  AttentionOptions options;
+  options.q_heads = -1;
+  EXPECT_THROW(DistributedAttention(Group::solo(), options), c10::ValueError);
+}
+
+TEST(DistributedAttention, InvalidCapturedHeadsOnOneRankFailAlike) {
+  auto errors = run_ranks(2, [](Group& g) {
+    // Rank 1's k has 3 heads: 4 % 3 != 0 there only.
+    at::Tensor q = seeded_randn({1, 3, 4, 8}, 1), k = seeded_randn({1, 3, g.rank() ? 3 : 2, 8}, 2);
+    DistributedAttention attention(g);
+    attention(q, k, k);
+  });
+  expect_ranks_fail_alike(errors, "query heads (4) must be a multiple of kv heads (3)");
+}
+
 }  // namespace
 }  // namespace ulysses

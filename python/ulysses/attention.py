@@ -80,6 +80,10 @@ class DistributedAttention(nn.Module):
                  layout: str = "BSHD", causal: bool = False, scale: float | None = None,
                  timeout: datetime.timedelta | float | None = None) -> None:
         super().__init__()
+        for name, value in (("q_heads", q_heads), ("kv_heads", kv_heads)):
+            if value is not None and value < 1:
+                raise ValueError(f"DistributedAttention: {name} must be >= 1 (or None: taken from "
+                                 f"the first call); got {value}")
         if isinstance(group, tuple):  # (DeviceMesh, dim)
             mesh, dim = group
             group = mesh.get_group(dim)
@@ -93,10 +97,9 @@ class DistributedAttention(nn.Module):
         self.causal = causal
         self.scale = scale
         self.timeout_ms = O.timeout_ms(timeout)
-        self.q_heads = q_heads
-        self.kv_heads = kv_heads if kv_heads is not None else q_heads
-        if q_heads is not None:
-            _C.plan(q_heads, self.kv_heads, self.sp_size)  # Fail fast on an invalid setup.
+        self.q_heads, self.kv_heads = q_heads, kv_heads
+        if q_heads is not None:  # Fail fast on an invalid setup (kv heads may come later).
+            _C.plan(q_heads, kv_heads if kv_heads is not None else 1, self.sp_size)
 
     def extra_repr(self) -> str:
         return (f"group={self.group_name!r}, sp={self.sp_size}, q_heads={self.q_heads}, "
@@ -114,13 +117,16 @@ class DistributedAttention(nn.Module):
         ``seq_lens``: every rank's token count (learned with one small collective when None;
         required under torch.compile). ``step``: shares rebuilt masks across layers.
         """
-        if self.q_heads is None:
-            # Captured on this instance from the first call; the ops' agreement round makes
-            # ranks that disagree fail together.
+        if self.q_heads is None or self.kv_heads is None:
+            # Head counts not given are captured on this instance from the first call; the
+            # ops' agreement round makes ranks that disagree fail together.
             if q.dim() != 4 or k.dim() != 4:
                 raise ValueError(f"DistributedAttention: q and k must be 4-D ({self.layout}); "
                                  f"got {tuple(q.shape)} and {tuple(k.shape)}")
-            self.q_heads, self.kv_heads = q.shape[self.head_dim], k.shape[self.head_dim]
+            if self.q_heads is None:
+                self.q_heads = q.shape[self.head_dim]
+            if self.kv_heads is None:
+                self.kv_heads = k.shape[self.head_dim]
         hq, hkv = self.q_heads, self.kv_heads
         if seq_lens is None:
             if torch.compiler.is_compiling():

@@ -168,3 +168,15 @@ def test_too_few_heads_is_a_clear_error():
     errors = run_ranks_errors(2, body)
     assert errors[0] == errors[1]
     assert "query heads (1) must be >= sequence-parallel size (2)" in errors[0]
+
+
+def test_kv_heads_omitted_are_taken_from_k():
+    def body(rank, group):
+        attn = ulysses.DistributedAttention(group, q_heads=4)
+        q, kv = torch.randn(1, 3, 4, 8), torch.randn(1, 3, 2, 8)
+        assert attn(q, kv, kv).shape == q.shape
+        return attn.q_heads, attn.kv_heads
+
+    assert run_ranks(2, body) == [(4, 2), (4, 2)]
+    with pytest.raises(ValueError, match="q_heads must be >= 1"):
+        ulysses.DistributedAttention("unused", q_heads=-1)
