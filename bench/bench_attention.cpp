@@ -83,7 +83,14 @@ int bench_attention_main(const Argv& argv, const Runtime& runtime) {
     return 0;
   }
   const double mm = matmul_gflops(2048);
-  std::cout << "at::matmul fp32 2048x2048, " << threads << " threads: " << mm << " GFLOP/s\n";
+  std::cout << "kernel GEMM: sgemm_ from " << bench::gemm_library() << "\n"
+            << "at::matmul fp32 2048x2048, " << threads << " threads: " << mm << " GFLOP/s\n";
+  // A modern x86 core does >= 50 fp32 GFLOP/s; far less means a mis-detected BLAS kernel, and
+  // percentages of it would overstate the fused kernel.
+  if (mm < 20.0 * threads) {
+    std::cout << "warning: at::matmul is implausibly slow (" << mm << " GFLOP/s on " << threads
+              << " threads); the % of matmul columns are not meaningful\n";
+  }
 
   std::vector<bench::Record> records;
   for (int64_t S : seq_lens) {
@@ -99,9 +106,9 @@ int bench_attention_main(const Argv& argv, const Runtime& runtime) {
       bench::Record r;
       r.add("seq_len", S).add("batch", B).add("q_heads", Hq).add("kv_heads", Hkv);
       r.add("head_dim", D).add("dtype", dtype_name).add("causal", causal);
-      r.add("fused_ms", f.median).add("fused_spread", f.spread());
+      r.add("fused", f);
       if (run_math) {
-        r.add("math_ms", m.median).add("math_spread", m.spread());
+        r.add("math", m);
         r.add("math_over_fused", m.median / f.median);
       }
       const double gflops = flops / (f.median * 1e6);

@@ -2,7 +2,6 @@
 // libtorch_cpu, i.e. the MKL inside the PyTorch wheel) against torch.matmul (at::mm) on the
 // same shapes, the kernel's tile shapes included.
 #include <ATen/Parallel.h>
-#include <dlfcn.h>
 
 #include <iostream>
 
@@ -27,11 +26,8 @@ int bench_gemm_main(const Argv& argv) {
   args.finish();
   if (dims.size() % 3 != 0) throw UsageError("option --shapes takes M,N,K triples");
   at::set_num_threads(threads);
-  Dl_info info{};
-  const char* where = dladdr(reinterpret_cast<void*>(&sgemm_), &info) && info.dli_fname
-                          ? info.dli_fname
-                          : "unknown";
-  std::cout << "kernel GEMM: sgemm_ from " << where << "; " << threads << " thread(s)\n";
+  std::cout << "kernel GEMM: sgemm_ from " << bench::gemm_library() << "; " << threads
+            << " thread(s)\n";
   std::vector<bench::Record> records;
   for (size_t i = 0; i < dims.size(); i += 3) {
     const int m = static_cast<int>(dims[i]), n = static_cast<int>(dims[i + 1]),

@@ -58,19 +58,19 @@ int bench_layer_main(const Argv& argv, const Runtime& runtime) {
     bench::Record r;
     r.add("seq_len", S).add("batch", 1).add("q_heads", Hq).add("kv_heads", Hkv);
     r.add("head_dim", D).add("sp", P).add("layout", "BSHD").add("dtype", "float32");
-    r.add("causal", true).add("ms", samples[samples.size() / 2]);
-    r.add("spread", bench::Stats{0, samples.front(), samples.back()}.spread());
+    r.add("causal", true).add("layer", bench::Stats{samples[samples.size() / 2], samples.front(),
+                                                    samples.back()});
     r.add("peak_bytes", peaks.max().item<int64_t>());
     records.push_back(r);
     if (g.rank() == 0)
-      bench::print_table({r}, {"seq_len", "sp", "ms", "spread", "peak_bytes"});
+      bench::print_table({r}, {"seq_len", "sp", "layer_ms", "layer_spread", "peak_bytes"});
   }
   if (g.rank() == 0) {
     std::cout << "\nsummary: DistributedAttention fwd+bwd, P=" << P << ", Hq=" << Hq
               << " Hkv=" << Hkv << " D=" << D << ", causal, " << at::get_num_threads()
               << " threads/rank (ms: slowest rank, median of " << repeats
               << "; peak_bytes: max over ranks of peak RSS added by one step)\n";
-    bench::print_table(records, {"seq_len", "sp", "ms", "spread", "peak_bytes"});
+    bench::print_table(records, {"seq_len", "sp", "layer_ms", "layer_spread", "peak_bytes"});
     if (!json.empty()) bench::write_json(json, records);
   }
   return 0;

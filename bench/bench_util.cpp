@@ -2,6 +2,7 @@
 
 #include "proc_status.h"
 
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -13,13 +14,11 @@
 #include <sstream>
 #include <stdexcept>
 
-namespace ulysses::bench {
+extern "C" void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*,
+                       const float*, const int*, const float*, const int*, const float*, float*,
+                       const int*);
 
-std::string Stats::spread() const {
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(1) << "(" << min << "-" << max << ")";
-  return os.str();
-}
+namespace ulysses::bench {
 
 Stats time_ms(const std::function<void()>& fn, int warmup, int repeats) {
   for (int i = 0; i < warmup; ++i) fn();
@@ -87,6 +86,10 @@ std::string Record::json() const {
   return out + "}";
 }
 
+Record& Record::add(const std::string& name, const Stats& s) {
+  return add(name + "_ms", s.median).add(name + "_min_ms", s.min).add(name + "_max_ms", s.max);
+}
+
 std::string Record::text(const std::string& name) const {
   for (const auto& f : fields_) {
     if (f.first != name) continue;
@@ -94,10 +97,34 @@ std::string Record::text(const std::string& name) const {
     if (!v.empty() && v.front() == '"') v = v.substr(1, v.size() - 2);
     return v;
   }
+  const std::string suffix = "_spread";
+  if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    const std::string base = name.substr(0, name.size() - suffix.size());
+    const std::string lo = text(base + "_min_ms"), hi = text(base + "_max_ms");
+    if (lo.empty() || hi.empty()) return "";
+    std::ostringstream os;
+    os << std::fixed << std::setprecision(1) << "(" << std::stod(lo) << "-" << std::stod(hi) << ")";
+    return os.str();
+  }
   return "";
 }
 
-void print_table(const std::vector<Record>& records, const std::vector<std::string>& columns) {
+std::string gemm_library() {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(&sgemm_), &info) && info.dli_fname) return info.dli_fname;
+  return "unknown";
+}
+
+void print_table(const std::vector<Record>& records, const std::vector<std::string>& wanted) {
+  std::vector<std::string> columns;
+  for (const auto& c : wanted) {
+    for (const auto& r : records) {
+      if (!r.text(c).empty()) {
+        columns.push_back(c);
+        break;
+      }
+    }
+  }
   std::vector<size_t> width;
   for (const auto& c : columns) {
     size_t w = c.size();

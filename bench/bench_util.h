@@ -13,8 +13,6 @@ namespace ulysses::bench {
 // Wall-clock milliseconds over repeated runs after warm-up.
 struct Stats {
   double median = 0, min = 0, max = 0;
-  // "(min-max)" spread, for tables.
-  std::string spread() const;
 };
 
 // Runs `fn` `warmup` times, then `repeats` times, timing each of the latter.
@@ -39,15 +37,21 @@ class Record {
   Record& add(const std::string& name, bool v);
   Record& add(const std::string& name, const std::string& v);
   Record& add(const std::string& name, const char* v) { return add(name, std::string(v)); }
+  // Timing statistics as numbers: <name>_ms (median), <name>_min_ms, <name>_max_ms.
+  Record& add(const std::string& name, const Stats& s);
   std::string json() const;
-  // The field's text as printed in tables ("" if absent).
+  // The field's text as printed in tables ("" if absent). "<name>_spread" is shown as
+  // "(min-max)" from the fields that add(name, Stats) wrote.
   std::string text(const std::string& name) const;
 
  private:
   std::vector<std::pair<std::string, std::string>> fields_;  // Values JSON-encoded.
 };
 
-// Prints `records` as an aligned table of `columns`.
+// The shared object that provides the BLAS `sgemm_` the attention kernel calls.
+std::string gemm_library();
+
+// Prints `records` as an aligned table of `columns`, leaving out columns no record has.
 void print_table(const std::vector<Record>& records, const std::vector<std::string>& columns);
 // Writes `records` as a JSON array to `path`.
 void write_json(const std::string& path, const std::vector<Record>& records);

@@ -76,13 +76,16 @@ def plot_attention(records):
 
 
 def plot_layer(records):
-    recs = [r for r in records if "peak_bytes" in r and "ms" in r]
+    for r in records:  # Files written before the layer's time was named layer_ms.
+        if "ms" in r and "peak_bytes" in r:
+            r.setdefault("layer_ms", r["ms"])
+    recs = [r for r in records if "peak_bytes" in r and "layer_ms" in r]
     if not recs:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for sp in sorted({r["sp"] for r in recs}):
         rs = sorted([r for r in recs if r["sp"] == sp], key=lambda r: r["seq_len"])
-        axes[0].plot([r["seq_len"] for r in rs], [r["ms"] for r in rs], "o-", label=f"P={sp}")
+        axes[0].plot([r["seq_len"] for r in rs], [r["layer_ms"] for r in rs], "o-", label=f"P={sp}")
         axes[1].plot([r["seq_len"] for r in rs], [r["peak_bytes"] / 2**20 for r in rs], "o-",
                      label=f"P={sp}")
     for ax, ylabel in zip(axes, ["forward+backward ms (slowest rank)", "peak MiB per rank"]):
