@@ -70,9 +70,9 @@ int bench_a2a_main(const Argv& argv, const Runtime& runtime) {
         return at::randn(shape, gen);
       };
       at::Tensor q = make(hc.hq), k = make(hc.hkv), v = make(hc.hkv);
-      const auto plan = agree_plan(g, heads, layout, {{q, Heads::kQuery, "q"},
-                                                      {k, Heads::kKeyValue, "k"},
-                                                      {v, Heads::kKeyValue, "v"}});
+      const auto plan = agree_plan(
+          g, heads, layout,
+          {{q, Heads::kQuery, "q"}, {k, Heads::kKeyValue, "k"}, {v, Heads::kKeyValue, "v"}});
       const bool gqa = hc.hq != hc.hkv;
       // Forward all-to-alls around attention: q (and k, v for GQA) in, o out.
       at::Tensor o = scatter_heads(q, Heads::kQuery, plan, g);
@@ -87,8 +87,8 @@ int bench_a2a_main(const Argv& argv, const Runtime& runtime) {
       // The bare collective moving the same bytes, with preallocated buffers (o moves as many
       // bytes as q in total; q's size is the same on every rank, o's is not for uneven heads).
       std::vector<at::Tensor> raw_in, raw_out;
-      for (const at::Tensor& t : gqa ? std::vector<at::Tensor>{q, k, v, q}
-                                     : std::vector<at::Tensor>{q, q}) {
+      for (const at::Tensor& t :
+           gqa ? std::vector<at::Tensor>{q, k, v, q} : std::vector<at::Tensor>{q, q}) {
         const int64_t n = (t.numel() + P - 1) / P * P;
         raw_in.push_back(at::randn({n}, gen));
         raw_out.push_back(at::empty({n}, t.options()));
@@ -141,10 +141,10 @@ int bench_a2a_main(const Argv& argv, const Runtime& runtime) {
       r.add("separate_over_fused", t_sep.median / t_fused.median);
       records.push_back(r);
       if (lead) {
-        bench::print_table({r}, {"seq_len", "heads", "q_heads", "kv_heads", "elements_per_rank",
-                                 "ours_ms", "raw_ms", "ours_over_raw", "reference_ms",
-                                 "reference_over_ours", "reference_matches", "fused_ms",
-                                 "separate_ms", "separate_over_fused"});
+        bench::print_table(
+            {r}, {"seq_len", "heads", "q_heads", "kv_heads", "elements_per_rank", "ours_ms",
+                  "raw_ms", "ours_over_raw", "reference_ms", "reference_over_ours",
+                  "reference_matches", "fused_ms", "separate_ms", "separate_over_fused"});
       }
     }
   }
@@ -152,10 +152,10 @@ int bench_a2a_main(const Argv& argv, const Runtime& runtime) {
     std::cout << "\nsummary: P=" << P << ", " << layout_name << ", D=" << D
               << ", fp32, Gloo on loopback, median of " << repeats
               << " (each sample: slowest rank)\n";
-    bench::print_table(records, {"seq_len", "heads", "q_heads", "kv_heads", "elements_per_rank",
-                                 "ours_ms", "ours_spread", "raw_ms", "ours_over_raw",
-                                 "reference_ms", "reference_over_ours", "reference_matches",
-                                 "fused_ms", "separate_ms", "separate_over_fused"});
+    bench::print_table(
+        records, {"seq_len", "heads", "q_heads", "kv_heads", "elements_per_rank", "ours_ms",
+                  "ours_spread", "raw_ms", "ours_over_raw", "reference_ms", "reference_over_ours",
+                  "reference_matches", "fused_ms", "separate_ms", "separate_over_fused"});
     const bool all_referenced = std::all_of(records.begin(), records.end(), [](const auto& r) {
       return !r.text("reference_ms").empty();
     });

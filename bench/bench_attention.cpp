@@ -51,8 +51,8 @@ int bench_attention_main(const Argv& argv, const Runtime& runtime) {
   const int repeats = static_cast<int>(args.integer("--repeats", 3, 1, 100000));
   const bool memory = args.has("--memory");
   const bool no_math = args.has("--no-math");
-  const double math_limit_gb = args.real("--math-limit-gb", 0.6 * sysconf(_SC_PHYS_PAGES) *
-                                                                sysconf(_SC_PAGE_SIZE) / 1e9);
+  const double math_limit_gb =
+      args.real("--math-limit-gb", 0.6 * sysconf(_SC_PHYS_PAGES) * sysconf(_SC_PAGE_SIZE) / 1e9);
   const std::string json = args.str("--json", "");
   FlashOptions blocks;
   blocks.block_q = args.integer("--block-q", blocks.block_q, 1);
@@ -112,15 +112,18 @@ int bench_attention_main(const Argv& argv, const Runtime& runtime) {
         r.add("math_over_fused", m.median / f.median);
       }
       const double gflops = flops / (f.median * 1e6);
-      r.add("fused_gflops", gflops).add("matmul_gflops", mm).add("fused_pct_of_matmul",
-                                                                 100.0 * gflops / mm);
+      r.add("fused_gflops", gflops)
+          .add("matmul_gflops", mm)
+          .add("fused_pct_of_matmul", 100.0 * gflops / mm);
       if (memory) {
         auto peak = [&](const std::string& impl) {
-          return bench::peak_in_child(runtime.self,
-              {"bench", "attention", "--measure-peak", impl, "--seq-lens", std::to_string(S),
-               "--causal", causal ? "1" : "0", "--batch", std::to_string(B), "--q-heads",
-               std::to_string(Hq), "--kv-heads", std::to_string(Hkv), "--head-dim",
-               std::to_string(D), "--dtype", dtype_name, "--threads", std::to_string(threads)});
+          return bench::peak_in_child(
+              runtime.self,
+              {"bench",      "attention",         "--measure-peak", impl,
+               "--seq-lens", std::to_string(S),   "--causal",       causal ? "1" : "0",
+               "--batch",    std::to_string(B),   "--q-heads",      std::to_string(Hq),
+               "--kv-heads", std::to_string(Hkv), "--head-dim",     std::to_string(D),
+               "--dtype",    dtype_name,          "--threads",      std::to_string(threads)});
         };
         const int64_t fp = peak("fused");
         r.add("fused_peak_bytes", fp);
@@ -131,23 +134,24 @@ int bench_attention_main(const Argv& argv, const Runtime& runtime) {
         }
       }
       records.push_back(r);
-      bench::print_table({r}, {"seq_len", "causal", "fused_ms", "fused_spread", "math_ms",
-                               "math_spread", "math_over_fused", "fused_gflops",
-                               "fused_pct_of_matmul", "fused_peak_bytes", "math_peak_bytes",
-                               "fused_over_math_peak"});
+      bench::print_table(
+          {r}, {"seq_len", "causal", "fused_ms", "fused_spread", "math_ms", "math_spread",
+                "math_over_fused", "fused_gflops", "fused_pct_of_matmul", "fused_peak_bytes",
+                "math_peak_bytes", "fused_over_math_peak"});
     }
   }
   std::cout << "\nsummary (B=" << B << " Hq=" << Hq << " Hkv=" << Hkv << " D=" << D << " "
             << dtype_name << ", " << threads << " threads, median of " << repeats << ")\n";
-  bench::print_table(records, {"seq_len", "causal", "fused_ms", "fused_spread", "math_ms",
-                               "math_spread", "math_over_fused", "fused_gflops",
-                               "fused_pct_of_matmul", "fused_peak_bytes", "math_peak_bytes",
-                               "fused_over_math_peak"});
+  bench::print_table(records,
+                     {"seq_len", "causal", "fused_ms", "fused_spread", "math_ms", "math_spread",
+                      "math_over_fused", "fused_gflops", "fused_pct_of_matmul", "fused_peak_bytes",
+                      "math_peak_bytes", "fused_over_math_peak"});
   for (size_t i = 0; i + 1 < records.size(); ++i) {
     if (records[i].text("seq_len") == records[i + 1].text("seq_len") &&
         records[i].text("causal") == "false" && records[i + 1].text("causal") == "true") {
       std::cout << "causal speedup at S=" << records[i].text("seq_len") << ": "
-                << std::stod(records[i].text("fused_ms")) / std::stod(records[i + 1].text("fused_ms"))
+                << std::stod(records[i].text("fused_ms")) /
+                       std::stod(records[i + 1].text("fused_ms"))
                 << "x\n";
     }
   }

@@ -11,8 +11,7 @@
 
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
                        const int* k, const float* alpha, const float* a, const int* lda,
-                       const float* b, const int* ldb, const float* beta, float* c,
-                       const int* ldc);
+                       const float* b, const int* ldb, const float* beta, float* c, const int* ldc);
 
 namespace ulysses::cli {
 
@@ -42,7 +41,8 @@ int bench_gemm_main(const Argv& argv) {
         },
         3, repeats);
     at::Tensor expect = at::mm(a, b);
-    TORCH_CHECK(at::allclose(c, expect, 1e-4, 1e-4), "bench gemm: sgemm_ result differs from at::mm");
+    TORCH_CHECK(at::allclose(c, expect, 1e-4, 1e-4),
+                "bench gemm: sgemm_ result differs from at::mm");
     auto torch_mm = bench::time_ms([&] { at::mm_out(c, a, b); }, 3, repeats);
     const double flop = 2.0 * m * n * k;
     bench::Record r;
@@ -52,7 +52,8 @@ int bench_gemm_main(const Argv& argv) {
         .add("kernel_over_matmul", torch_mm.median / kernel.median);
     records.push_back(r);
   }
-  bench::print_table(records, {"shape", "kernel_gemm_gflops", "matmul_gflops", "kernel_over_matmul"});
+  bench::print_table(records,
+                     {"shape", "kernel_gemm_gflops", "matmul_gflops", "kernel_over_matmul"});
   return 0;
 }
 

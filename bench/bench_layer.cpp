@@ -58,8 +58,8 @@ int bench_layer_main(const Argv& argv, const Runtime& runtime) {
     bench::Record r;
     r.add("seq_len", S).add("batch", 1).add("q_heads", Hq).add("kv_heads", Hkv);
     r.add("head_dim", D).add("sp", P).add("layout", "BSHD").add("dtype", "float32");
-    r.add("causal", true).add("layer", bench::Stats{samples[samples.size() / 2], samples.front(),
-                                                    samples.back()});
+    r.add("causal", true)
+        .add("layer", bench::Stats{samples[samples.size() / 2], samples.front(), samples.back()});
     r.add("peak_bytes", peaks.max().item<int64_t>());
     records.push_back(r);
     if (g.rank() == 0)

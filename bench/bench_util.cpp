@@ -1,7 +1,5 @@
 #include "bench_util.h"
 
-#include "proc_status.h"
-
 #include <dlfcn.h>
 #include <unistd.h>
 
@@ -13,6 +11,8 @@
 #include <iostream>
 #include <sstream>
 #include <stdexcept>
+
+#include "proc_status.h"
 
 extern "C" void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*,
                        const float*, const int*, const float*, const int*, const float*, float*,
@@ -26,15 +26,14 @@ Stats time_ms(const std::function<void()>& fn, int warmup, int repeats) {
   for (int i = 0; i < std::max(1, repeats); ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     fn();
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                     .count());
+    ms.push_back(
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
   std::sort(ms.begin(), ms.end());
   const size_t n = ms.size();
   const double median = n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
   return {median, ms.front(), ms.back()};
 }
-
 
 int64_t peak_extra_bytes(const std::function<void()>& prepare, const std::function<void()>& run) {
   prepare();
@@ -98,7 +97,8 @@ std::string Record::text(const std::string& name) const {
     return v;
   }
   const std::string suffix = "_spread";
-  if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+  if (name.size() > suffix.size() &&
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
     const std::string base = name.substr(0, name.size() - suffix.size());
     const std::string lo = text(base + "_min_ms"), hi = text(base + "_max_ms");
     if (lo.empty() || hi.empty()) return "";

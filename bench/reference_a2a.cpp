@@ -70,10 +70,16 @@ at::Tensor reference_gather_heads(const at::Tensor& y, int64_t H, const Group& g
   a2a(t, out, out_splits, std::vector<int64_t>(P, s * local * D), g, b);
   const int64_t small = H / P, large = small + 1, n_large = H % P, n_small = P - n_large;
   auto parts = out.split({per_head * n_large * large, per_head * n_small * small}, 0);
-  at::Tensor big = parts[0].view({n_large, s, large, D, b}).permute({4, 1, 0, 2, 3}).contiguous()
+  at::Tensor big = parts[0]
+                       .view({n_large, s, large, D, b})
+                       .permute({4, 1, 0, 2, 3})
+                       .contiguous()
                        .view({b, s, n_large * large, D});
-  at::Tensor little = parts[1].view({n_small, s, small, D, b}).permute({4, 1, 0, 2, 3})
-                          .contiguous().view({b, s, n_small * small, D});
+  at::Tensor little = parts[1]
+                          .view({n_small, s, small, D, b})
+                          .permute({4, 1, 0, 2, 3})
+                          .contiguous()
+                          .view({b, s, n_small * small, D});
   return at::cat({big, little}, 2).contiguous().view({b, s, H, D});
 }
 

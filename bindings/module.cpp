@@ -115,7 +115,8 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("layout"), "(sequence dim, head dim) of a layout name such as 'BSHD'.");
   m.def(
-      "collective_count", [](const std::string& group) { return Group::resolve(group).collective_count(); },
+      "collective_count",
+      [](const std::string& group) { return Group::resolve(group).collective_count(); },
       py::arg("group"));
   m.def("run_cli", &run_cli, py::arg("argv"), py::arg("self"), py::arg("join_world"),
         py::arg("split"));

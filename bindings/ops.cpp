@@ -63,7 +63,8 @@ at::Tensor sequence_lengths(const at::Tensor& x, int64_t dim, const std::string&
   const Group group = group_of(group_name, timeout_ms);
   auto all = group.agree(
       [&] {
-        TORCH_CHECK_VALUE(x.dim() > 0, "sequence_lengths: x must have a sequence dim; got a 0-D "
+        TORCH_CHECK_VALUE(x.dim() > 0,
+                          "sequence_lengths: x must have a sequence dim; got a 0-D "
                           "tensor");
         const int64_t d = dim < 0 ? dim + x.dim() : dim;
         TORCH_CHECK_INDEX(d >= 0 && d < x.dim(), "sequence_lengths: dim ", dim,
@@ -89,9 +90,8 @@ std::vector<at::Tensor> scatter_heads_op(at::TensorList xs, c10::ArrayRef<std::s
   for (size_t i = 0; i < xs.size(); ++i)
     specs.push_back({xs[i], kinds[i], "tensor " + std::to_string(i)});
   // Checks every rank's tensors and the given split in one small collective before data moves.
-  const AllToAllPlan plan =
-      agree_plan(group, partition, parse_layout(layout), specs,
-                 SequencePartition::from_lengths(seq_lens.vec()));
+  const AllToAllPlan plan = agree_plan(group, partition, parse_layout(layout), specs,
+                                       SequencePartition::from_lengths(seq_lens.vec()));
   at::NoGradGuard no_grad;
   return fresh(scatter_heads(xs.vec(), kinds, plan, group), xs);
 }
@@ -122,8 +122,7 @@ at::Tensor reduce_scatter_sequence_op(const at::Tensor& x, int64_t dim, c10::Int
   const Group group = group_of(group_name, timeout_ms);
   at::NoGradGuard no_grad;
   return fresh(
-      reduce_scatter_sequence(x, dim, SequencePartition::from_lengths(seq_lens.vec()), group),
-      {x});
+      reduce_scatter_sequence(x, dim, SequencePartition::from_lengths(seq_lens.vec()), group), {x});
 }
 
 at::Tensor rebuild_mask_op(const at::Tensor& mask, int64_t q_heads, int64_t kv_heads,
@@ -158,10 +157,11 @@ LocalAttentionArgs local_args(const at::Tensor& q, const at::Tensor& k, const at
   return a;
 }
 
-std::tuple<at::Tensor, at::Tensor> flash_attention_op(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c10::IntArrayRef kv_map,
-    const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& positions,
-    bool causal, double scale) {
+std::tuple<at::Tensor, at::Tensor> flash_attention_op(const at::Tensor& q, const at::Tensor& k,
+                                                      const at::Tensor& v, c10::IntArrayRef kv_map,
+                                                      const c10::optional<at::Tensor>& mask,
+                                                      const c10::optional<at::Tensor>& positions,
+                                                      bool causal, double scale) {
   auto [out, lse] =
       flash_attention_forward(local_args(q, k, v, kv_map, mask, positions, causal, scale));
   return {out.contiguous(), lse.contiguous()};
@@ -170,8 +170,8 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_op(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attention_backward_op(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::IntArrayRef kv_map,
-    const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& positions,
-    bool causal, double scale, bool mask_grad) {
+    const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& positions, bool causal,
+    double scale, bool mask_grad) {
   auto g = flash_attention_backward(
       grad_out, local_args(q, k, v, kv_map, mask, positions, causal, scale), out, lse, mask_grad);
   // No mask gradient: an empty tensor (a dispatcher op cannot return an undefined one).
@@ -183,23 +183,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attention_backw
 
 TORCH_LIBRARY(ulysses, m) {
   m.def("sequence_lengths(Tensor x, int dim, str group, int timeout_ms) -> Tensor");
-  m.def("scatter_heads(Tensor[] xs, str[] heads, int q_heads, int kv_heads, int[] seq_lens, "
-        "str layout, str group, int timeout_ms) -> Tensor[]");
-  m.def("gather_heads(Tensor[] ys, str[] heads, int q_heads, int kv_heads, int[] seq_lens, "
-        "str layout, str group, int timeout_ms) -> Tensor[]");
-  m.def("all_gather_sequence(Tensor x, int dim, int[] seq_lens, str group, int timeout_ms) -> "
-        "Tensor");
-  m.def("reduce_scatter_sequence(Tensor x, int dim, int[] seq_lens, str group, int timeout_ms) "
-        "-> Tensor");
-  m.def("rebuild_mask(Tensor mask, int q_heads, int kv_heads, int[] seq_lens, str group, "
-        "int timeout_ms) -> Tensor");
-  m.def("rebuild_mask_backward(Tensor grad, int[] mask_sizes, int q_heads, int kv_heads, "
-        "int[] seq_lens, str group, int timeout_ms) -> Tensor");
-  m.def("flash_attention(Tensor q, Tensor k, Tensor v, int[] kv_map, Tensor? mask, "
-        "Tensor? positions, bool causal, float scale) -> (Tensor, Tensor)");
-  m.def("flash_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
-        "Tensor lse, int[] kv_map, Tensor? mask, Tensor? positions, bool causal, float scale, "
-        "bool mask_grad) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "scatter_heads(Tensor[] xs, str[] heads, int q_heads, int kv_heads, int[] seq_lens, "
+      "str layout, str group, int timeout_ms) -> Tensor[]");
+  m.def(
+      "gather_heads(Tensor[] ys, str[] heads, int q_heads, int kv_heads, int[] seq_lens, "
+      "str layout, str group, int timeout_ms) -> Tensor[]");
+  m.def(
+      "all_gather_sequence(Tensor x, int dim, int[] seq_lens, str group, int timeout_ms) -> "
+      "Tensor");
+  m.def(
+      "reduce_scatter_sequence(Tensor x, int dim, int[] seq_lens, str group, int timeout_ms) "
+      "-> Tensor");
+  m.def(
+      "rebuild_mask(Tensor mask, int q_heads, int kv_heads, int[] seq_lens, str group, "
+      "int timeout_ms) -> Tensor");
+  m.def(
+      "rebuild_mask_backward(Tensor grad, int[] mask_sizes, int q_heads, int kv_heads, "
+      "int[] seq_lens, str group, int timeout_ms) -> Tensor");
+  m.def(
+      "flash_attention(Tensor q, Tensor k, Tensor v, int[] kv_map, Tensor? mask, "
+      "Tensor? positions, bool causal, float scale) -> (Tensor, Tensor)");
+  m.def(
+      "flash_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor lse, int[] kv_map, Tensor? mask, Tensor? positions, bool causal, float scale, "
+      "bool mask_grad) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 // Collectives: one kernel for every device (the ProcessGroup dispatches by device).

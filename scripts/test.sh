@@ -3,6 +3,7 @@
 # suite (pytest: ops, module, torch.compile, CLI end to end under torchrun).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/format.sh --check
 bash scripts/build.sh
 export OMP_NUM_THREADS=1
 (cd build && ctest -j 2 --output-on-failure --timeout 300)

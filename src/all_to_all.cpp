@@ -18,8 +18,7 @@ std::string shape_str(at::IntArrayRef sizes) {
 const char* heads_name(Heads h) { return h == Heads::kQuery ? "query" : "kv"; }
 
 // `like`'s sizes with the sequence dim set to `seq` and the head dim to `heads`.
-std::vector<int64_t> shape_with(const at::Tensor& like, Layout layout, int64_t seq,
-                                int64_t heads) {
+std::vector<int64_t> shape_with(const at::Tensor& like, Layout layout, int64_t seq, int64_t heads) {
   std::vector<int64_t> s = like.sizes().vec();
   s[seq_dim(layout)] = seq;
   s[head_dim(layout)] = heads;
@@ -62,8 +61,8 @@ std::vector<at::Tensor> seq_to_heads(const std::vector<at::Tensor>& xs,
       send_splits[j] += S_me * R[j].size() * per_token_head;
       recv_splits[j] += plan.seq.length(j) * R[me].size() * per_token_head;
     }
-    outs.push_back(group.new_buffer(shape_with(xs[t], L, plan.seq.seq_len(), R[me].size()),
-                                    xs[t].options()));
+    outs.push_back(
+        group.new_buffer(shape_with(xs[t], L, plan.seq.seq_len(), R[me].size()), xs[t].options()));
   }
   int64_t send_total = 0, recv_total = 0;
   for (int j = 0; j < P; ++j) send_total += send_splits[j], recv_total += recv_splits[j];
@@ -81,8 +80,7 @@ std::vector<at::Tensor> seq_to_heads(const std::vector<at::Tensor>& xs,
   }
   // One tensor whose per-source blocks are contiguous: receive straight into the output.
   const bool direct = xs.size() == 1 && leading_dims_trivial(outs[0].sizes(), sdim);
-  at::Tensor recv =
-      direct ? outs[0].view({-1}) : group.new_buffer({recv_total}, xs[0].options());
+  at::Tensor recv = direct ? outs[0].view({-1}) : group.new_buffer({recv_total}, xs[0].options());
   at::Tensor send_w = wire(send), recv_w = wire(recv);
   group.all_to_all(recv_w, send_w, recv_splits, send_splits);
   if (direct) return outs;
@@ -186,8 +184,8 @@ void check_against_plan(const char* op, const std::vector<at::Tensor>& xs,
     TORCH_CHECK_VALUE(x.size(sdim) == want_s && x.size(hdim) == want_h, op, ": tensor ", t,
                       " must have ", want_s, " tokens in dim ", sdim, " and ", want_h, " ",
                       heads_name(kinds[t]), " heads in dim ", hdim, " (layout ",
-                      to_string(plan.layout), "); got shape ", shape_str(x.sizes()), " (rank ",
-                      me, " of ", group.size(), ")");
+                      to_string(plan.layout), "); got shape ", shape_str(x.sizes()), " (rank ", me,
+                      " of ", group.size(), ")");
   }
 }
 
@@ -210,17 +208,16 @@ AllToAllPlan agree_plan(const Group& group, const HeadPartition& heads, Layout l
           const at::Tensor& x = spec.tensor;
           TORCH_CHECK_VALUE(x.defined() && x.dim() == 4, "agree_plan: ", spec.name,
                             " must be a 4-D tensor in layout ", to_string(layout), "; got ",
-                            x.defined() ? shape_str(x.sizes()) : "undefined", " (rank ", me,
-                            " of ", P, ")");
+                            x.defined() ? shape_str(x.sizes()) : "undefined", " (rank ", me, " of ",
+                            P, ")");
           const int64_t want = spec.heads == Heads::kQuery ? heads.q_heads() : heads.kv_heads();
           TORCH_CHECK_VALUE(x.size(hdim) == want, "agree_plan: ", spec.name, " must have ", want,
                             " ", heads_name(spec.heads), " heads in dim ", hdim, " (layout ",
-                            to_string(layout), "); got shape ", shape_str(x.sizes()), " (rank ",
-                            me, " of ", P, ")");
-          TORCH_CHECK_VALUE(x.size(sdim) == tensors[0].tensor.size(sdim), "agree_plan: ",
-                            spec.name, " has ", x.size(sdim), " tokens but ",
-                            tensors[0].name, " has ", tensors[0].tensor.size(sdim), " (rank ",
-                            me, ")");
+                            to_string(layout), "); got shape ", shape_str(x.sizes()), " (rank ", me,
+                            " of ", P, ")");
+          TORCH_CHECK_VALUE(x.size(sdim) == tensors[0].tensor.size(sdim), "agree_plan: ", spec.name,
+                            " has ", x.size(sdim), " tokens but ", tensors[0].name, " has ",
+                            tensors[0].tensor.size(sdim), " (rank ", me, ")");
           for (int64_t d = 0; d < 4; ++d) meta.push_back(x.size(d));
           meta.push_back(static_cast<int64_t>(x.scalar_type()));
         }
@@ -253,8 +250,7 @@ AllToAllPlan agree_plan(const Group& group, const HeadPartition& heads, Layout l
   }
   if (seq) {
     TORCH_CHECK_VALUE(seq->lengths() == lengths, "agree_plan: local sequence lengths ",
-                      SequencePartition::from_lengths(lengths), " do not match the given ",
-                      *seq);
+                      SequencePartition::from_lengths(lengths), " do not match the given ", *seq);
   }
   return AllToAllPlan{heads, SequencePartition::from_lengths(lengths), layout};
 }

@@ -14,9 +14,12 @@ namespace {
 // Permutation taking `layout` to BHSD; BHSD -> layout is its inverse.
 std::vector<int64_t> to_bhsd(Layout layout) {
   switch (layout) {
-    case Layout::kBSHD: return {0, 2, 1, 3};
-    case Layout::kSBHD: return {1, 2, 0, 3};
-    case Layout::kBHSD: return {0, 1, 2, 3};
+    case Layout::kBSHD:
+      return {0, 2, 1, 3};
+    case Layout::kSBHD:
+      return {1, 2, 0, 3};
+    case Layout::kBHSD:
+      return {0, 1, 2, 3};
   }
   TORCH_INTERNAL_ASSERT(false);
 }
@@ -84,8 +87,7 @@ at::Tensor StepContext::rebuilt_mask(const at::Tensor& mask, const AllToAllPlan&
   // A head-shared mask does not depend on the head split: one entry serves every instance.
   const bool shared = mask.dim() < 3 || (mask.dim() == 3 ? mask.size(0) : mask.size(1)) == 1;
   const std::vector<Range> key = shared ? std::vector<Range>{} : plan.heads.q_ranges();
-  return lookup(masks_, mask, key, plan.seq,
-                [&] { return rebuild_mask(mask, plan, group_); });
+  return lookup(masks_, mask, key, plan.seq, [&] { return rebuild_mask(mask, plan, group_); });
 }
 
 at::Tensor StepContext::gathered_positions(const at::Tensor& positions,
@@ -98,8 +100,8 @@ DistributedAttention::DistributedAttention(Group group, AttentionOptions options
     : group_(std::move(group)), options_(std::move(options)) {
   TORCH_CHECK_VALUE(options_.q_heads >= 0 && options_.kv_heads >= 0,
                     "DistributedAttention: q_heads and kv_heads must be >= 0 (0: taken from the "
-                    "first call); got q_heads=", options_.q_heads, ", kv_heads=",
-                    options_.kv_heads);
+                    "first call); got q_heads=",
+                    options_.q_heads, ", kv_heads=", options_.kv_heads);
   if (!options_.local) options_.local = default_local_attention();
   if (options_.q_heads > 0 && options_.kv_heads > 0) {
     partition_ = HeadPartition::make(options_.q_heads, options_.kv_heads, group_.size());
@@ -119,8 +121,10 @@ at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& 
     // call's q and k. Each rank reads its own tensors, so ranks agree on the outcome first: an
     // invalid count on one rank raises the same error on every rank.
     group_.agree([&] {
-      TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4, "DistributedAttention: q and k must be "
-                        "4-D (", to_string(L), "); got ", q.sizes(), " and ", k.sizes());
+      TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4,
+                        "DistributedAttention: q and k must be "
+                        "4-D (",
+                        to_string(L), "); got ", q.sizes(), " and ", k.sizes());
       const int64_t hq = options_.q_heads > 0 ? options_.q_heads : q.size(hdim);
       const int64_t hkv = options_.kv_heads > 0 ? options_.kv_heads : k.size(hdim);
       partition_ = HeadPartition::make(hq, hkv, group_.size());

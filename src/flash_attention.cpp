@@ -14,8 +14,7 @@
 
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
                        const int* k, const float* alpha, const float* a, const int* lda,
-                       const float* b, const int* ldb, const float* beta, float* c,
-                       const int* ldc);
+                       const float* b, const int* ldb, const float* beta, float* c, const int* ldc);
 
 namespace ulysses {
 namespace {
@@ -29,9 +28,8 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 // wrapper is not exported). Never a system BLAS: see docs/DESIGN.md on OpenBLAS mis-detecting
 // this CPU. A row-major matrix is its transpose in BLAS's column-major view, hence the swapped
 // operands.
-void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
-          const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
-          int64_t ldc) {
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+          int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
   const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
   const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
@@ -70,8 +68,7 @@ float exp_shifted(float* row, int64_t n, float shift) {
 }
 
 float row_max(const float* row, int64_t n) {
-  return at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, row,
-                                    n);
+  return at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, row, n);
 }
 
 void scale_row(float* row, int64_t n, float factor) {
@@ -94,11 +91,11 @@ Strided strided(const at::Tensor& t) {
 
 // Everything a forward or backward pass reads; tensors hold the memory the pointers refer to.
 struct Problem {
-  at::Tensor q, k, v;                  // Float, last dim contiguous, BHSD.
-  at::Tensor bias;                     // Additive float mask expanded to [B, Hq, Sq, Sk], or {}.
-  at::Tensor allowed;                  // Bool mask expanded to [B, Hq, Sq, Sk], or {}.
-  at::Tensor doc;                      // [B, Sk] document ids (stride 0 over B allowed), or {}.
-  std::vector<int64_t> kv_map;         // Local kv head of each query head.
+  at::Tensor q, k, v;           // Float, last dim contiguous, BHSD.
+  at::Tensor bias;              // Additive float mask expanded to [B, Hq, Sq, Sk], or {}.
+  at::Tensor allowed;           // Bool mask expanded to [B, Hq, Sq, Sk], or {}.
+  at::Tensor doc;               // [B, Sk] document ids (stride 0 over B allowed), or {}.
+  std::vector<int64_t> kv_map;  // Local kv head of each query head.
   bool causal = false;
   float scale = 1.0f;
   int64_t bq = 64, bk = 128;
@@ -115,14 +112,14 @@ struct Problem {
   }
 
   // Adds the bias and sets disallowed entries of tile s (rows x cols, leading dim lds) to -inf.
-  void mask_tile(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
-                 float* s, int64_t lds) const {
+  void mask_tile(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols, float* s,
+                 int64_t lds) const {
     const bool diagonal = causal && j0 + cols - 1 > i0;
     const int64_t* d = doc.defined() ? doc.data_ptr<int64_t>() + b * doc.stride(0) : nullptr;
     const int64_t ds = doc.defined() ? doc.stride(1) : 0;
-    const bool mixed_docs = d && !(d[i0 * ds] == d[(i0 + rows - 1) * ds] &&
-                                   d[j0 * ds] == d[(j0 + cols - 1) * ds] &&
-                                   d[i0 * ds] == d[j0 * ds]);
+    const bool mixed_docs =
+        d && !(d[i0 * ds] == d[(i0 + rows - 1) * ds] && d[j0 * ds] == d[(j0 + cols - 1) * ds] &&
+               d[i0 * ds] == d[j0 * ds]);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = i0 + r;
       float* row = s + r * lds;
@@ -137,8 +134,8 @@ struct Problem {
         }
       }
       if (allowed.defined()) {
-        const bool* ap = allowed.data_ptr<bool>() + b * allowed.stride(0) +
-                         h * allowed.stride(1) + i * allowed.stride(2) + j0 * allowed.stride(3);
+        const bool* ap = allowed.data_ptr<bool>() + b * allowed.stride(0) + h * allowed.stride(1) +
+                         i * allowed.stride(2) + j0 * allowed.stride(3);
         const int64_t st = allowed.stride(3);
         for (int64_t c = 0; c < cols; ++c)
           if (!ap[c * st]) row[c] = kNegInf;
@@ -218,8 +215,8 @@ Grads backward(const Problem& p, const at::Tensor& d_out, const at::Tensor& out,
   const Strided q = strided(p.q), k = strided(p.k), v = strided(p.v);
   const int64_t n_qb = (p.Sq + p.bq - 1) / p.bq, n_kb = (p.Sk + p.bk - 1) / p.bk;
   const int64_t threads = at::get_num_threads();
-  const int64_t chunks = std::max<int64_t>(
-      1, std::min(n_kb, (threads + p.B * p.Hkv - 1) / (p.B * p.Hkv)));
+  const int64_t chunks =
+      std::max<int64_t>(1, std::min(n_kb, (threads + p.B * p.Hkv - 1) / (p.B * p.Hkv)));
   at::Tensor delta = (d_out * out).sum(-1);  // [B, Hq, Sq]
   at::Tensor dq_parts = at::zeros({chunks, p.B, p.Hq, p.Sq, p.D}, p.q.options());
   Grads g;
@@ -253,8 +250,8 @@ Grads backward(const Problem& p, const at::Tensor& d_out, const at::Tensor& out,
             for (int64_t r = 0; r < rows; ++r)
               exp_shifted(s.data() + r * p.bk, cols, lse_p[bh * p.Sq + i0 + r]);
             // dv += p^T do;  dp = do v^T;  ds = p * (dp - delta).
-            gemm(true, false, cols, p.Dv, rows, 1.0f, s.data(), p.bk, dO_i, p.Dv, 1.0f,
-                 dv.data(), p.Dv);
+            gemm(true, false, cols, p.Dv, rows, 1.0f, s.data(), p.bk, dO_i, p.Dv, 1.0f, dv.data(),
+                 p.Dv);
             gemm(false, true, rows, cols, p.Dv, 1.0f, dO_i, p.Dv, V, v.s2, 0.0f, dp.data(), p.bk);
             for (int64_t r = 0; r < rows; ++r) {
               const float dr = delta_p[bh * p.Sq + i0 + r];
@@ -333,16 +330,20 @@ Problem make_problem(const LocalAttentionArgs& a, const FlashOptions& options) {
     if (a.mask->scalar_type() == at::kBool) {
       p.allowed = a.mask->expand(full);
     } else {
-      TORCH_CHECK_TYPE(a.mask->is_floating_point(), "flash_attention: mask must be bool or "
-                       "floating point; got ", a.mask->scalar_type());
+      TORCH_CHECK_TYPE(a.mask->is_floating_point(),
+                       "flash_attention: mask must be bool or "
+                       "floating point; got ",
+                       a.mask->scalar_type());
       p.bias = a.mask->detach().to(at::kFloat).expand(full);
     }
   }
   if (a.positions) {
     at::Tensor doc = document_ids(*a.positions);
     if (doc.dim() == 1) doc = doc.unsqueeze(0);
-    TORCH_CHECK_VALUE(doc.size(-1) == p.Sk && p.Sq == p.Sk, "flash_attention: positions must "
-                      "cover the ", p.Sk, " keys (with Sq == Sk); got ", a.positions->sizes());
+    TORCH_CHECK_VALUE(doc.size(-1) == p.Sk && p.Sq == p.Sk,
+                      "flash_attention: positions must "
+                      "cover the ",
+                      p.Sk, " keys (with Sq == Sk); got ", a.positions->sizes());
     p.doc = doc.expand({p.B, p.Sk});
   }
 
@@ -353,7 +354,8 @@ Problem make_problem(const LocalAttentionArgs& a, const FlashOptions& options) {
 
 std::tuple<at::Tensor, at::Tensor> flash_attention_forward(const LocalAttentionArgs& a,
                                                            const FlashOptions& options) {
-  TORCH_CHECK_TYPE(a.q.scalar_type() != at::kDouble, "flash_attention_forward: fp64 is not "
+  TORCH_CHECK_TYPE(a.q.scalar_type() != at::kDouble,
+                   "flash_attention_forward: fp64 is not "
                    "supported (flash_attention falls back to math_attention for it)");
   const Problem p = make_problem(a, options);
   at::NoGradGuard no_grad;
@@ -363,9 +365,9 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_forward(const LocalAttentionA
 }
 
 std::vector<at::Tensor> flash_attention_backward(const at::Tensor& grad_out,
-                                                 const LocalAttentionArgs& a,
-                                                 const at::Tensor& out, const at::Tensor& lse,
-                                                 bool mask_grad, const FlashOptions& options) {
+                                                 const LocalAttentionArgs& a, const at::Tensor& out,
+                                                 const at::Tensor& lse, bool mask_grad,
+                                                 const FlashOptions& options) {
   TORCH_CHECK_VALUE(!mask_grad || (a.mask && a.mask->is_floating_point()),
                     "flash_attention_backward: a mask gradient needs a floating-point mask");
   const Problem p = make_problem(a, options);

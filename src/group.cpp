@@ -1,16 +1,15 @@
 #include "ulysses/group.h"
 
 #include <c10/util/Exception.h>
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <atomic>
-#include <map>
-#include <mutex>
 #include <chrono>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <sstream>
-
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 namespace ulysses {
 namespace detail {
@@ -60,9 +59,9 @@ class BufferCache {
 struct GroupRuntime {
   explicit GroupRuntime(int64_t cache_bytes)
       : buffers(std::make_shared<BufferCache>(cache_bytes)) {}
-  std::atomic<int64_t> collectives{0};     // Collectives issued.
-  std::atomic<int64_t> collective_ns{0};   // Wall time spent inside them.
-  std::shared_ptr<BufferCache> buffers;    // Shared with the deleters of tensors it lent.
+  std::atomic<int64_t> collectives{0};    // Collectives issued.
+  std::atomic<int64_t> collective_ns{0};  // Wall time spent inside them.
+  std::shared_ptr<BufferCache> buffers;   // Shared with the deleters of tensors it lent.
 };
 
 // Counts one collective and the time spent in it.
@@ -72,9 +71,9 @@ class CollectiveScope {
     ++s_.collectives;
   }
   ~CollectiveScope() {
-    s_.collective_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                            std::chrono::steady_clock::now() - t0_)
-                            .count();
+    s_.collective_ns +=
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_)
+            .count();
   }
 
  private:
@@ -93,8 +92,8 @@ struct RuntimeEntry {
   std::shared_ptr<detail::GroupRuntime> runtime;
 };
 
-std::shared_ptr<detail::GroupRuntime> runtime_of(
-    const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t cache_bytes) {
+std::shared_ptr<detail::GroupRuntime> runtime_of(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                                 int64_t cache_bytes) {
   static std::mutex mu;
   static std::map<const c10d::ProcessGroup*, RuntimeEntry> entries;  // Guarded by mu.
   std::lock_guard<std::mutex> lock(mu);
@@ -136,7 +135,10 @@ void wait(const Group& g, const char* op, const c10::intrusive_ptr<c10d::Work>& 
 Group::Group(c10::intrusive_ptr<c10d::ProcessGroup> pg,
              std::shared_ptr<detail::GroupRuntime> runtime, int rank, int size,
              GroupOptions options)
-    : pg_(std::move(pg)), runtime_(std::move(runtime)), rank_(rank), size_(size),
+    : pg_(std::move(pg)),
+      runtime_(std::move(runtime)),
+      rank_(rank),
+      size_(size),
       options_(options) {}
 
 Group Group::from_process_group(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
@@ -179,8 +181,7 @@ at::Tensor Group::new_buffer(at::IntArrayRef shape, const at::TensorOptions& opt
   const size_t bytes = c10::multiply_integers(shape) * options.dtype().itemsize();
   std::shared_ptr<detail::BufferCache> cache = runtime_->buffers;
   void* p = cache->take(bytes);
-  return at::from_blob(
-      p, shape, [cache, bytes](void* q) { cache->give_back(q, bytes); }, options);
+  return at::from_blob(p, shape, [cache, bytes](void* q) { cache->give_back(q, bytes); }, options);
 }
 
 void Group::all_to_all(at::Tensor& output, at::Tensor& input,
@@ -247,11 +248,16 @@ ErrorKind classify(const c10::Error& e) {
 
 [[noreturn]] void throw_kind(int64_t kind, const std::string& msg) {
   switch (kind) {
-    case kValue: TORCH_CHECK_VALUE(false, msg);
-    case kType: TORCH_CHECK_TYPE(false, msg);
-    case kNotImplemented: TORCH_CHECK_NOT_IMPLEMENTED(false, msg);
-    case kIndex: TORCH_CHECK_INDEX(false, msg);
-    default: TORCH_CHECK(false, msg);
+    case kValue:
+      TORCH_CHECK_VALUE(false, msg);
+    case kType:
+      TORCH_CHECK_TYPE(false, msg);
+    case kNotImplemented:
+      TORCH_CHECK_NOT_IMPLEMENTED(false, msg);
+    case kIndex:
+      TORCH_CHECK_INDEX(false, msg);
+    default:
+      TORCH_CHECK(false, msg);
   }
 }
 }  // namespace
@@ -318,9 +324,9 @@ std::vector<std::vector<int>> Mesh::dp_partition(int world_size, int sp_size) {
 }
 
 Mesh Mesh::create(const Group& world, int sp_size, const Split& split) {
-  TORCH_CHECK_VALUE(sp_size >= 1 && world.size() % sp_size == 0,
-                    "Mesh::create: world size (", world.size(),
-                    ") must be a multiple of the sequence-parallel size (", sp_size, ")");
+  TORCH_CHECK_VALUE(sp_size >= 1 && world.size() % sp_size == 0, "Mesh::create: world size (",
+                    world.size(), ") must be a multiple of the sequence-parallel size (", sp_size,
+                    ")");
   const int n = world.size();
   auto make = [&](const std::vector<std::vector<int>>& partition) {
     if (partition.size() == 1) return world;

@@ -16,12 +16,15 @@ std::string sizes_str(const std::array<int64_t, 4>& s) {
 }
 
 // Collectives move bytes: bool travels as uint8.
-at::Tensor wire(const at::Tensor& t) { return t.scalar_type() == at::kBool ? t.view(at::kByte) : t; }
+at::Tensor wire(const at::Tensor& t) {
+  return t.scalar_type() == at::kBool ? t.view(at::kByte) : t;
+}
 
 std::array<int64_t, 4> sizes_4d(const std::vector<int64_t>& s, const std::string& name) {
   TORCH_CHECK_VALUE(s.size() >= 2 && s.size() <= 4, "rebuild_mask: ", name,
                     " must be 2-D [Sq, Sk], 3-D [heads, Sq, Sk] or 4-D [B, heads, Sq, Sk]; got "
-                    "shape ", c10::IntArrayRef(s));
+                    "shape ",
+                    c10::IntArrayRef(s));
   std::array<int64_t, 4> out{1, 1, 1, 1};
   std::copy(s.begin(), s.end(), out.begin() + (4 - s.size()));
   return out;
@@ -84,8 +87,8 @@ MaskDecision decide_mask(const std::vector<std::array<int64_t, 4>>& sizes, int64
   for (int64_t r = 0; r < P; ++r) {
     const auto& s = sizes[r];
     TORCH_CHECK_VALUE(s[0] == sizes[0][0] && s[1] == sizes[0][1] && s[3] == sizes[0][3],
-                      "rebuild_mask: ranks disagree on ", name, "'s shape: ", describe(0),
-                      " but ", describe(r));
+                      "rebuild_mask: ranks disagree on ", name, "'s shape: ", describe(0), " but ",
+                      describe(r));
     TORCH_CHECK_VALUE(!(s[3] == seq.length(r) && s[3] != S && s[3] != 1),
                       "rebuild_mask: ", describe(r),
                       ": its key dim is sharded, and a key-sharded mask cannot be rebuilt from "
@@ -119,11 +122,10 @@ at::Tensor all_gather_sequence(const at::Tensor& x, int64_t dim, const SequenceP
     at::NoGradGuard no_grad;
     outs.push_back(gather_impl(x, dim, seq, group));
   }
-  detail::attach_backward({x}, outs, "AllGatherSequenceBackward",
-                          [dim, seq, group](std::vector<at::Tensor>&& g) {
-                            return std::vector<at::Tensor>{
-                                reduce_scatter_impl(g[0], dim, seq, group)};
-                          });
+  detail::attach_backward(
+      {x}, outs, "AllGatherSequenceBackward", [dim, seq, group](std::vector<at::Tensor>&& g) {
+        return std::vector<at::Tensor>{reduce_scatter_impl(g[0], dim, seq, group)};
+      });
   return outs[0];
 }
 
@@ -158,8 +160,8 @@ MaskDecision agree_mask(const std::vector<int64_t>& mask_sizes, const c10::Scala
                         const AllToAllPlan& plan, const Group& group, const std::string& name) {
   auto all = group.agree(
       [&] {
-        TORCH_CHECK_TYPE(dtype == at::kBool || c10::isFloatingType(dtype), "rebuild_mask: ",
-                         name, " must be bool or floating point; got ", dtype);
+        TORCH_CHECK_TYPE(dtype == at::kBool || c10::isFloatingType(dtype), "rebuild_mask: ", name,
+                         " must be bool or floating point; got ", dtype);
         const auto s = sizes_4d(mask_sizes, name);
         return std::vector<int64_t>(s.begin(), s.end());
       },

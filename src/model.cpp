@@ -51,10 +51,10 @@ at::Tensor BlockImpl::forward(const at::Tensor& x, const at::Tensor& positions,
                               StepContext* context) {
   const int64_t B = x.size(0), S = x.size(1), D = config_.head_dim();
   at::Tensor h = attn_norm_(x);
-  at::Tensor q = apply_rotary(wq_(h).view({B, S, config_.q_heads, D}), positions,
-                              config_.rope_theta);
-  at::Tensor k = apply_rotary(wk_(h).view({B, S, config_.kv_heads, D}), positions,
-                              config_.rope_theta);
+  at::Tensor q =
+      apply_rotary(wq_(h).view({B, S, config_.q_heads, D}), positions, config_.rope_theta);
+  at::Tensor k =
+      apply_rotary(wk_(h).view({B, S, config_.kv_heads, D}), positions, config_.rope_theta);
   at::Tensor v = wv_(h).view({B, S, config_.kv_heads, D});
   AttentionInputs in;
   in.context = context;
@@ -67,9 +67,8 @@ at::Tensor BlockImpl::forward(const at::Tensor& x, const at::Tensor& positions,
 
 TransformerImpl::TransformerImpl(const ModelConfig& c, const Group& sp_group, uint64_t seed)
     : config_(c) {
-  TORCH_CHECK_VALUE(c.dim % c.q_heads == 0 && c.head_dim() % 2 == 0,
-                    "Transformer: dim (", c.dim, ") must split into ", c.q_heads,
-                    " heads of an even size");
+  TORCH_CHECK_VALUE(c.dim % c.q_heads == 0 && c.head_dim() % 2 == 0, "Transformer: dim (", c.dim,
+                    ") must split into ", c.q_heads, " heads of an even size");
   embed_ = register_module("embed", torch::nn::Embedding(c.vocab, c.dim));
   blocks_ = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.layers; ++i) blocks_->push_back(Block(c, sp_group));

@@ -9,27 +9,36 @@ namespace ulysses {
 
 int64_t seq_dim(Layout layout) {
   switch (layout) {
-    case Layout::kBSHD: return 1;
-    case Layout::kSBHD: return 0;
-    case Layout::kBHSD: return 2;
+    case Layout::kBSHD:
+      return 1;
+    case Layout::kSBHD:
+      return 0;
+    case Layout::kBHSD:
+      return 2;
   }
   TORCH_INTERNAL_ASSERT(false, "unknown layout");
 }
 
 int64_t head_dim(Layout layout) {
   switch (layout) {
-    case Layout::kBSHD: return 2;
-    case Layout::kSBHD: return 2;
-    case Layout::kBHSD: return 1;
+    case Layout::kBSHD:
+      return 2;
+    case Layout::kSBHD:
+      return 2;
+    case Layout::kBHSD:
+      return 1;
   }
   TORCH_INTERNAL_ASSERT(false, "unknown layout");
 }
 
 std::string to_string(Layout layout) {
   switch (layout) {
-    case Layout::kBSHD: return "BSHD";
-    case Layout::kSBHD: return "SBHD";
-    case Layout::kBHSD: return "BHSD";
+    case Layout::kBSHD:
+      return "BSHD";
+    case Layout::kSBHD:
+      return "SBHD";
+    case Layout::kBHSD:
+      return "BHSD";
   }
   TORCH_INTERNAL_ASSERT(false, "unknown layout");
 }
@@ -108,8 +117,7 @@ std::ostream& operator<<(std::ostream& os, const HeadPartition& p) {
 SequencePartition SequencePartition::even(int64_t seq_len, int64_t sp_size) {
   TORCH_CHECK_VALUE(sp_size >= 1, "SequencePartition: sequence-parallel size must be >= 1; got ",
                     sp_size);
-  TORCH_CHECK_VALUE(seq_len >= 0, "SequencePartition: sequence length must be >= 0; got ",
-                    seq_len);
+  TORCH_CHECK_VALUE(seq_len >= 0, "SequencePartition: sequence length must be >= 0; got ", seq_len);
   std::vector<int64_t> lengths;
   for (const Range& r : even_blocks(seq_len, sp_size)) lengths.push_back(r.size());
   return from_lengths(std::move(lengths));

@@ -9,8 +9,8 @@ TokenBatch shard_batch(const TokenBatch& global, const SequencePartition& seq, i
   const at::Tensor& ids = global.input_ids;
   TORCH_CHECK_VALUE(ids.dim() == 2, "shard_batch: input_ids must be [B, S]; got ", ids.sizes());
   const int64_t B = ids.size(0), S = ids.size(1);
-  TORCH_CHECK_VALUE(seq.seq_len() == S, "shard_batch: sequence partition covers ",
-                    seq.seq_len(), " tokens but the batch has ", S);
+  TORCH_CHECK_VALUE(seq.seq_len() == S, "shard_batch: sequence partition covers ", seq.seq_len(),
+                    " tokens but the batch has ", S);
   at::Tensor labels = global.labels.defined() ? global.labels : ids;
   TORCH_CHECK_VALUE(labels.sizes() == ids.sizes(), "shard_batch: labels must be ", ids.sizes(),
                     "; got ", labels.sizes());
@@ -27,16 +27,16 @@ TokenBatch shard_batch(const TokenBatch& global, const SequencePartition& seq, i
 
 ShardedLoss sharded_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
                                   const Group& group, int64_t ignore_index) {
-  TORCH_CHECK_VALUE(logits.dim() == 3 && targets.dim() == 2 &&
-                        logits.size(0) == targets.size(0) && logits.size(1) == targets.size(1),
+  TORCH_CHECK_VALUE(logits.dim() == 3 && targets.dim() == 2 && logits.size(0) == targets.size(0) &&
+                        logits.size(1) == targets.size(1),
                     "sharded_cross_entropy: logits [B, S_r, V] and targets [B, S_r] expected; "
                     "got ",
                     logits.sizes(), " and ", targets.sizes());
-  at::Tensor local_sum = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
-                                                targets.reshape({-1}), {}, at::Reduction::Sum,
-                                                ignore_index);
-  at::Tensor totals = at::stack({local_sum.detach().to(at::kDouble),
-                                 targets.ne(ignore_index).sum().to(at::kDouble)});
+  at::Tensor local_sum =
+      at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
+                             targets.reshape({-1}), {}, at::Reduction::Sum, ignore_index);
+  at::Tensor totals = at::stack(
+      {local_sum.detach().to(at::kDouble), targets.ne(ignore_index).sum().to(at::kDouble)});
   group.all_reduce_sum(totals);
   const double global_sum = totals[0].item<double>();
   const auto count = static_cast<int64_t>(totals[1].item<double>());

@@ -52,13 +52,13 @@ TEST_P(AllToAll, RoundTrip) {
     const Range mine = seq.range(g.rank());
     at::Tensor q = Q.narrow(sdim, mine.begin, mine.size()).contiguous();
     at::Tensor k = K.narrow(sdim, mine.begin, mine.size()).contiguous();
-    auto plan = agree_plan(g, part, c.layout,
-                           {{q, Heads::kQuery, "q"}, {k, Heads::kKeyValue, "k"}});
-    at::Tensor back_q = gather_heads(scatter_heads(q, Heads::kQuery, plan, g), Heads::kQuery,
-                                     plan, g);
+    auto plan =
+        agree_plan(g, part, c.layout, {{q, Heads::kQuery, "q"}, {k, Heads::kKeyValue, "k"}});
+    at::Tensor back_q =
+        gather_heads(scatter_heads(q, Heads::kQuery, plan, g), Heads::kQuery, plan, g);
     EXPECT_TRUE(back_q.equal(q)) << where(g, q);
-    at::Tensor back_k = gather_heads(scatter_heads(k, Heads::kKeyValue, plan, g),
-                                     Heads::kKeyValue, plan, g);
+    at::Tensor back_k =
+        gather_heads(scatter_heads(k, Heads::kKeyValue, plan, g), Heads::kKeyValue, plan, g);
     std::vector<double> copies(c.hkv, 0.0);
     for (const Range& r : part.kv_ranges())
       for (int64_t h = r.begin; h < r.end; ++h) copies[h] += 1.0;
@@ -119,9 +119,9 @@ TEST_P(AllToAll, MatchesSingleRankReference) {
         at::Tensor ref_loss = at::zeros({});
         for (int r = 0; r < c.P; ++r) {
           const Range hr = plan.ranges(kinds[t])[r];
-          ref_loss = ref_loss + (full.narrow(hdim, hr.begin, hr.size()) *
-                                 weight(X[t], kinds[t], r, t + 1))
-                                    .sum();
+          ref_loss =
+              ref_loss +
+              (full.narrow(hdim, hr.begin, hr.size()) * weight(X[t], kinds[t], r, t + 1)).sum();
         }
         ref_loss.backward();
         at::Tensor expected = full.grad().narrow(sdim, mine.begin, mine.size());
@@ -158,13 +158,13 @@ TEST_P(AllToAll, GatherBackwardMatchesReference) {
 std::vector<Case> cases() {
   std::vector<Case> out;
   for (Layout l : {Layout::kBSHD, Layout::kSBHD, Layout::kBHSD}) {
-    out.push_back({1, 4, 2, 7, l});     // P == 1: identity.
-    out.push_back({2, 4, 4, 8, l});     // Even MHA.
-    out.push_back({3, 7, 7, 10, l});    // Uneven heads, uneven S.
-    out.push_back({4, 8, 2, 9, l});     // GQA with kv replicated (Hkv < P).
-    out.push_back({2, 2, 1, 5, l});     // MQA.
-    out.push_back({4, 6, 2, 13, l});    // GQA group straddling ranks.
-    out.push_back({2, 6, 3, 6, l});     // GQA 6/3: q [4,2], kv [2,1].
+    out.push_back({1, 4, 2, 7, l});   // P == 1: identity.
+    out.push_back({2, 4, 4, 8, l});   // Even MHA.
+    out.push_back({3, 7, 7, 10, l});  // Uneven heads, uneven S.
+    out.push_back({4, 8, 2, 9, l});   // GQA with kv replicated (Hkv < P).
+    out.push_back({2, 2, 1, 5, l});   // MQA.
+    out.push_back({4, 6, 2, 13, l});  // GQA group straddling ranks.
+    out.push_back({2, 6, 3, 6, l});   // GQA 6/3: q [4,2], kv [2,1].
   }
   out.push_back({4, 12, 12, 4, Layout::kBSHD, 1, 16, 16});  // B = 1: direct receive.
   out.push_back({3, 6, 3, 2, Layout::kBSHD, 1, 4, 4});      // Fewer tokens than ranks.
@@ -192,7 +192,7 @@ void interleave(int P, int64_t hq_a, int64_t hkv_a, int64_t hq_b, int64_t hkv_b)
     at::Tensor ya = scatter_heads(a, Heads::kQuery, plan_a, g);
     auto plan_b = agree_plan(g, part_b, L, {{b, Heads::kQuery, "b"}});
     at::Tensor yb = scatter_heads(b, Heads::kQuery, plan_b, g);
-    (ya * 2).sum().backward();  // A's backward after B's forward.
+    (ya * 2).sum().backward();                                    // A's backward after B's forward.
     at::Tensor ya2 = scatter_heads(a, Heads::kQuery, plan_a, g);  // A again after B.
     (yb * 3).sum().backward();
     const Range ra = part_a.q_range(me), rb = part_b.q_range(me);
@@ -233,8 +233,9 @@ TEST(AllToAllErrors, RanksDisagreeOnLocalSequenceLength) {
     agree_plan(g, HeadPartition::make(4, 4, 2), Layout::kBSHD, {{x, Heads::kQuery, "q"}},
                SequencePartition::even(8, 2));
   });
-  expect_ranks_fail_alike(errors, "local sequence lengths SequencePartition(S=7, lengths=[4,3]) "
-                                  "do not match the given SequencePartition(S=8, lengths=[4,4])");
+  expect_ranks_fail_alike(errors,
+                          "local sequence lengths SequencePartition(S=7, lengths=[4,3]) "
+                          "do not match the given SequencePartition(S=8, lengths=[4,4])");
 }
 
 TEST(AllToAllErrors, RanksDisagreeOnHeadCount) {
@@ -251,8 +252,9 @@ TEST(AllToAllErrors, TensorOfWrongRankOnOneRank) {
     at::Tensor x = g.rank() == 1 ? at::zeros({4, 3, 8}) : at::zeros({1, 4, 3, 8});
     scatter_heads(x, HeadPartition::make(3, 3, 3), Heads::kQuery, Layout::kBSHD, g);
   });
-  expect_ranks_fail_alike(errors, "x must be a 4-D tensor in layout BSHD; got [4, 3, 8] (rank 1 "
-                                  "of 3) [raised on rank 1 of 3]");
+  expect_ranks_fail_alike(errors,
+                          "x must be a 4-D tensor in layout BSHD; got [4, 3, 8] (rank 1 "
+                          "of 3) [raised on rank 1 of 3]");
 }
 
 TEST(AllToAllErrors, WrongHeadCountForPartition) {
@@ -260,8 +262,9 @@ TEST(AllToAllErrors, WrongHeadCountForPartition) {
     at::Tensor x = at::zeros({1, 4, 5, 8});
     scatter_heads(x, HeadPartition::make(4, 2, 2), Heads::kQuery, Layout::kBSHD, g);
   });
-  expect_ranks_fail_alike(errors, "x must have 4 query heads in dim 2 (layout BSHD); got shape "
-                                  "[1, 4, 5, 8]");
+  expect_ranks_fail_alike(errors,
+                          "x must have 4 query heads in dim 2 (layout BSHD); got shape "
+                          "[1, 4, 5, 8]");
 }
 
 TEST(AllToAllErrors, RanksDisagreeOnDtype) {
@@ -275,8 +278,10 @@ TEST(AllToAllErrors, RanksDisagreeOnDtype) {
 TEST(AllToAllDtypes, Bfloat16RoundTrip) {
   expect_ranks_succeed(2, [](Group& g) {
     at::Tensor x = seeded_randn({2, 3, 4, 8}, 51).to(at::kBFloat16);
-    auto plan = agree_plan(g, HeadPartition::make(4, 4, 2), Layout::kBSHD, {{x, Heads::kQuery, "x"}});
-    EXPECT_TRUE(gather_heads(scatter_heads(x, Heads::kQuery, plan, g), Heads::kQuery, plan, g).equal(x));
+    auto plan =
+        agree_plan(g, HeadPartition::make(4, 4, 2), Layout::kBSHD, {{x, Heads::kQuery, "x"}});
+    EXPECT_TRUE(
+        gather_heads(scatter_heads(x, Heads::kQuery, plan, g), Heads::kQuery, plan, g).equal(x));
   });
 }
 

@@ -34,7 +34,8 @@ at::Tensor naive_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 TEST(MathAttention, MatchesNaiveLoopsWithGqaMaskCausalAndDocuments) {
   const int64_t B = 2, H = 3, Hkv = 2, S = 7, D = 5;
-  at::Tensor q = seeded_randn({B, H, S, D}, 1), k = seeded_randn({B, Hkv, S, D}, 2), v = seeded_randn({B, Hkv, S, 4}, 3);
+  at::Tensor q = seeded_randn({B, H, S, D}, 1), k = seeded_randn({B, Hkv, S, D}, 2),
+             v = seeded_randn({B, Hkv, S, 4}, 3);
   std::vector<int64_t> kv_map{1, 0, 1};  // A non-uniform head map.
   at::Tensor mask = seeded_randn({B, 1, S, S}, 4).gt(-0.8);
   at::Tensor bias = seeded_randn({1, H, S, S}, 5);
@@ -52,16 +53,17 @@ TEST(MathAttention, MatchesNaiveLoopsWithGqaMaskCausalAndDocuments) {
   a.mask = bias;
   a.positions = c10::nullopt;
   a.causal = false;
-  EXPECT_LT(testing::rel_error(math_attention(a), naive_attention(q, k, v, kv_map,
-                                                                  at::ones({B, H, S, S}, at::kBool),
-                                                                  bias.expand({B, H, S, S}))),
+  EXPECT_LT(testing::rel_error(math_attention(a),
+                               naive_attention(q, k, v, kv_map, at::ones({B, H, S, S}, at::kBool),
+                                               bias.expand({B, H, S, S}))),
             1e-5);
 }
 
 TEST(MathAttention, FullyMaskedRowsGiveZerosAndFiniteGradients) {
   at::Tensor q = seeded_randn({1, 1, 3, 4}, 1).requires_grad_();
   at::Tensor k = seeded_randn({1, 1, 3, 4}, 2).requires_grad_(), v = seeded_randn({1, 1, 3, 4}, 3);
-  at::Tensor mask = at::tensor({1, 1, 1, 0, 0, 0, 1, 0, 1}, at::kLong).view({1, 1, 3, 3}).to(at::kBool);
+  at::Tensor mask =
+      at::tensor({1, 1, 1, 0, 0, 0, 1, 0, 1}, at::kLong).view({1, 1, 3, 3}).to(at::kBool);
   at::Tensor o = math_attention({q, k, v, {0}, mask, c10::nullopt, false, 0.0});
   EXPECT_TRUE(o[0][0][1].eq(0).all().item<bool>());
   o.sum().backward();

@@ -94,10 +94,11 @@ void check_case(const Case& c) {
     at::Tensor mask_full, mask_mine;
     if (has_mask) {
       const int64_t rows = m.rows == Rows::kOne ? 1 : c.S;
-      at::Tensor raw = seeded_randn({m.batch ? c.B : 1, m.per_head ? c.hq : 1, rows, m.keys_one ? 1 : c.S}, 5);
+      at::Tensor raw =
+          seeded_randn({m.batch ? c.B : 1, m.per_head ? c.hq : 1, rows, m.keys_one ? 1 : c.S}, 5);
       mask_full = m.is_bool ? raw.gt(-0.6) : raw * 0.5;
-      at::Tensor piece = m.rows == Rows::kSharded ? mask_full.narrow(2, mine.begin, mine.size())
-                                                   : mask_full;
+      at::Tensor piece =
+          m.rows == Rows::kSharded ? mask_full.narrow(2, mine.begin, mine.size()) : mask_full;
       while (piece.dim() > m.ndim) piece = piece.squeeze(0);
       mask_mine = piece.clone();
       if (m.learnable) mask_mine.requires_grad_();
@@ -188,13 +189,13 @@ std::vector<Case> cases() {
   out.push_back({4, 8, 2, 11, mask_specs()[10]});
   MaskSpec none;
   for (Layout l : {Layout::kBSHD, Layout::kSBHD, Layout::kBHSD}) {
-    out.push_back({2, 6, 3, 9, none, l, true});           // Causal, GQA 6/3.
-    out.push_back({3, 6, 2, 13, none, l, true, true});    // Causal packed documents.
-    out.push_back({4, 4, 4, 10, none, l, false, true});   // Packed, bidirectional.
+    out.push_back({2, 6, 3, 9, none, l, true});          // Causal, GQA 6/3.
+    out.push_back({3, 6, 2, 13, none, l, true, true});   // Causal packed documents.
+    out.push_back({4, 4, 4, 10, none, l, false, true});  // Packed, bidirectional.
   }
   out.push_back({2, 2, 1, 7, none, Layout::kBSHD, true});        // MQA: replicated kv.
   out.push_back({2, 2, 1, 7, mask_specs()[10], Layout::kBSHD});  // MQA with learnable bias.
-  out.push_back({4, 7, 7, 6, none, Layout::kBSHD, true});         // Uneven heads.
+  out.push_back({4, 7, 7, 6, none, Layout::kBSHD, true});        // Uneven heads.
   out.push_back({2, 4, 2, 8, none, Layout::kBHSD, false, false, 1, 16, 8});  // Dv != D.
   return out;
 }
@@ -205,7 +206,8 @@ INSTANTIATE_TEST_SUITE_P(Sweep, DistributedAttentionCase, ::testing::ValuesIn(ca
 TEST(DistributedAttention, SharedMaskIsGatheredOncePerStep) {
   expect_ranks_succeed(2, [](Group& g) {
     const auto seq = SequencePartition::even(8, 2);
-    at::Tensor q = seeded_randn({1, 4, 4, 8}, 1), k = seeded_randn({1, 4, 2, 8}, 2), v = seeded_randn({1, 4, 2, 8}, 3);
+    at::Tensor q = seeded_randn({1, 4, 4, 8}, 1), k = seeded_randn({1, 4, 2, 8}, 2),
+               v = seeded_randn({1, 4, 2, 8}, 3);
     at::Tensor mask = seeded_randn({1, 1, 4, 8}, 4).gt(0);
     std::vector<DistributedAttention> layers(3, DistributedAttention(g));
     auto run = [&](StepContext* ctx) {
@@ -223,7 +225,8 @@ TEST(DistributedAttention, SharedMaskIsGatheredOncePerStep) {
 
 TEST(DistributedAttention, ChangedMaskIsNeverServedStale) {
   expect_ranks_succeed(2, [](Group& g) {
-    at::Tensor q = seeded_randn({1, 3, 2, 8}, 1), k = seeded_randn({1, 3, 2, 8}, 2), v = seeded_randn({1, 3, 2, 8}, 3);
+    at::Tensor q = seeded_randn({1, 3, 2, 8}, 1), k = seeded_randn({1, 3, 2, 8}, 2),
+               v = seeded_randn({1, 3, 2, 8}, 3);
     at::Tensor mask = at::ones({1, 1, 3, 6}, at::kBool);
     DistributedAttention attention(g);
     StepContext step(g);
@@ -245,8 +248,9 @@ TEST(DistributedAttention, KeyShardedMaskFailsAlikeOnEveryRank) {
     DistributedAttention attention(g);
     attention(q, k, k, {mask});
   });
-  expect_ranks_fail_alike(errors, "its key dim is sharded, and a key-sharded mask cannot be "
-                                  "rebuilt from local pieces");
+  expect_ranks_fail_alike(errors,
+                          "its key dim is sharded, and a key-sharded mask cannot be "
+                          "rebuilt from local pieces");
 }
 
 TEST(DistributedAttention, KeyShardedShapeIsFineOnOneRank) {

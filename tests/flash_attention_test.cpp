@@ -15,8 +15,17 @@ using testing::rel_error;
 
 using testing::seeded_randn;
 
-enum class MaskKind { kNone, kBoolB1SS, kBoolBHSS, kFloat11SS, kFloat2D, kBoolKeys, kFloatB11S,
-                      kLearnableB1SS, kLearnableHSS };
+enum class MaskKind {
+  kNone,
+  kBoolB1SS,
+  kBoolBHSS,
+  kFloat11SS,
+  kFloat2D,
+  kBoolKeys,
+  kFloatB11S,
+  kLearnableB1SS,
+  kLearnableHSS
+};
 
 struct Case {
   int64_t B, Hq, Hkv, S, D, Dv;
@@ -50,15 +59,32 @@ TEST_P(Flash, MatchesMathAttentionForwardAndBackward) {
   c10::optional<at::Tensor> mask;
   const int64_t B = c.B, H = c.Hq, S = c.S;
   switch (c.mask) {
-    case MaskKind::kNone: break;
-    case MaskKind::kBoolB1SS: mask = seeded_randn({B, 1, S, S}, 5).gt(-0.5); break;
-    case MaskKind::kBoolBHSS: mask = seeded_randn({B, H, S, S}, 5).gt(-0.3); break;
-    case MaskKind::kFloat11SS: mask = seeded_randn({1, 1, S, S}, 5); break;
-    case MaskKind::kFloat2D: mask = seeded_randn({S, S}, 5); break;
-    case MaskKind::kBoolKeys: mask = seeded_randn({B, 1, 1, S}, 5).gt(-0.5); break;  // Padding.
-    case MaskKind::kFloatB11S: mask = seeded_randn({B, 1, 1, S}, 5); break;
-    case MaskKind::kLearnableB1SS: mask = seeded_randn({B, 1, S, S}, 5).requires_grad_(); break;
-    case MaskKind::kLearnableHSS: mask = seeded_randn({H, S, S}, 5).requires_grad_(); break;
+    case MaskKind::kNone:
+      break;
+    case MaskKind::kBoolB1SS:
+      mask = seeded_randn({B, 1, S, S}, 5).gt(-0.5);
+      break;
+    case MaskKind::kBoolBHSS:
+      mask = seeded_randn({B, H, S, S}, 5).gt(-0.3);
+      break;
+    case MaskKind::kFloat11SS:
+      mask = seeded_randn({1, 1, S, S}, 5);
+      break;
+    case MaskKind::kFloat2D:
+      mask = seeded_randn({S, S}, 5);
+      break;
+    case MaskKind::kBoolKeys:
+      mask = seeded_randn({B, 1, 1, S}, 5).gt(-0.5);
+      break;  // Padding.
+    case MaskKind::kFloatB11S:
+      mask = seeded_randn({B, 1, 1, S}, 5);
+      break;
+    case MaskKind::kLearnableB1SS:
+      mask = seeded_randn({B, 1, S, S}, 5).requires_grad_();
+      break;
+    case MaskKind::kLearnableHSS:
+      mask = seeded_randn({H, S, S}, 5).requires_grad_();
+      break;
   }
   std::vector<int64_t> map = c.kv_map;
   if (map.empty())
@@ -101,13 +127,13 @@ std::vector<Case> cases() {
     out.push_back({1, 2, 2, 37, D, D});
     out.push_back({2, 4, 2, 50, D, D, true});
   }
-  out.push_back({1, 1, 1, 1, 64, 64});               // S = 1.
+  out.push_back({1, 1, 1, 1, 64, 64});  // S = 1.
   out.push_back({1, 1, 1, 1, 64, 64, true});
-  out.push_back({2, 3, 3, 129, 32, 24});             // Dv != D, S one past a block.
-  out.push_back({1, 4, 1, 70, 16, 16, true});        // MQA.
+  out.push_back({2, 3, 3, 129, 32, 24});       // Dv != D, S one past a block.
+  out.push_back({1, 4, 1, 70, 16, 16, true});  // MQA.
   out.push_back({1, 3, 2, 45, 16, 16, false, false, MaskKind::kNone, {1, 0, 1}});  // Any map.
-  out.push_back({2, 4, 2, 61, 16, 16, true, true});  // Causal packed documents.
-  out.push_back({2, 4, 2, 61, 16, 16, false, true}); // Packed, bidirectional.
+  out.push_back({2, 4, 2, 61, 16, 16, true, true});   // Causal packed documents.
+  out.push_back({2, 4, 2, 61, 16, 16, false, true});  // Packed, bidirectional.
   for (MaskKind m : {MaskKind::kBoolB1SS, MaskKind::kBoolBHSS, MaskKind::kFloat11SS,
                      MaskKind::kFloat2D, MaskKind::kBoolKeys, MaskKind::kFloatB11S,
                      MaskKind::kLearnableB1SS, MaskKind::kLearnableHSS}) {
@@ -143,7 +169,8 @@ TEST(FlashAttention, FullyMaskedRowsAreZero) {
 
 TEST(FlashAttention, MultiThreadedMatchesSingleThreaded) {
   const int threads = at::get_num_threads();
-  at::Tensor q = seeded_randn({1, 4, 90, 16}, 1).requires_grad_(), k = seeded_randn({1, 1, 90, 16}, 2);
+  at::Tensor q = seeded_randn({1, 4, 90, 16}, 1).requires_grad_(),
+             k = seeded_randn({1, 1, 90, 16}, 2);
   LocalAttentionArgs args{q, k, k, {0, 0, 0, 0}, c10::nullopt, c10::nullopt, true};
   at::set_num_threads(1);
   at::Tensor a = flash_attention(args, {16, 16});

@@ -65,8 +65,10 @@ TEST(Group, MeshSpGroupsAreConsecutiveRanks) {
 }
 
 TEST(Group, MeshRejectsIndivisibleWorld) {
-  auto errors = run_ranks(3, [](Group& world) { Mesh::create(world, 2, testing::thread_split(world)); });
-  expect_ranks_fail_alike(errors, "world size (3) must be a multiple of the sequence-parallel size (2)");
+  auto errors =
+      run_ranks(3, [](Group& world) { Mesh::create(world, 2, testing::thread_split(world)); });
+  expect_ranks_fail_alike(errors,
+                          "world size (3) must be a multiple of the sequence-parallel size (2)");
 }
 
 TEST(Group, AbsentPeerIsAnErrorNotAHang) {

@@ -123,7 +123,8 @@ TEST(HeadPartition, IsAValue) {
   EXPECT_NE(a, HeadPartition::make(6, 6, 2));
   std::ostringstream os;
   os << a;
-  EXPECT_EQ(os.str(), "HeadPartition(q_heads=6, kv_heads=3, sp=2, q=[0, 4)[4, 6), kv=[0, 2)[2, 3))");
+  EXPECT_EQ(os.str(),
+            "HeadPartition(q_heads=6, kv_heads=3, sp=2, q=[0, 4)[4, 6), kv=[0, 2)[2, 3))");
 }
 
 TEST(SequencePartition, UnevenSplit) {

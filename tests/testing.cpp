@@ -42,8 +42,8 @@ class Python {
     }
     saved_ = PyEval_SaveThread();
   }
-  py::module_ helpers_;              // tests/thread_groups.py.
-  PyThreadState* saved_ = nullptr;   // The main thread state while the GIL is released.
+  py::module_ helpers_;             // tests/thread_groups.py.
+  PyThreadState* saved_ = nullptr;  // The main thread state while the GIL is released.
 };
 
 }  // namespace
@@ -141,9 +141,12 @@ at::Tensor seeded_randn(at::IntArrayRef shape, uint64_t seed) {
 
 std::vector<int64_t> full_shape(Layout layout, int64_t B, int64_t S, int64_t H, int64_t D) {
   switch (layout) {
-    case Layout::kBSHD: return {B, S, H, D};
-    case Layout::kSBHD: return {S, B, H, D};
-    case Layout::kBHSD: return {B, H, S, D};
+    case Layout::kBSHD:
+      return {B, S, H, D};
+    case Layout::kSBHD:
+      return {S, B, H, D};
+    case Layout::kBHSD:
+      return {B, H, S, D};
   }
   return {};
 }

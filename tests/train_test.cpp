@@ -36,7 +36,8 @@ TEST(ShardBatch, IgnoredLabelsStayIgnored) {
   at::Tensor labels = at::full({1, 6}, kIgnoreIndex, at::kLong);
   labels[0][3] = 42;
   TokenBatch shard = shard_batch({ids, labels, at::Tensor()}, SequencePartition::even(6, 2), 0);
-  EXPECT_TRUE(shard.labels.equal(at::tensor(std::vector<int64_t>{kIgnoreIndex, kIgnoreIndex, 42}).unsqueeze(0)));
+  EXPECT_TRUE(shard.labels.equal(
+      at::tensor(std::vector<int64_t>{kIgnoreIndex, kIgnoreIndex, 42}).unsqueeze(0)));
 }
 
 ModelConfig tiny() {
@@ -62,8 +63,8 @@ void check_against_single_rank(int P, int64_t S) {
     Transformer model(tiny(), g, 11);
     TokenBatch shard = shard_batch(global, seq, g.rank());
     StepContext ctx(g);
-    ShardedLoss loss = sharded_cross_entropy(model->forward(shard.input_ids, shard.position_ids, &ctx),
-                                             shard.labels, g);
+    ShardedLoss loss = sharded_cross_entropy(
+        model->forward(shard.input_ids, shard.position_ids, &ctx), shard.labels, g);
     loss.loss.backward();
     all_reduce_gradients(model->parameters(), g);
 

@@ -20,7 +20,8 @@ struct UsageError : std::runtime_error {
 class Args {
  public:
   // Parses `args`; `flags` take no value, every other `--name` (or `-n`) takes one.
-  Args(const std::vector<std::string>& args, std::set<std::string> flags) : flags_(std::move(flags)) {
+  Args(const std::vector<std::string>& args, std::set<std::string> flags)
+      : flags_(std::move(flags)) {
     for (size_t i = 0; i < args.size(); ++i) {
       const std::string& a = args[i];
       if (a.size() < 2 || a[0] != '-') throw UsageError("unexpected argument '" + a + "'");

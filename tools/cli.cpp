@@ -57,8 +57,8 @@ void print_usage(std::ostream& os, const std::string& prefix) {
   }
   for (const Usage& u : kUsages) {
     if (std::string(u.name).rfind(prefix, 0) != 0) continue;
-    os << (prefix.empty() ? "  " : "usage: ") << "ulysses " << u.name << " " << u.synopsis
-       << "\n" << (prefix.empty() ? "    " : "") << u.about << "\n";
+    os << (prefix.empty() ? "  " : "usage: ") << "ulysses " << u.name << " " << u.synopsis << "\n"
+       << (prefix.empty() ? "    " : "") << u.about << "\n";
   }
 }
 

@@ -42,9 +42,9 @@ int bench_gemm_main(const Argv& args);
 
 // Options of the local launcher.
 struct LaunchOptions {
-  int nproc = 1;                  // Ranks to start, >= 1.
+  int nproc = 1;  // Ranks to start, >= 1.
   std::string master_addr = "127.0.0.1";
-  int master_port = 0;            // 0: a free loopback port.
+  int master_port = 0;  // 0: a free loopback port.
 };
 
 // Starts `command` `options.nproc` times with torchrun's environment (RANK, WORLD_SIZE,

@@ -41,10 +41,9 @@ int demo_main(const Argv& argv, const Runtime& runtime) {
                           qk[1].equal(K.narrow(2, kr.begin, kr.size()));
   const bool round_trip_ok = gather_heads(qk[0], Heads::kQuery, plan, group).equal(q);
   std::cout << "q " << q.sizes() << " -> " << qk[0].sizes() << " (heads " << qr << "), k "
-            << k.sizes() << " -> " << qk[1].sizes() << " (kv heads " << kr
-            << "): scatter " << (scatter_ok ? "matches" : "DIFFERS from")
-            << " the full tensor's slice, round trip " << (round_trip_ok ? "exact" : "WRONG")
-            << std::endl;
+            << k.sizes() << " -> " << qk[1].sizes() << " (kv heads " << kr << "): scatter "
+            << (scatter_ok ? "matches" : "DIFFERS from") << " the full tensor's slice, round trip "
+            << (round_trip_ok ? "exact" : "WRONG") << std::endl;
   at::Tensor ok = at::full({1}, scatter_ok && round_trip_ok ? 1 : 0, at::kLong);
   group.all_reduce_sum(ok);
   const bool all_ok = ok.item<int64_t>() == P;

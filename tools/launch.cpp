@@ -128,8 +128,10 @@ int launch(const LaunchOptions& options, const Argv& command) {
     std::vector<pollfd> fds;
     std::vector<std::pair<int, bool>> owner;  // (rank, is_stderr) per pollfd.
     for (int r = 0; r < options.nproc; ++r) {
-      if (children[r].out_fd >= 0) fds.push_back({children[r].out_fd, POLLIN, 0}), owner.push_back({r, false});
-      if (children[r].err_fd >= 0) fds.push_back({children[r].err_fd, POLLIN, 0}), owner.push_back({r, true});
+      if (children[r].out_fd >= 0)
+        fds.push_back({children[r].out_fd, POLLIN, 0}), owner.push_back({r, false});
+      if (children[r].err_fd >= 0)
+        fds.push_back({children[r].err_fd, POLLIN, 0}), owner.push_back({r, true});
     }
     if (!fds.empty()) ::poll(fds.data(), fds.size(), 100);
     for (size_t i = 0; i < fds.size(); ++i) {

@@ -36,16 +36,16 @@ int plan_main(const Argv& argv) {
   const HeadPartition heads = HeadPartition::make(hq, hkv, sp);
   std::vector<int64_t> ranks;
   for (int64_t r = 0; r < sp; ++r) ranks.push_back(r);
-  const auto seq = seq_len >= 0 ? std::vector<int64_t>(SequencePartition::even(seq_len, sp).lengths())
-                                : std::vector<int64_t>{};
+  const auto seq = seq_len >= 0
+                       ? std::vector<int64_t>(SequencePartition::even(seq_len, sp).lengths())
+                       : std::vector<int64_t>{};
   auto size_of = [](const Range& r) { return std::to_string(r.size()); };
   auto num = [](int64_t v) { return std::to_string(v); };
   if (json) {
     std::cout << "{\"q_heads\": " << json_list(heads.q_ranges(), size_of)
               << ", \"kv_heads\": " << json_list(heads.kv_ranges(), size_of)
               << ", \"q_ranges\": " << json_list(heads.q_ranges(), range_json)
-              << ", \"kv_ranges\": " << json_list(heads.kv_ranges(), range_json)
-              << ", \"kv_map\": "
+              << ", \"kv_ranges\": " << json_list(heads.kv_ranges(), range_json) << ", \"kv_map\": "
               << json_list(ranks, [&](int64_t r) { return json_list(heads.kv_map(r), num); });
     if (!seq.empty()) std::cout << ", \"seq_lens\": " << json_list(seq, num);
     std::cout << ", \"total_q_heads\": " << hq << ", \"total_kv_heads\": " << hkv
@@ -53,8 +53,8 @@ int plan_main(const Argv& argv) {
     return 0;
   }
   std::cout << heads << "\n";
-  std::cout << "rank  q_heads  q_range   kv_heads  kv_range  kv_map" << (seq.empty() ? "" : "  seq_len")
-            << "\n";
+  std::cout << "rank  q_heads  q_range   kv_heads  kv_range  kv_map"
+            << (seq.empty() ? "" : "  seq_len") << "\n";
   for (int64_t r = 0; r < sp; ++r) {
     std::ostringstream q, kv;
     q << heads.q_range(r);

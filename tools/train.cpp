@@ -1,7 +1,7 @@
 // `ulysses train`: sequence-parallel training of a GQA transformer on local ranks.
 #include <ATen/Parallel.h>
-#include <torch/torch.h>
 #include <fcntl.h>
+#include <torch/torch.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -119,13 +119,12 @@ int run_check(Transformer& model, const TrainOptions& o, const Data& data, const
   const bool pass = max_err <= 1e-4;
   if (mesh.world.rank() == 0) {
     std::cout << std::setprecision(6) << "check: world " << mesh.world.size() << " (sp "
-              << mesh.sp.size() << " x dp " << dp << "), seq_len " << o.seq_len << " "
-              << seq << "\n"
-              << "check: loss " << ours.global_loss << " vs single-rank " << ref.global_loss
+              << mesh.sp.size() << " x dp " << dp << "), seq_len " << o.seq_len << " " << seq
               << "\n"
+              << "check: loss " << ours.global_loss << " vs single-rank " << ref.global_loss << "\n"
               << "check: max relative error over loss and " << model->parameters().size()
-              << " gradients: " << std::scientific << max_err << " (rank 0 worst: "
-              << worst_name << ")\n"
+              << " gradients: " << std::scientific << max_err << " (rank 0 worst: " << worst_name
+              << ")\n"
               << (pass ? "PASS" : "FAIL") << std::endl;
   }
   return pass ? 0 : 1;
@@ -139,8 +138,8 @@ double evaluate(Transformer& model, const TrainOptions& o, const Data& data, con
   at::Tensor counts = at::zeros({2}, at::kDouble);
   for (int64_t i = 0; i < per_replica; i += o.batch) {
     const int64_t n = std::min(o.batch, per_replica - i);
-    TokenBatch shard = shard_batch(data.batch(1, step, mesh.dp.rank() * per_replica + i, n), seq,
-                                   mesh.sp.rank());
+    TokenBatch shard =
+        shard_batch(data.batch(1, step, mesh.dp.rank() * per_replica + i, n), seq, mesh.sp.rank());
     StepContext context(mesh.sp);
     at::Tensor pred = model->forward(shard.input_ids, shard.position_ids, &context).argmax(-1);
     at::Tensor scored = shard.labels.ne(kIgnoreIndex);
@@ -185,8 +184,8 @@ void save_checkpoint(Transformer& model, torch::optim::AdamW& optimizer, const T
   const fs::path dir(o.save);
   std::error_code ec;
   fs::create_directories(dir, ec);
-  TORCH_CHECK_VALUE(!ec, "train: cannot create checkpoint directory '", o.save, "': ",
-                    ec.message());
+  TORCH_CHECK_VALUE(!ec, "train: cannot create checkpoint directory '", o.save,
+                    "': ", ec.message());
   const std::string model_name = "model-" + std::to_string(step) + ".pt";
   const std::string optim_name = "optimizer-" + std::to_string(step) + ".pt";
   torch::save(model, (dir / model_name).string());
@@ -213,8 +212,7 @@ void save_checkpoint(Transformer& model, torch::optim::AdamW& optimizer, const T
 }
 
 // Reads and verifies the checkpoint in o.resume; returns its step. Errors name the file.
-int64_t load_checkpoint(Transformer& model, torch::optim::AdamW& optimizer,
-                        const TrainOptions& o) {
+int64_t load_checkpoint(Transformer& model, torch::optim::AdamW& optimizer, const TrainOptions& o) {
   namespace fs = std::filesystem;
   const fs::path dir(o.resume);
   std::ifstream in(dir / "state.txt");
@@ -225,13 +223,13 @@ int64_t load_checkpoint(Transformer& model, torch::optim::AdamW& optimizer,
   in >> key >> step;
   std::getline(in, config);  // Rest of the step line.
   std::getline(in, config);
-  TORCH_CHECK_VALUE(magic == kCheckpointMagic && key == "step" && step >= 0 &&
-                        config.rfind("config ", 0) == 0,
-                    "train: '", (dir / "state.txt").string(),
-                    "' is not a ulysses checkpoint state file (or is corrupted)");
+  TORCH_CHECK_VALUE(
+      magic == kCheckpointMagic && key == "step" && step >= 0 && config.rfind("config ", 0) == 0,
+      "train: '", (dir / "state.txt").string(),
+      "' is not a ulysses checkpoint state file (or is corrupted)");
   config = config.substr(7);
-  TORCH_CHECK_VALUE(config == config_line(o), "train: checkpoint '", o.resume,
-                    "' was saved with '", config, "' but this run has '", config_line(o), "'");
+  TORCH_CHECK_VALUE(config == config_line(o), "train: checkpoint '", o.resume, "' was saved with '",
+                    config, "' but this run has '", config_line(o), "'");
   std::vector<fs::path> files;
   std::string name;
   uintmax_t size = 0;
@@ -296,7 +294,8 @@ int train_main(const Argv& argv, const Runtime& runtime) {
   if (code >= 0) return code;
 
   // Ranks of this machine share its cores.
-  const int local_ranks = std::max(1, std::atoi(std::getenv("LOCAL_WORLD_SIZE") ? std::getenv("LOCAL_WORLD_SIZE") : "1"));
+  const int local_ranks = std::max(
+      1, std::atoi(std::getenv("LOCAL_WORLD_SIZE") ? std::getenv("LOCAL_WORLD_SIZE") : "1"));
   at::set_num_threads(std::max<int>(1, std::thread::hardware_concurrency() / local_ranks));
   Group world = runtime.join_world(GroupOptions{});
   // The mesh from what the user gave: both sizes, one (the other derived), or neither (SP only).
@@ -305,11 +304,11 @@ int train_main(const Argv& argv, const Runtime& runtime) {
     TORCH_CHECK_VALUE(o.sp * o.dp == W, "train: --sp ", o.sp, " x --dp ", o.dp,
                       " must equal the number of ranks (", W, ")");
   } else if (o.dp > 0) {
-    TORCH_CHECK_VALUE(W % o.dp == 0, "train: --dp ", o.dp, " must divide the number of ranks (",
-                      W, "); the SP size is derived as ranks / --dp");
+    TORCH_CHECK_VALUE(W % o.dp == 0, "train: --dp ", o.dp, " must divide the number of ranks (", W,
+                      "); the SP size is derived as ranks / --dp");
   } else if (o.sp > 0) {
-    TORCH_CHECK_VALUE(W % o.sp == 0, "train: --sp ", o.sp, " must divide the number of ranks (",
-                      W, "); the DP size is derived as ranks / --sp");
+    TORCH_CHECK_VALUE(W % o.sp == 0, "train: --sp ", o.sp, " must divide the number of ranks (", W,
+                      "); the DP size is derived as ranks / --sp");
   }
   const int sp = o.sp > 0 ? o.sp : o.dp > 0 ? W / o.dp : W;
   Mesh mesh = Mesh::create(world, sp, runtime.split);
@@ -326,8 +325,8 @@ int train_main(const Argv& argv, const Runtime& runtime) {
   if (lead) {
     std::cout << "model: " << config_line(o) << ", " << params << " parameters\n"
               << "mesh: world " << world.size() << " = sp " << mesh.sp.size() << " x dp "
-              << mesh.dp.size() << "; " << seq << "; " << at::get_num_threads()
-              << " threads/rank" << std::endl;
+              << mesh.dp.size() << "; " << seq << "; " << at::get_num_threads() << " threads/rank"
+              << std::endl;
   }
   if (o.check) return run_check(model, o, data, mesh, seq);
 
@@ -339,8 +338,8 @@ int train_main(const Argv& argv, const Runtime& runtime) {
       return std::vector<int64_t>{};
     });
     if (start >= o.steps) {
-      throw UsageError("the checkpoint in '" + o.resume + "' is at step " +
-                       std::to_string(start) + ": --steps " + std::to_string(o.steps) +
+      throw UsageError("the checkpoint in '" + o.resume + "' is at step " + std::to_string(start) +
+                       ": --steps " + std::to_string(o.steps) +
                        " leaves nothing to train (pass --steps > " + std::to_string(start) + ")");
     }
     if (lead) std::cout << "resumed from " << o.resume << " at step " << start << std::endl;
@@ -372,16 +371,14 @@ int train_main(const Argv& argv, const Runtime& runtime) {
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
     optimizer.zero_grad();
     const TokenBatch local = data.batch(0, step, mesh.dp.rank() * o.batch, o.batch);
-    const ShardedLoss loss =
-        forward_backward(model, shard_batch(local, seq, mesh.sp.rank()), mesh);
+    const ShardedLoss loss = forward_backward(model, shard_batch(local, seq, mesh.sp.rank()), mesh);
     if (o.clip > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), o.clip);
     optimizer.step();
     ++interval_steps;
     const bool last = step + 1 == o.steps;
     if (step == start || last || (step + 1) % o.log_every == 0) {
-      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                                           interval_start)
-                                 .count();
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - interval_start).count();
       const double comm = comm_seconds() - interval_comm0;
       // Peak RSS of every rank (outside the timed interval).
       at::Tensor rss = mesh.world.all_gather(at::tensor({proc_status_bytes("VmHWM")}, at::kLong));

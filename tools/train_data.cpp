@@ -12,8 +12,8 @@ namespace {
 // A generator for one sequence: distinct streams for every (seed, split, step, index).
 at::Generator sequence_generator(uint64_t seed, int split, int64_t step, int64_t index) {
   uint64_t h = seed * 0x9E3779B97F4A7C15ull;
-  for (uint64_t v : {static_cast<uint64_t>(split), static_cast<uint64_t>(step),
-                     static_cast<uint64_t>(index)}) {
+  for (uint64_t v :
+       {static_cast<uint64_t>(split), static_cast<uint64_t>(step), static_cast<uint64_t>(index)}) {
     h ^= v + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
   }
   return at::make_generator<at::CPUGeneratorImpl>(h);
@@ -36,7 +36,8 @@ TokenBatch RetrievalTask::batch(int split, int64_t step, int64_t first, int64_t 
     auto gen = sequence_generator(seed_, split, step, first + i);
     at::Tensor keys = at::randperm(kKeys, gen, at::kLong).narrow(0, 0, pairs_) + kKeyBase;
     at::Tensor values = at::randint(kValueBase, kValueBase + kValues, {pairs_}, gen, at::kLong);
-    at::Tensor order = shuffle_ ? at::randperm(pairs_, gen, at::kLong) : at::arange(pairs_, at::kLong);
+    at::Tensor order =
+        shuffle_ ? at::randperm(pairs_, gen, at::kLong) : at::arange(pairs_, at::kLong);
     at::Tensor row = at::randint(kFillerBase, kFillerBase + kFillers, {seq_len_}, gen, at::kLong);
     row[0] = kBos;
     row.narrow(0, 1, 2 * pairs_).view({pairs_, 2}).copy_(at::stack({keys, values}, 1));
@@ -70,15 +71,15 @@ TextData::TextData(const std::string& path, int64_t seq_len, uint64_t seed)
 TokenBatch TextData::batch(int split, int64_t step, int64_t first, int64_t count) const {
   // The last tenth of the file is held out.
   const int64_t n = static_cast<int64_t>(bytes_.size());
-  const int64_t boundary = n * 9 / 10;  // Training windows end before it, held-out ones start at it.
+  const int64_t boundary =
+      n * 9 / 10;  // Training windows end before it, held-out ones start at it.
   const int64_t lo = split == 0 ? 0 : boundary;
   const int64_t hi = split == 0 ? boundary - seq_len_ - 1 : n - seq_len_ - 1;
   at::Tensor ids = at::empty({count, seq_len_}, at::kLong);
   for (int64_t i = 0; i < count; ++i) {
     auto gen = sequence_generator(seed_, split, step, first + i);
-    const int64_t offset = lo + at::randint(0, std::max<int64_t>(1, hi - lo + 1), {1}, gen,
-                                            at::kLong)
-                                    .item<int64_t>();
+    const int64_t offset =
+        lo + at::randint(0, std::max<int64_t>(1, hi - lo + 1), {1}, gen, at::kLong).item<int64_t>();
     auto* p = ids[i].data_ptr<int64_t>();
     for (int64_t j = 0; j < seq_len_; ++j) p[j] = bytes_[offset + j];
   }

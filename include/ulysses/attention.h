@@ -24,7 +24,7 @@ struct LocalAttentionArgs {
   c10::optional<at::Tensor> mask;       // Bool or additive float, broadcastable to [B,Hq_r,S,S].
   c10::optional<at::Tensor> positions;  // [B, S] or [S] int64 global position ids (packing).
   bool causal = false;
-  double scale = 0.0;                   // Softmax scale; 0 means 1/sqrt(D).
+  double scale = 0.0;  // Softmax scale; 0 means 1/sqrt(D).
 };
 
 // A local attention implementation.

@@ -42,10 +42,10 @@ class StepContext {
 
  private:
   struct Entry {
-    at::Tensor source;                  // Held so its identity cannot be reused while cached.
-    int64_t version = 0;                // source's version counter when cached.
-    std::vector<Range> q_ranges;        // The head split the result was built for.
-    std::vector<int64_t> seq_lengths;   // The sequence split likewise.
+    at::Tensor source;                 // Held so its identity cannot be reused while cached.
+    int64_t version = 0;               // source's version counter when cached.
+    std::vector<Range> q_ranges;       // The head split the result was built for.
+    std::vector<int64_t> seq_lengths;  // The sequence split likewise.
     at::Tensor result;
   };
   at::Tensor lookup(std::vector<Entry>& entries, const at::Tensor& source,
@@ -70,10 +70,10 @@ struct AttentionOptions {
 
 // Optional per-call inputs.
 struct AttentionInputs {
-  c10::optional<at::Tensor> mask;       // See mask.h for accepted shapes; bool or additive.
-  c10::optional<at::Tensor> positions;  // This shard's global position ids, [B, S_r] or [S_r].
-  StepContext* context = nullptr;       // Shares rebuilt masks/positions across layers.
-  c10::optional<SequencePartition> seq; // Known sequence split (checked); else learned.
+  c10::optional<at::Tensor> mask;        // See mask.h for accepted shapes; bool or additive.
+  c10::optional<at::Tensor> positions;   // This shard's global position ids, [B, S_r] or [S_r].
+  StepContext* context = nullptr;        // Shares rebuilt masks/positions across layers.
+  c10::optional<SequencePartition> seq;  // Known sequence split (checked); else learned.
 };
 
 class DistributedAttention {

@@ -13,13 +13,13 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/intrusive_ptr.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
 namespace ulysses {
@@ -98,10 +98,10 @@ class Group {
  private:
   Group(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::shared_ptr<detail::GroupRuntime> runtime,
         int rank, int size, GroupOptions options);
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;       // Null only for solo().
-  std::shared_ptr<detail::GroupRuntime> runtime_;   // Never null.
-  int rank_ = 0;                                     // In [0, size_).
-  int size_ = 1;                                     // >= 1.
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;      // Null only for solo().
+  std::shared_ptr<detail::GroupRuntime> runtime_;  // Never null.
+  int rank_ = 0;                                   // In [0, size_).
+  int size_ = 1;                                   // >= 1.
   GroupOptions options_;
 };
 

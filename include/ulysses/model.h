@@ -16,8 +16,8 @@ namespace ulysses {
 
 // Size of the model. Defaults make a model that trains in seconds on two cores.
 struct ModelConfig {
-  int64_t vocab = 256;        // Token ids in [0, vocab).
-  int64_t dim = 64;           // Model width; divisible by q_heads, head dim even.
+  int64_t vocab = 256;  // Token ids in [0, vocab).
+  int64_t dim = 64;     // Model width; divisible by q_heads, head dim even.
   int64_t layers = 2;
   int64_t q_heads = 4;        // Hq.
   int64_t kv_heads = 2;       // Hkv; divides q_heads.

@@ -78,10 +78,10 @@ class HeadPartition {
 
  private:
   HeadPartition() = default;
-  int64_t q_heads_ = 0;   // > 0, a multiple of kv_heads_.
-  int64_t kv_heads_ = 0;  // > 0.
-  std::vector<Range> q_;  // One per rank; disjoint, contiguous, non-empty, covering [0, Hq).
-  std::vector<Range> kv_; // One per rank; covers [0, Hkv); ranges overlap only if Hkv < P.
+  int64_t q_heads_ = 0;    // > 0, a multiple of kv_heads_.
+  int64_t kv_heads_ = 0;   // > 0.
+  std::vector<Range> q_;   // One per rank; disjoint, contiguous, non-empty, covering [0, Hq).
+  std::vector<Range> kv_;  // One per rank; covers [0, Hkv); ranges overlap only if Hkv < P.
 };
 std::ostream& operator<<(std::ostream& os, const HeadPartition& p);
 

@@ -32,9 +32,9 @@ TokenBatch shard_batch(const TokenBatch& global, const SequencePartition& seq, i
 
 // This rank's share of the exact global mean cross entropy, and the global values.
 struct ShardedLoss {
-  at::Tensor loss;            // Differentiable: local CE sum / global target count.
-  double global_loss = 0;     // The mean over every target in the group.
-  int64_t global_count = 0;   // Non-ignored targets in the group.
+  at::Tensor loss;           // Differentiable: local CE sum / global target count.
+  double global_loss = 0;    // The mean over every target in the group.
+  int64_t global_count = 0;  // Non-ignored targets in the group.
 };
 
 // logits [B, S_r, V], targets [B, S_r]. One small all-reduce over `group`, which must span

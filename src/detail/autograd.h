@@ -39,8 +39,8 @@ class FunctionNode : public torch::autograd::Node {
 
 // Makes `outputs` differentiable functions of `inputs` with backward `fn`, when grad mode is
 // on and some input requires grad. `fn` returns one gradient per input (undefined allowed).
-inline void attach_backward(const std::vector<at::Tensor>& inputs,
-                            std::vector<at::Tensor>& outputs, std::string name, BackwardFn fn) {
+inline void attach_backward(const std::vector<at::Tensor>& inputs, std::vector<at::Tensor>& outputs,
+                            std::string name, BackwardFn fn) {
   if (!torch::autograd::compute_requires_grad(inputs)) return;
   auto node = c10::make_intrusive<FunctionNode>(std::move(name), std::move(fn));
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
