@@ -216,6 +216,8 @@ TEST(DistributedAttention, SharedMaskIsGatheredOncePerStep) {
       return g.collective_count() - before;
     };
     // Per layer: agree on q/k/v, scatter, gather = 3. Per mask rebuild: agree + all-gather = 2.
+    // The first call of an instance without head counts also agrees on the captured heads.
+    EXPECT_EQ(run(nullptr), 3 + 3 * 3 + 3 * 2);
     EXPECT_EQ(run(nullptr), 3 * 3 + 3 * 2);
     StepContext step(g);
     EXPECT_EQ(run(&step), 3 * 3 + 2);
