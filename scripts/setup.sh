@@ -8,6 +8,10 @@ missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# A Debian python3 (rather than one that ships them) needs its venv module and headers packaged.
+python3 -c "import ensurepip, venv" 2>/dev/null || missing+=(python3-venv)
+python3 -c "import os, sysconfig; assert os.path.exists(sysconfig.get_paths()['include'] + '/Python.h')" \
+  2>/dev/null || missing+=(python3-dev)
 if ((${#missing[@]})); then
   echo "setup: installing Debian packages: ${missing[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
