@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -118,6 +119,19 @@ PYBIND11_MODULE(_C, m) {
       "collective_count",
       [](const std::string& group) { return Group::resolve(group).collective_count(); },
       py::arg("group"));
+  m.def(
+      "fail_together",
+      [](const std::string& message, const std::string& group, int64_t timeout_ms) {
+        GroupOptions options;
+        options.timeout = std::chrono::milliseconds(timeout_ms);
+        const Group g = Group::resolve(group, options);
+        py::gil_scoped_release release;
+        g.agree([&]() -> std::vector<int64_t> { TORCH_CHECK_VALUE(false, message); });
+      },
+      py::arg("message"), py::arg("group"), py::arg("timeout_ms"),
+      "Raises `message` on every rank of `group` through the agreement round that the other "
+      "ranks' ops run (every agreement round has one shape), so a local mistake found in Python "
+      "fails all ranks alike instead of hanging them.");
   m.def("run_cli", &run_cli, py::arg("argv"), py::arg("self"), py::arg("join_world"),
         py::arg("split"));
 }

@@ -45,6 +45,20 @@ AllToAllPlan plan_of(int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_len
                       SequencePartition::from_lengths(seq_lens.vec()), parse_layout(layout)};
 }
 
+// Runs `prepare` (argument parsing that can fail on one rank only); a failure joins the
+// agreement round the other ranks' ops run next (every round has one shape), so all ranks raise
+// it alike instead of the others hanging in a collective this rank never posts.
+template <typename Fn>
+auto fail_together_on_error(const Group& group, Fn&& prepare) {
+  try {
+    return prepare();
+  } catch (const std::exception&) {
+    const std::exception_ptr error = std::current_exception();
+    group.agree([&]() -> std::vector<int64_t> { std::rethrow_exception(error); });
+    throw;  // Unreachable: agree rethrows the agreed error.
+  }
+}
+
 // Outputs of an op must not alias its inputs (the single-rank paths return them as they are)
 // and are contiguous, as the fake kernels promise the compiler.
 at::Tensor fresh(const at::Tensor& out, c10::ArrayRef<at::Tensor> inputs) {
@@ -61,17 +75,15 @@ std::vector<at::Tensor> fresh(std::vector<at::Tensor> outs, c10::ArrayRef<at::Te
 at::Tensor sequence_lengths(const at::Tensor& x, int64_t dim, const std::string& group_name,
                             int64_t timeout_ms) {
   const Group group = group_of(group_name, timeout_ms);
-  auto all = group.agree(
-      [&] {
-        TORCH_CHECK_VALUE(x.dim() > 0,
-                          "sequence_lengths: x must have a sequence dim; got a 0-D "
-                          "tensor");
-        const int64_t d = dim < 0 ? dim + x.dim() : dim;
-        TORCH_CHECK_INDEX(d >= 0 && d < x.dim(), "sequence_lengths: dim ", dim,
-                          " is out of range for shape ", x.sizes());
-        return std::vector<int64_t>{x.size(d)};
-      },
-      1);
+  auto all = group.agree([&] {
+    TORCH_CHECK_VALUE(x.dim() > 0,
+                      "sequence_lengths: x must have a sequence dim; got a 0-D "
+                      "tensor");
+    const int64_t d = dim < 0 ? dim + x.dim() : dim;
+    TORCH_CHECK_INDEX(d >= 0 && d < x.dim(), "sequence_lengths: dim ", dim,
+                      " is out of range for shape ", x.sizes());
+    return std::vector<int64_t>{x.size(d)};
+  });
   std::vector<int64_t> lengths;
   for (const auto& m : all) lengths.push_back(m[0]);
   return at::tensor(lengths, at::kLong);
@@ -80,18 +92,29 @@ at::Tensor sequence_lengths(const at::Tensor& x, int64_t dim, const std::string&
 std::vector<at::Tensor> scatter_heads_op(at::TensorList xs, c10::ArrayRef<std::string> heads,
                                          int64_t q_heads, int64_t kv_heads,
                                          c10::IntArrayRef seq_lens, const std::string& layout,
-                                         const std::string& group_name, int64_t timeout_ms) {
+                                         const std::string& group_name, int64_t timeout_ms,
+                                         c10::ArrayRef<std::string> same_names,
+                                         c10::IntArrayRef same_values) {
   const Group group = group_of(group_name, timeout_ms);
-  const std::vector<Heads> kinds = parse_heads(heads);
-  TORCH_CHECK_VALUE(kinds.size() == xs.size(), "scatter_heads: ", xs.size(), " tensors but ",
-                    kinds.size(), " head kinds");
-  const HeadPartition partition = HeadPartition::make(q_heads, kv_heads, group.size());
+  std::vector<Heads> kinds;
   std::vector<TensorSpec> specs;
-  for (size_t i = 0; i < xs.size(); ++i)
-    specs.push_back({xs[i], kinds[i], "tensor " + std::to_string(i)});
+  std::vector<Agreed> same;
+  const HeadPartition partition = fail_together_on_error(group, [&] {
+    kinds = parse_heads(heads);
+    TORCH_CHECK_VALUE(kinds.size() == xs.size(), "scatter_heads: ", xs.size(), " tensors but ",
+                      kinds.size(), " head kinds");
+    for (size_t i = 0; i < xs.size(); ++i)
+      specs.push_back({xs[i], kinds[i], "tensor " + std::to_string(i)});
+    TORCH_CHECK_VALUE(same_names.size() == same_values.size(), "scatter_heads: ", same_names.size(),
+                      " names but ", same_values.size(), " values to agree on");
+    for (size_t i = 0; i < same_names.size(); ++i) same.push_back({same_names[i], same_values[i]});
+    parse_layout(layout);
+    SequencePartition::from_lengths(seq_lens.vec());
+    return HeadPartition::make(q_heads, kv_heads, group.size());
+  });
   // Checks every rank's tensors and the given split in one small collective before data moves.
   const AllToAllPlan plan = agree_plan(group, partition, parse_layout(layout), specs,
-                                       SequencePartition::from_lengths(seq_lens.vec()));
+                                       SequencePartition::from_lengths(seq_lens.vec()), same);
   at::NoGradGuard no_grad;
   return fresh(scatter_heads(xs.vec(), kinds, plan, group), xs);
 }
@@ -183,9 +206,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attention_backw
 
 TORCH_LIBRARY(ulysses, m) {
   m.def("sequence_lengths(Tensor x, int dim, str group, int timeout_ms) -> Tensor");
+  // same_names/same_values: values of the call every rank must hold alike (mask given, its
+  // dtype, causal...), agreed in the same round as the tensors.
   m.def(
       "scatter_heads(Tensor[] xs, str[] heads, int q_heads, int kv_heads, int[] seq_lens, "
-      "str layout, str group, int timeout_ms) -> Tensor[]");
+      "str layout, str group, int timeout_ms, str[] same_names, int[] same_values) -> "
+      "Tensor[]");
   m.def(
       "gather_heads(Tensor[] ys, str[] heads, int q_heads, int kv_heads, int[] seq_lens, "
       "str layout, str group, int timeout_ms) -> Tensor[]");

@@ -1,6 +1,7 @@
 #include "ulysses/all_to_all.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/hash.h>
 
 #include <sstream>
 
@@ -193,37 +194,56 @@ void check_against_plan(const char* op, const std::vector<at::Tensor>& xs,
 
 AllToAllPlan agree_plan(const Group& group, const HeadPartition& heads, Layout layout,
                         const std::vector<TensorSpec>& tensors,
-                        const c10::optional<SequencePartition>& seq) {
-  const int P = group.size(), me = group.rank();
+                        const c10::optional<SequencePartition>& seq,
+                        const std::vector<Agreed>& same) {
+  const int P = group.size();
   const int64_t sdim = seq_dim(layout), hdim = head_dim(layout);
-  // Per rank: [Hq, Hkv, P, then per tensor: 4 sizes, dtype].
-  const size_t meta_size = 3 + 5 * tensors.size();
-  auto all = group.agree(
-      [&]() {
-        TORCH_CHECK_VALUE(!tensors.empty(), "agree_plan: need at least one tensor");
-        TORCH_CHECK_VALUE(heads.sp_size() == P, "agree_plan: head partition is for ",
-                          heads.sp_size(), " ranks but the SP group has ", P, " (rank ", me, ")");
-        std::vector<int64_t> meta{heads.q_heads(), heads.kv_heads(), P};
-        for (const TensorSpec& spec : tensors) {
-          const at::Tensor& x = spec.tensor;
-          TORCH_CHECK_VALUE(x.defined() && x.dim() == 4, "agree_plan: ", spec.name,
-                            " must be a 4-D tensor in layout ", to_string(layout), "; got ",
-                            x.defined() ? shape_str(x.sizes()) : "undefined", " (rank ", me, " of ",
-                            P, ")");
-          const int64_t want = spec.heads == Heads::kQuery ? heads.q_heads() : heads.kv_heads();
-          TORCH_CHECK_VALUE(x.size(hdim) == want, "agree_plan: ", spec.name, " must have ", want,
-                            " ", heads_name(spec.heads), " heads in dim ", hdim, " (layout ",
-                            to_string(layout), "); got shape ", shape_str(x.sizes()), " (rank ", me,
-                            " of ", P, ")");
-          TORCH_CHECK_VALUE(x.size(sdim) == tensors[0].tensor.size(sdim), "agree_plan: ", spec.name,
-                            " has ", x.size(sdim), " tokens but ", tensors[0].name, " has ",
-                            tensors[0].tensor.size(sdim), " (rank ", me, ")");
-          for (int64_t d = 0; d < 4; ++d) meta.push_back(x.size(d));
-          meta.push_back(static_cast<int64_t>(x.scalar_type()));
-        }
-        return meta;
-      },
-      meta_size);
+  // Per rank: [Hq, Hkv, P, layout, given split (hash or -1), #same, same values..., then per
+  // tensor: 4 sizes, dtype, device type].
+  auto all = group.agree([&]() {
+    TORCH_CHECK_VALUE(!tensors.empty(), "agree_plan: need at least one tensor");
+    TORCH_CHECK_VALUE(heads.sp_size() == P, "agree_plan: head partition is for ", heads.sp_size(),
+                      " ranks but the SP group has ", P);
+    TORCH_CHECK_VALUE(!seq || seq->sp_size() == P, "agree_plan: the given sequence split ", *seq,
+                      " is for ", seq ? seq->sp_size() : 0, " ranks but the SP group has ", P);
+    std::vector<int64_t> meta{heads.q_heads(),
+                              heads.kv_heads(),
+                              P,
+                              static_cast<int64_t>(layout),
+                              seq ? static_cast<int64_t>(c10::get_hash(seq->lengths()) >> 1) : -1,
+                              static_cast<int64_t>(same.size())};
+    for (const Agreed& a : same) meta.push_back(a.value);
+    const at::Tensor& first = tensors[0].tensor;
+    for (const TensorSpec& spec : tensors) {
+      const at::Tensor& x = spec.tensor;
+      TORCH_CHECK_VALUE(x.defined() && x.dim() == 4, "agree_plan: ", spec.name,
+                        " must be a 4-D tensor in layout ", to_string(layout), "; got ",
+                        x.defined() ? shape_str(x.sizes()) : "undefined");
+      TORCH_CHECK_TYPE(x.is_floating_point(), "agree_plan: ", spec.name,
+                       " must be floating point (fp32, bf16, fp16, fp64); got ", x.scalar_type());
+      TORCH_CHECK_TYPE(x.scalar_type() == first.scalar_type(), "agree_plan: ", spec.name, " is ",
+                       x.scalar_type(), " but ", tensors[0].name, " is ", first.scalar_type(),
+                       "; give them one dtype");
+      TORCH_CHECK_VALUE(x.device() == first.device(), "agree_plan: ", spec.name, " is on ",
+                        x.device(), " but ", tensors[0].name, " is on ", first.device(),
+                        "; move them to one device");
+      for (int64_t d = 0; d < 4; ++d) {
+        TORCH_CHECK_VALUE(d == sdim || x.size(d) >= 1, "agree_plan: ", spec.name, " has shape ",
+                          shape_str(x.sizes()), "; every dim but the sequence dim ", sdim,
+                          " must be >= 1 (layout ", to_string(layout), ")");
+      }
+      const int64_t want = spec.heads == Heads::kQuery ? heads.q_heads() : heads.kv_heads();
+      TORCH_CHECK_VALUE(x.size(hdim) == want, "agree_plan: ", spec.name, " must have ", want, " ",
+                        heads_name(spec.heads), " heads in dim ", hdim, " (layout ",
+                        to_string(layout), "); got shape ", shape_str(x.sizes()));
+      TORCH_CHECK_VALUE(x.size(sdim) == first.size(sdim), "agree_plan: ", spec.name, " has ",
+                        x.size(sdim), " tokens but ", tensors[0].name, " has ", first.size(sdim));
+      for (int64_t d = 0; d < 4; ++d) meta.push_back(x.size(d));
+      meta.push_back(static_cast<int64_t>(x.scalar_type()));
+      meta.push_back(static_cast<int64_t>(x.device().type()));
+    }
+    return meta;
+  });
 
   // Every rank now checks the same gathered data, so every rank raises the same error.
   const auto& first = all[0];
@@ -234,9 +254,20 @@ AllToAllPlan agree_plan(const Group& group, const HeadPartition& heads, Layout l
                       "agree_plan: ranks disagree on head counts: rank 0 has q_heads=", first[0],
                       ", kv_heads=", first[1], " but rank ", r, " has q_heads=", m[0],
                       ", kv_heads=", m[1]);
+    TORCH_CHECK_VALUE(m[3] == first[3], "agree_plan: ranks disagree on the layout: rank 0 has ",
+                      to_string(static_cast<Layout>(first[3])), ", rank ", r, " has ",
+                      to_string(static_cast<Layout>(m[3])));
+    TORCH_CHECK_VALUE(m[4] == first[4], "agree_plan: ranks disagree on the given sequence split ",
+                      "(rank 0 ", first[4] < 0 ? "gives none" : "gives one", ", rank ", r,
+                      m[4] < 0 ? " gives none" : " gives a different one", ")");
+    TORCH_CHECK_VALUE(m[5] == first[5], "agree_plan: ranks disagree on the number of call options");
+    for (size_t i = 0; i < same.size(); ++i) {
+      TORCH_CHECK_VALUE(m[6 + i] == first[6 + i], "agree_plan: ranks disagree on ", same[i].name,
+                        ": rank 0 has ", first[6 + i], ", rank ", r, " has ", m[6 + i]);
+    }
     for (size_t t = 0; t < tensors.size(); ++t) {
-      const int64_t* a = &first[3 + 5 * t];
-      const int64_t* b = &m[3 + 5 * t];
+      const int64_t* a = &first[6 + same.size() + 6 * t];
+      const int64_t* b = &m[6 + same.size() + 6 * t];
       for (int64_t d = 0; d < 4; ++d) {
         TORCH_CHECK_VALUE(d == sdim || a[d] == b[d], "agree_plan: ranks disagree on ",
                           tensors[t].name, "'s dim ", d, ": rank 0 has ", a[d], ", rank ", r,
@@ -245,8 +276,11 @@ AllToAllPlan agree_plan(const Group& group, const HeadPartition& heads, Layout l
       TORCH_CHECK_TYPE(a[4] == b[4], "agree_plan: ranks disagree on ", tensors[t].name,
                        "'s dtype: rank 0 has ", static_cast<c10::ScalarType>(a[4]), ", rank ", r,
                        " has ", static_cast<c10::ScalarType>(b[4]));
+      TORCH_CHECK_VALUE(a[5] == b[5], "agree_plan: ranks disagree on ", tensors[t].name,
+                        "'s device type: rank 0 has ", static_cast<c10::DeviceType>(a[5]),
+                        ", rank ", r, " has ", static_cast<c10::DeviceType>(b[5]));
     }
-    lengths.push_back(m[3 + sdim]);
+    lengths.push_back(m[6 + same.size() + sdim]);
   }
   if (seq) {
     TORCH_CHECK_VALUE(seq->lengths() == lengths, "agree_plan: local sequence lengths ",

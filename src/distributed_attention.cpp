@@ -121,9 +121,7 @@ at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& 
     // call's q and k. Each rank reads its own tensors, so ranks agree on the outcome first: an
     // invalid count on one rank raises the same error on every rank.
     group_.agree([&] {
-      TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4,
-                        "DistributedAttention: q and k must be "
-                        "4-D (",
+      TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4, "DistributedAttention: q and k must be 4-D (",
                         to_string(L), "); got ", q.sizes(), " and ", k.sizes());
       const int64_t hq = options_.q_heads > 0 ? options_.q_heads : q.size(hdim);
       const int64_t hkv = options_.kv_heads > 0 ? options_.kv_heads : k.size(hdim);
@@ -132,13 +130,28 @@ at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& 
     });
   }
   const HeadPartition& heads = *partition_;
+  // Everything that decides which collectives follow, and their sizes, agreed in the same round
+  // as the plan: a rank that differs fails together with the others instead of hanging them.
+  auto mask_kind = [](const c10::optional<at::Tensor>& t) -> std::vector<int64_t> {
+    if (!t) return {0, -1, -1, 0};
+    return {1, t->dim(), static_cast<int64_t>(t->scalar_type()), t->requires_grad() ? 1 : 0};
+  };
+  const auto m = mask_kind(in.mask), p = mask_kind(in.positions);
   const AllToAllPlan plan = agree_plan(
       group_, heads, L,
-      {{q, Heads::kQuery, "q"}, {k, Heads::kKeyValue, "k"}, {v, Heads::kKeyValue, "v"}}, in.seq);
+      {{q, Heads::kQuery, "q"}, {k, Heads::kKeyValue, "k"}, {v, Heads::kKeyValue, "v"}}, in.seq,
+      {{"whether a mask is given", m[0]},
+       {"the mask's number of dims", m[1]},
+       {"the mask's dtype (as c10::ScalarType)", m[2]},
+       {"whether the mask requires grad", m[3]},
+       {"whether position ids are given", p[0]},
+       {"the position ids' number of dims", p[1]},
+       {"the position ids' dtype (as c10::ScalarType)", p[2]},
+       {"causal", options_.causal ? 1 : 0},
+       {"whether a StepContext is used", in.context ? 1 : 0}});
   const std::vector<Heads> kinds{Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue};
   std::vector<at::Tensor> qkv;
-  if (options_.fuse_qkv && q.scalar_type() == k.scalar_type() &&
-      q.scalar_type() == v.scalar_type()) {
+  if (options_.fuse_qkv) {
     qkv = scatter_heads({q, k, v}, kinds, plan, group_);
   } else {
     for (size_t i = 0; i < 3; ++i)

@@ -179,7 +179,9 @@ std::pair<at::Tensor, at::Tensor> forward(const Problem& p) {
         p.mask_tile(b, h, i0, rows, j0, cols, s.data(), p.bk);
         for (int64_t r = 0; r < rows; ++r) {
           float* row = s.data() + r * p.bk;
-          const float m_new = std::max(m[r], row_max(row, cols));
+          // NaN propagates (as in the math reference): std::max would drop it.
+          const float row_m = row_max(row, cols);
+          const float m_new = std::isnan(row_m) ? row_m : std::max(m[r], row_m);
           if (m_new == kNegInf) {  // Nothing allowed yet in this row.
             std::fill(row, row + cols, 0.0f);
             continue;
@@ -194,9 +196,13 @@ std::pair<at::Tensor, at::Tensor> forward(const Problem& p) {
       }
       for (int64_t r = 0; r < rows; ++r) {
         float* o = out_p + ((b * p.Hq + h) * p.Sq + i0 + r) * p.Dv;
-        const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
+        // l == 0: no allowed key, o = 0. l NaN: a NaN input, which o and lse carry on.
+        const bool nan = std::isnan(l[r]);
+        const float inv = l[r] > 0 || nan ? 1.0f / l[r] : 0.0f;
         at::vec::map([inv](Vec x) { return x * Vec(inv); }, o, acc.data() + r * p.Dv, p.Dv);
-        lse_p[(b * p.Hq + h) * p.Sq + i0 + r] = l[r] > 0 ? m[r] + std::log(l[r]) : kInf;
+        lse_p[(b * p.Hq + h) * p.Sq + i0 + r] = nan        ? l[r]
+                                                : l[r] > 0 ? m[r] + std::log(l[r])
+                                                           : kInf;
       }
     }
   });
@@ -300,6 +306,14 @@ Problem make_problem(const LocalAttentionArgs& a, const FlashOptions& options) {
                         a.k.size(3) == a.q.size(3),
                     "flash_attention: incompatible shapes q ", a.q.sizes(), ", k ", a.k.sizes(),
                     ", v ", a.v.sizes(), " (want q [B,Hq,Sq,D], k [B,Hkv,Sk,D], v [B,Hkv,Sk,Dv])");
+  TORCH_CHECK_TYPE(a.q.is_floating_point() && a.k.is_floating_point() && a.v.is_floating_point(),
+                   "flash_attention: q, k, v must be floating point; got ", a.q.scalar_type(), ", ",
+                   a.k.scalar_type(), ", ", a.v.scalar_type());
+  for (const at::Tensor* t : {&a.q, &a.k, &a.v}) {
+    TORCH_CHECK_VALUE(t->size(0) >= 1 && t->size(1) >= 1 && t->size(3) >= 1,
+                      "flash_attention: batch, heads and head dim must be >= 1; got q ",
+                      a.q.sizes(), ", k ", a.k.sizes(), ", v ", a.v.sizes());
+  }
   TORCH_CHECK_VALUE(static_cast<int64_t>(a.kv_map.size()) == a.q.size(1),
                     "flash_attention: kv_map must have one entry per query head (", a.q.size(1),
                     "); got ", a.kv_map.size());

@@ -263,14 +263,15 @@ ErrorKind classify(const c10::Error& e) {
 }  // namespace
 
 std::vector<std::vector<int64_t>> Group::agree(
-    const std::function<std::vector<int64_t>()>& local_check, size_t meta_size) const {
+    const std::function<std::vector<int64_t>()>& local_check) const {
   int64_t kind = kNoError;
   std::string message;
   std::vector<int64_t> meta;
   try {
     meta = local_check();
-    TORCH_INTERNAL_ASSERT(meta.size() == meta_size, "agree: metadata of size ", meta.size(),
-                          ", expected ", meta_size);
+    TORCH_CHECK_VALUE(meta.size() <= static_cast<size_t>(kAgreeMetaLimit), "agree: at most ",
+                      kAgreeMetaLimit, " metadata values per rank; got ", meta.size(),
+                      " (too many tensors in one call?)");
   } catch (const c10::Error& e) {
     kind = classify(e);
     message = e.what_without_backtrace();
@@ -278,15 +279,17 @@ std::vector<std::vector<int64_t>> Group::agree(
     kind = kOther;
     message = e.what();
   }
-  if (kind != kNoError) meta.assign(meta_size, 0);
+  if (kind != kNoError) meta.clear();
 
-  // Round 1: [kind, message length, meta...] from every rank.
-  const int64_t row = 2 + static_cast<int64_t>(meta_size);
-  at::Tensor mine = at::empty({row}, at::kLong);
+  // Round 1, the same size on every rank whatever its inputs (Gloo aborts the process on
+  // mismatched sizes): [kind, message length, metadata count, metadata padded to the limit].
+  const int64_t row = 3 + kAgreeMetaLimit;
+  at::Tensor mine = at::zeros({row}, at::kLong);
   auto* p = mine.data_ptr<int64_t>();
   p[0] = kind;
   p[1] = static_cast<int64_t>(message.size());
-  std::copy(meta.begin(), meta.end(), p + 2);
+  p[2] = static_cast<int64_t>(meta.size());
+  std::copy(meta.begin(), meta.end(), p + 3);
   at::Tensor all = all_gather(mine);
   auto acc = all.accessor<int64_t, 2>();
   int failing = -1;
@@ -297,10 +300,18 @@ std::vector<std::vector<int64_t>> Group::agree(
   }
   if (failing < 0) {
     std::vector<std::vector<int64_t>> out(size());
-    for (int r = 0; r < size(); ++r) out[r].assign(&acc[r][2], &acc[r][2] + meta_size);
+    for (int r = 0; r < size(); ++r) {
+      TORCH_CHECK_VALUE(acc[r][2] == acc[0][2],
+                        "agree: ranks disagree on the amount of "
+                        "metadata (rank 0 has ",
+                        acc[0][2], " values, rank ", r, " has ", acc[r][2],
+                        "): they called different operations or with different "
+                        "numbers of tensors");
+      out[r].assign(&acc[r][3], &acc[r][3] + acc[r][2]);
+    }
     return out;
   }
-  // Round 2 (failures only): every rank learns the failing rank's message.
+  // Round 2 (failures only; every rank knows the longest message): the failing rank's text.
   at::Tensor text = at::zeros({longest}, at::kByte);
   std::copy(message.begin(), message.end(), text.data_ptr<uint8_t>());
   at::Tensor texts = all_gather(text);

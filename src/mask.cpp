@@ -110,13 +110,37 @@ MaskDecision decide_mask(const std::vector<std::array<int64_t, 4>>& sizes, int64
   return d;
 }
 
-at::Tensor all_gather_sequence(const at::Tensor& x, int64_t dim, const SequencePartition& seq,
-                               const Group& group) {
-  dim = wrap_dim(dim, x.dim());
-  TORCH_CHECK_VALUE(x.size(dim) == seq.length(group.rank()), "all_gather_sequence: dim ", dim,
-                    " of shape ", x.sizes(), " must be this rank's ", seq.length(group.rank()),
-                    " tokens (rank ", group.rank(), " of ", group.size(), ")");
-  if (group.size() == 1) return x;
+namespace {
+
+// Checks `x` on every rank before a sequence collective along `dim` moves its bytes: the
+// sequence dim holds `tokens` tokens on this rank, and every rank has the same number of dims,
+// dtype and elements per token (so Gloo never sees mismatched sizes). Returns the wrapped dim.
+int64_t agree_sequence_tensor(const char* op, const at::Tensor& x, int64_t dim, int64_t tokens,
+                              const Group& group) {
+  int64_t d = 0;
+  auto all = group.agree([&] {
+    TORCH_CHECK_INDEX(x.dim() > 0 && dim >= -x.dim() && dim < x.dim(), op, ": dim ", dim,
+                      " is out of range for shape ", x.sizes());
+    d = wrap_dim(dim, x.dim());
+    TORCH_CHECK_VALUE(x.size(d) == tokens, op, ": dim ", d, " of shape ", x.sizes(), " must hold ",
+                      tokens, " tokens");
+    return std::vector<int64_t>{x.dim(), static_cast<int64_t>(x.scalar_type()), d,
+                                x.numel() / std::max<int64_t>(1, x.size(d))};
+  });
+  const char* what[] = {"number of dims", "dtype (as c10::ScalarType)", "sequence dim",
+                        "elements per token"};
+  for (size_t r = 0; r < all.size(); ++r) {
+    for (size_t i = 0; i < 4; ++i) {
+      TORCH_CHECK_VALUE(all[r][i] == all[0][i], op, ": ranks disagree on the tensor's ", what[i],
+                        ": rank 0 has ", all[0][i], ", rank ", r, " has ", all[r][i]);
+    }
+  }
+  return d;
+}
+
+// all_gather_sequence once every rank's shapes are known to match.
+at::Tensor gather_agreed(const at::Tensor& x, int64_t dim, const SequencePartition& seq,
+                         const Group& group) {
   std::vector<at::Tensor> outs;
   {
     at::NoGradGuard no_grad;
@@ -129,12 +153,19 @@ at::Tensor all_gather_sequence(const at::Tensor& x, int64_t dim, const SequenceP
   return outs[0];
 }
 
+}  // namespace
+
+at::Tensor all_gather_sequence(const at::Tensor& x, int64_t dim, const SequencePartition& seq,
+                               const Group& group) {
+  if (group.size() == 1) return x;
+  dim = agree_sequence_tensor("all_gather_sequence", x, dim, seq.length(group.rank()), group);
+  return gather_agreed(x, dim, seq, group);
+}
+
 at::Tensor reduce_scatter_sequence(const at::Tensor& x, int64_t dim, const SequencePartition& seq,
                                    const Group& group) {
-  dim = wrap_dim(dim, x.dim());
-  TORCH_CHECK_VALUE(x.size(dim) == seq.seq_len(), "reduce_scatter_sequence: dim ", dim,
-                    " of shape ", x.sizes(), " must hold all ", seq.seq_len(), " tokens");
   if (group.size() == 1) return x;
+  dim = agree_sequence_tensor("reduce_scatter_sequence", x, dim, seq.seq_len(), group);
   std::vector<at::Tensor> outs;
   {
     at::NoGradGuard no_grad;
@@ -157,17 +188,28 @@ namespace {
 
 // Every rank's 4-D mask sizes, agreed in one small collective, and the decision they imply.
 MaskDecision agree_mask(const std::vector<int64_t>& mask_sizes, const c10::ScalarType dtype,
-                        const AllToAllPlan& plan, const Group& group, const std::string& name) {
-  auto all = group.agree(
-      [&] {
-        TORCH_CHECK_TYPE(dtype == at::kBool || c10::isFloatingType(dtype), "rebuild_mask: ", name,
-                         " must be bool or floating point; got ", dtype);
-        const auto s = sizes_4d(mask_sizes, name);
-        return std::vector<int64_t>(s.begin(), s.end());
-      },
-      4);
+                        bool requires_grad, const AllToAllPlan& plan, const Group& group,
+                        const std::string& name) {
+  auto all = group.agree([&] {
+    TORCH_CHECK_TYPE(dtype == at::kBool || c10::isFloatingType(dtype), "rebuild_mask: ", name,
+                     " must be bool or floating point; got ", dtype);
+    const auto s = sizes_4d(mask_sizes, name);
+    return std::vector<int64_t>{
+        s[0], s[1], s[2], s[3], static_cast<int64_t>(dtype), requires_grad ? 1 : 0};
+  });
   std::vector<std::array<int64_t, 4>> sizes;
-  for (const auto& m : all) sizes.push_back({m[0], m[1], m[2], m[3]});
+  for (size_t r = 0; r < all.size(); ++r) {
+    const auto& m = all[r];
+    // The bytes on the wire depend on the dtype, and whether a backward pass follows on the
+    // gradient: ranks must hold both alike.
+    TORCH_CHECK_TYPE(m[4] == all[0][4], "rebuild_mask: ranks disagree on ", name,
+                     "'s dtype: rank 0 has ", static_cast<c10::ScalarType>(all[0][4]), ", rank ", r,
+                     " has ", static_cast<c10::ScalarType>(m[4]));
+    TORCH_CHECK_VALUE(m[5] == all[0][5], "rebuild_mask: ranks disagree on whether ", name,
+                      " requires grad: rank 0 ", all[0][5] ? "does" : "does not", ", rank ", r,
+                      m[5] ? " does" : " does not");
+    sizes.push_back({m[0], m[1], m[2], m[3]});
+  }
   return decide_mask(sizes, plan.heads.q_heads(), plan.seq, name);
 }
 
@@ -201,7 +243,7 @@ std::vector<int64_t> rebuilt_mask_shape(const std::vector<int64_t>& sizes,
 at::Tensor rebuild_mask_backward(const at::Tensor& grad, const std::vector<int64_t>& mask_sizes,
                                  const AllToAllPlan& plan, const Group& group) {
   if (group.size() == 1) return grad.reshape(mask_sizes);
-  const MaskDecision d = agree_mask(mask_sizes, grad.scalar_type(), plan, group, "mask");
+  const MaskDecision d = agree_mask(mask_sizes, grad.scalar_type(), false, plan, group, "mask");
   const auto s = sizes_4d(mask_sizes, "mask");
   at::Tensor g;
   if (d.heads == MaskHeads::kShared) {
@@ -220,10 +262,12 @@ at::Tensor rebuild_mask(const at::Tensor& mask, const AllToAllPlan& plan, const 
                         const std::string& name) {
   if (group.size() == 1) return mask;
   const int me = group.rank();
-  const MaskDecision d = agree_mask(mask.sizes().vec(), mask.scalar_type(), plan, group, name);
+  const MaskDecision d =
+      agree_mask(mask.sizes().vec(), mask.scalar_type(), mask.requires_grad(), plan, group, name);
   const at::Tensor m4 = as_4d_mask(mask);
   if (d.heads == MaskHeads::kShared) {
-    return d.rows == MaskRows::kSharded ? all_gather_sequence(m4, 2, plan.seq, group) : m4;
+    // The agreement above covered the mask's shape and dtype on every rank.
+    return d.rows == MaskRows::kSharded ? gather_agreed(m4, 2, plan.seq, group) : m4;
   }
   if (d.rows != MaskRows::kSharded) {
     const Range r = plan.heads.q_range(me);

@@ -28,7 +28,7 @@ TEST(Group, AllGatherAndAllReduce) {
 
 TEST(Group, AgreeReturnsEveryRanksMetadata) {
   expect_ranks_succeed(3, [](Group& g) {
-    auto meta = g.agree([&] { return std::vector<int64_t>{g.rank(), 10 * g.rank()}; }, 2);
+    auto meta = g.agree([&] { return std::vector<int64_t>{g.rank(), 10 * g.rank()}; });
     ASSERT_EQ(meta.size(), 3u);
     for (int r = 0; r < 3; ++r) EXPECT_EQ(meta[r], (std::vector<int64_t>{r, 10 * r}));
   });
@@ -48,6 +48,14 @@ TEST(Group, AgreeRaisesTheSameErrorOfTheSameTypeOnEveryRank) {
     }
   });
   expect_ranks_fail_alike(errors, "check: rank 2 is bad [raised on rank 2 of 4]");
+}
+
+TEST(Group, AgreeWithDifferentAmountsOfMetadataFailsAlikeOnEveryRank) {
+  // Gloo aborts the process on an all-gather of mismatched sizes: the agreement round must
+  // never post one, whatever each rank's metadata.
+  auto errors = run_ranks(
+      3, [](Group& g) { g.agree([&] { return std::vector<int64_t>(1 + g.rank(), 7); }); });
+  expect_ranks_fail_alike(errors, "agree: ranks disagree on the amount of metadata");
 }
 
 TEST(Group, MeshSpGroupsAreConsecutiveRanks) {

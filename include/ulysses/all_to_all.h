@@ -47,13 +47,23 @@ struct AllToAllPlan {
   int64_t total(Heads h) const { return h == Heads::kQuery ? heads.q_heads() : heads.kv_heads(); }
 };
 
-// Checks `tensors` on every rank and agrees on the plan in one small collective: each must be
-// 4-D in `layout` with all Hq (or Hkv) heads, and every rank must agree on head counts, batch,
-// head dims and dtype. Local sequence lengths are gathered (or checked against `seq` when
-// given). Any violation raises the same error on every rank before data moves.
+// A value of a call that every rank must hold alike (whether a mask is given, its dtype, the
+// causal flag...), named for the error message.
+struct Agreed {
+  std::string name;
+  int64_t value = 0;
+};
+
+// Checks `tensors` on every rank and agrees on the plan in one small collective: each must be a
+// floating-point 4-D tensor in `layout` with all Hq (or Hkv) heads, on one device, and every
+// rank must agree on head counts, layout, batch, head dims, dtypes, device types, the given
+// `seq` (if any) and every value in `same`. Local sequence lengths are gathered (or checked
+// against `seq` when given). Any violation raises the same error on every rank before data
+// moves.
 AllToAllPlan agree_plan(const Group& group, const HeadPartition& heads, Layout layout,
                         const std::vector<TensorSpec>& tensors,
-                        const c10::optional<SequencePartition>& seq = c10::nullopt);
+                        const c10::optional<SequencePartition>& seq = c10::nullopt,
+                        const std::vector<Agreed>& same = {});
 
 // [S_r, all heads] -> [S, this rank's heads] (in `plan.layout`). Differentiable.
 at::Tensor scatter_heads(const at::Tensor& x, Heads heads, const AllToAllPlan& plan,

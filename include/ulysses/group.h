@@ -32,6 +32,9 @@ struct GroupOptions {
   int64_t buffer_cache_bytes = int64_t{1} << 30;
 };
 
+// Most metadata values one rank contributes to Group::agree.
+constexpr int64_t kAgreeMetaLimit = 96;
+
 namespace detail {
 struct GroupRuntime;
 }
@@ -77,13 +80,13 @@ class Group {
   void broadcast(at::Tensor& tensor, int root) const;
   void barrier() const;
 
-  // Fail-fast agreement. Runs `local_check` on this rank; it returns this rank's metadata (a
-  // vector of `meta_size` integers) or throws. Then the ranks exchange outcomes in one small
-  // collective: if any rank threw, every rank throws the same error (the lowest failing
-  // rank's, of the same c10 error type, naming that rank); otherwise returns every rank's
-  // metadata, in rank order.
-  std::vector<std::vector<int64_t>> agree(const std::function<std::vector<int64_t>()>& local_check,
-                                          size_t meta_size = 0) const;
+  // Fail-fast agreement. Runs `local_check` on this rank; it returns this rank's metadata (at
+  // most kAgreeMetaLimit integers) or throws. Then the ranks exchange outcomes in one small
+  // collective of a fixed size: if any rank threw, every rank throws the same error (the lowest
+  // failing rank's, of the same c10 error type, naming that rank); otherwise returns every
+  // rank's metadata, in rank order (ranks returning different amounts is itself an error).
+  std::vector<std::vector<int64_t>> agree(
+      const std::function<std::vector<int64_t>()>& local_check) const;
 
   // True when both handles share one process group (e.g. a mesh whose SP group is the world).
   bool operator==(const Group& other) const { return runtime_ == other.runtime_; }

@@ -40,6 +40,38 @@ def _local_kv_map(q_heads: int, kv_heads: int, sp: int, rank: int) -> list[int]:
     return O._plan(q_heads, kv_heads, sp)["kv_map"][rank]
 
 
+_DTYPE_CODES = {dt: i for i, dt in enumerate(
+    (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+     torch.bfloat16, torch.float32, torch.float64))}
+
+
+def _agreed_call_values(mask, positions, causal, step) -> tuple[list[str], list[int]]:
+    """Names and values of a call that every rank must hold alike."""
+    def kind(t):
+        if t is None:
+            return [0, -1, -1, 0]
+        return [1, t.dim(), _DTYPE_CODES.get(t.dtype, 99), int(t.requires_grad)]
+
+    m, p = kind(mask), kind(positions)
+    names = ["whether a mask is given", "the mask's number of dims", "the mask's dtype (code)",
+             "whether the mask requires grad", "whether position ids are given",
+             "the position ids' number of dims", "the position ids' dtype (code)",
+             "whether the position ids require grad", "causal",
+             "whether a StepContext is used"]
+    return names, m + p + [int(causal), int(step is not None)]
+
+
+def _local_problem(q, k, v, layout) -> str:
+    """What this rank alone can see is wrong before any op runs (the dispatcher itself would
+    reject tensors on several devices, or the head dims could not be read)."""
+    if not (q.dim() == k.dim() == v.dim() == 4):
+        return (f"q, k and v must be 4-D ({layout}); got {tuple(q.shape)}, {tuple(k.shape)} and "
+                f"{tuple(v.shape)}")
+    if not (q.device == k.device == v.device):
+        return f"q, k and v must be on one device; got {q.device}, {k.device} and {v.device}"
+    return ""
+
+
 class StepContext:
     """Per-forward-step cache shared by the attention layers of one model.
 
@@ -117,12 +149,12 @@ class DistributedAttention(nn.Module):
         ``seq_lens``: every rank's token count (learned with one small collective when None;
         required under torch.compile). ``step``: shares rebuilt masks across layers.
         """
+        problem = _local_problem(q, k, v, self.layout)
+        if problem:  # Raised on every rank, through the round the other ranks' ops run.
+            _C.fail_together(f"DistributedAttention: {problem}", self.group_name, self.timeout_ms)
         if self.q_heads is None or self.kv_heads is None:
             # Head counts not given are captured on this instance from the first call; the
             # ops' agreement round makes ranks that disagree fail together.
-            if q.dim() != 4 or k.dim() != 4:
-                raise ValueError(f"DistributedAttention: q and k must be 4-D ({self.layout}); "
-                                 f"got {tuple(q.shape)} and {tuple(k.shape)}")
             if self.q_heads is None:
                 self.q_heads = q.shape[self.head_dim]
             if self.kv_heads is None:
@@ -136,11 +168,11 @@ class DistributedAttention(nn.Module):
         seq_lens = [int(n) for n in seq_lens]
         args = (hq, hkv, seq_lens)
         group, t = self.group_name, self.timeout_ms
-        if q.dtype == k.dtype == v.dtype:
-            qh, kh, vh = O._ops.scatter_heads([q, k, v], ["q", "kv", "kv"], *args, self.layout, group, t)
-        else:
-            qh, kh, vh = (O._ops.scatter_heads([x], [h], *args, self.layout, group, t)[0]
-                          for x, h in ((q, "q"), (k, "kv"), (v, "kv")))
+        # Everything that decides which collectives follow is agreed in the scatter's round: a
+        # rank whose call differs fails together with the others instead of hanging them.
+        names, values = _agreed_call_values(mask, position_ids, self.causal, step)
+        qh, kh, vh = O._ops.scatter_heads([q, k, v], ["q", "kv", "kv"], *args, self.layout, group,
+                                          t, names, values)
         if mask is not None:
             build = lambda: O._ops.rebuild_mask(mask, *args, group, t)  # noqa: E731
             shared = mask.dim() < 3 or mask.shape[-3] == 1

@@ -92,7 +92,7 @@ def _a2a_shapes(xs, heads, q_heads, kv_heads, seq_lens, layout, group, to_heads:
 
 
 @torch.library.register_fake("ulysses::scatter_heads")
-def _(xs, heads, q_heads, kv_heads, seq_lens, layout, group, timeout_ms):
+def _(xs, heads, q_heads, kv_heads, seq_lens, layout, group, timeout_ms, same_names, same_values):
     return _a2a_shapes(xs, heads, q_heads, kv_heads, seq_lens, layout, group, True)
 
 
@@ -102,7 +102,9 @@ def _(ys, heads, q_heads, kv_heads, seq_lens, layout, group, timeout_ms):
 
 
 def _setup_a2a(ctx, inputs, output):
-    ctx.args = tuple(inputs[1:])
+    ctx.args = tuple(inputs[1:8])  # The plan's arguments (not scatter's values to agree on).
+    # No gradient for the other inputs; an empty list must come back as one (pytree structure).
+    ctx.no_grads = tuple([] if isinstance(a, (list, tuple)) and not a else None for a in inputs[1:])
     ctx.shapes = [(x.shape, x.dtype, x.device) for x in output]
 
 
@@ -113,11 +115,11 @@ def _defined(grads, ctx):
 
 
 def _scatter_backward(ctx, grads):
-    return (_ops.gather_heads(_defined(grads, ctx), *ctx.args),) + (None,) * 7
+    return (_ops.gather_heads(_defined(grads, ctx), *ctx.args),) + ctx.no_grads
 
 
 def _gather_backward(ctx, grads):
-    return (_ops.scatter_heads(_defined(grads, ctx), *ctx.args),) + (None,) * 7
+    return (_ops.scatter_heads(_defined(grads, ctx), *ctx.args, [], []),) + ctx.no_grads
 
 
 torch.library.register_autograd("ulysses::scatter_heads", _scatter_backward, setup_context=_setup_a2a)
@@ -126,16 +128,18 @@ torch.library.register_autograd("ulysses::gather_heads", _gather_backward, setup
 
 def scatter_heads(xs: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int, kv_heads: int,
                   seq_lens: Sequence[int], layout: str = "BSHD", group: GroupLike = None,
-                  timeout=None) -> list[torch.Tensor]:
+                  timeout=None, same: dict[str, int] | None = None) -> list[torch.Tensor]:
     """Sequence-sharded ``[B, S_r, H, D]`` tensors to head-sharded ``[B, S, H_r, D]`` (BSHD shown).
 
     ``heads[i]`` is ``"q"`` (Hq heads) or ``"kv"`` (Hkv heads) for ``xs[i]``; all tensors move in
     one all-to-all. ``seq_lens`` is every rank's token count. Every rank checks every rank's
-    inputs first (one small collective), so a mismatch raises the same error everywhere.
+    inputs first (one small collective), so a mismatch raises the same error everywhere;
+    ``same`` adds named integers every rank must hold alike to that round.
     Differentiable: the backward is ``gather_heads``.
     """
+    same = same or {}
     return _ops.scatter_heads(list(xs), list(heads), q_heads, kv_heads, list(seq_lens), layout,
-                              group_name(group), timeout_ms(timeout))
+                              group_name(group), timeout_ms(timeout), list(same), list(same.values()))
 
 
 def gather_heads(ys: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int, kv_heads: int,

@@ -44,9 +44,9 @@ def run_ranks(world: int, body: Callable[[int, str], object], timeout_s: float =
     return results
 
 
-def run_ranks_errors(world: int, body: Callable[[int, str], object]) -> list[str]:
+def run_ranks_errors(world: int, body: Callable[[int, str], object], timeout_s: float = 30.0) -> list[str]:
     """Like run_ranks, but returns each rank's error message ('' for a clean finish)."""
-    names, groups = thread_groups.make_thread_groups(world, 30.0)
+    names, groups = thread_groups.make_thread_groups(world, timeout_s)
     errors = [""] * world
 
     def run(r: int) -> None:

@@ -24,7 +24,8 @@ def collective_op_calls(rank: int, group: str, world: int) -> list:
     k = torch.randn(2, lens[rank], 2, 8, generator=g, requires_grad=True)
     y = torch.randn(2, 7, nq, 8, generator=g, requires_grad=True)
     calls = [
-        (ops.scatter_heads.default, ([q, k], ["q", "kv"], 4, 2, lens, "BSHD", group, TIMEOUT_MS)),
+        (ops.scatter_heads.default,
+         ([q, k], ["q", "kv"], 4, 2, lens, "BSHD", group, TIMEOUT_MS, ["causal"], [1])),
         (ops.gather_heads.default, ([y], ["q"], 4, 2, lens, "BSHD", group, TIMEOUT_MS)),
         (ops.all_gather_sequence.default,
          (torch.randn(3, lens[rank], 2, requires_grad=True), 1, lens, group, TIMEOUT_MS)),

@@ -1,0 +1,120 @@
+"""Invalid setups where ONE rank's call differs: every rank raises the same clear error, before
+any payload moves, and never aborts or hangs (the groups' timeout is 5 s: a hang would surface
+as a timeout error, not the expected message)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ulysses
+from conftest import run_ranks_errors
+
+S_R, B, H, D = 4, 1, 4, 8  # Each rank holds 4 tokens: S = 8 over 2 ranks.
+
+
+def qkv(**over):
+    shape = over.pop("shape", (B, S_R, H, D))
+    dtype = over.pop("dtype", torch.float32)
+    q = torch.randn(*shape).to(dtype)
+    return q, q.clone(), q.clone()
+
+
+def bool_mask():
+    return torch.ones(B, 1, S_R, 2 * S_R, dtype=torch.bool)
+
+
+def positions(n=S_R, dims=2):
+    p = torch.arange(n)
+    return p.unsqueeze(0) if dims == 2 else p
+
+
+def call(rank, group, *, bad, attn=None, q=None, mask=None, pos=None, seq_lens=None, step=None,
+         layout="BSHD", causal=False):
+    """Runs one DistributedAttention call; `bad` picks what rank 1 does differently."""
+    attn = attn or ulysses.DistributedAttention(group, layout=layout if rank == 0 else bad.get("layout", layout),
+                                                causal=causal if rank == 0 else bad.get("causal", causal),
+                                                timeout=5)
+    args = dict(mask=mask, pos=pos, seq_lens=seq_lens, step=step)
+    if rank == 1:
+        args.update({k: v for k, v in bad.items() if k in args})
+        q = bad.get("q", q)
+    q, k, v = q if q is not None else qkv()
+    if rank == 1 and "k" in bad:
+        k = bad["k"]
+    attn(q, k, v, mask=args["mask"], position_ids=args["pos"], seq_lens=args["seq_lens"],
+         step=args["step"])
+
+
+CATALOGUE = {
+    # name: (rank 1's difference, kwargs for both ranks, expected message)
+    "mask bool vs float": (dict(mask=torch.zeros(B, 1, S_R, 2 * S_R)), dict(mask=bool_mask()),
+                           "ranks disagree on the mask's dtype"),
+    "mask requires grad on one rank": (dict(mask=torch.zeros(B, 1, S_R, 2 * S_R, requires_grad=True)),
+                                       dict(mask=torch.zeros(B, 1, S_R, 2 * S_R)),
+                                       "ranks disagree on whether the mask requires grad"),
+    "mask on one rank only": (dict(mask=bool_mask()), {}, "ranks disagree on whether a mask is given"),
+    "mask 2-D vs 4-D": (dict(mask=torch.ones(S_R, 2 * S_R, dtype=torch.bool)), dict(mask=bool_mask()),
+                        "ranks disagree on the mask's number of dims"),
+    "mask key-sharded on one rank": (dict(mask=torch.ones(B, 1, S_R, S_R, dtype=torch.bool)),
+                                     dict(mask=bool_mask()), "ranks disagree on mask's shape"),
+    "mask 5-D": (dict(mask=torch.ones(1, B, 1, S_R, 2 * S_R, dtype=torch.bool)), dict(mask=bool_mask()),
+                 "ranks disagree on the mask's number of dims"),
+    "positions on one rank only": (dict(pos=positions()), {}, "ranks disagree on whether position ids are given"),
+    "positions [B,S_r] vs [S_r]": (dict(pos=positions(dims=1)), dict(pos=positions()),
+                                   "ranks disagree on the position ids' number of dims"),
+    "positions wrong length": (dict(pos=positions(S_R + 1)), dict(pos=positions()),
+                               "all_gather_sequence: dim 1 of shape [1, 5] must hold 4 tokens"),
+    "positions int32 vs int64": (dict(pos=positions().int()), dict(pos=positions()),
+                                 "ranks disagree on the position ids' dtype"),
+    "StepContext on one rank only": (dict(step=ulysses.StepContext()), {},
+                                     "ranks disagree on whether a StepContext is used"),
+    "causal on one rank only": (dict(causal=True), {}, "ranks disagree on causal"),
+    "layout SBHD vs BSHD (same shapes)": (dict(layout="SBHD", q=qkv(shape=(S_R, B, H, D))), {},
+                                          "ranks disagree on the layout: rank 0 has BSHD, rank 1 has SBHD"),
+    "seq_lens differ": (dict(seq_lens=[3, 5]), dict(seq_lens=[4, 4]),
+                        "ranks disagree on the given sequence split"),
+    "q 5-D": (dict(q=qkv(shape=(B, S_R, H, D, 1))), {}, "must be 4-D"),
+    "heads 4 vs 2": (dict(q=qkv(shape=(B, S_R, 2, D))), {}, "ranks disagree on head counts"),
+    "q heads not a multiple of kv heads": (dict(k=torch.randn(B, S_R, 3, D)), {},
+                                           "query heads (4) must be a multiple of kv heads (3)"),
+    "batch 1 vs 2": (dict(q=qkv(shape=(2, S_R, H, D))), {}, "ranks disagree on tensor 0's dim 0"),
+    "head dim 8 vs 16": (dict(q=qkv(shape=(B, S_R, H, 16))), {}, "ranks disagree on tensor 0's dim 3"),
+    "fp32 vs fp64": (dict(q=qkv(dtype=torch.float64)), {}, "ranks disagree on tensor 0's dtype"),
+    "int64 inputs": (dict(q=qkv(dtype=torch.int64)), {}, "must be floating point"),
+    "k another dtype than q": (dict(k=torch.randn(B, S_R, H, D, dtype=torch.float64)), {},
+                               "tensor 1 is Double but tensor 0 is Float"),
+    "k on another device": (dict(k=torch.randn(B, S_R, H, D, device="meta")), {},
+                            "q, k and v must be on one device; got cpu, meta and cpu"),
+    "tokens of q and k differ": (dict(k=torch.randn(B, S_R + 1, H, D)), {}, "has 5 tokens but"),
+}
+
+
+@pytest.mark.parametrize("case", list(CATALOGUE))
+def test_one_rank_differs_every_rank_fails_alike(case):
+    bad, both, message = CATALOGUE[case]
+    errors = run_ranks_errors(2, lambda rank, group: call(rank, group, bad=bad, **both), timeout_s=5)
+    assert errors[0] != "" and errors[0] == errors[1], errors
+    assert message in errors[0], errors[0]
+    assert "timed out" not in errors[0] and "Timeout" not in errors[0]
+
+
+@pytest.mark.parametrize("shape,message", [
+    ((0, S_R, H, D), "every dim but the sequence dim 1 must be >= 1"),
+    ((B, S_R, H, 0), "every dim but the sequence dim 1 must be >= 1"),
+])
+def test_degenerate_sizes_are_errors(shape, message):
+    errors = run_ranks_errors(2, lambda rank, group: call(rank, group, bad={}, q=qkv(shape=shape)),
+                              timeout_s=5)
+    assert errors[0] == errors[1] and message in errors[0], errors
+
+
+def test_nan_propagates_through_the_fused_kernel():
+    q = torch.randn(1, 2, 6, 8, requires_grad=True)
+    k, v = torch.randn(1, 1, 6, 8, requires_grad=True), torch.randn(1, 1, 6, 8, requires_grad=True)
+    with torch.no_grad():
+        q[0, 0, 2, 3] = float("nan")
+    out = ulysses.flash_attention(q, k, v, [0, 0])
+    assert out[0, 0, 2].isnan().all() and not out[0, 1].isnan().any()
+    out.sum().backward()
+    assert q.grad[0, 0, 2].isnan().any() and k.grad.isnan().any()  # as the math reference
