@@ -18,9 +18,9 @@ import ulysses  # noqa: E402,F401  (registers torch.ops.ulysses)
 torch.set_num_threads(1)  # The ranks share the machine's cores.
 
 
-def run_ranks(world: int, body: Callable[[int, str], object], timeout_s: float = 30.0) -> list:
-    """Runs ``body(rank, group_name)`` on ``world`` thread ranks; returns results, raises the
-    first rank's error (with its rank) if any rank failed."""
+def _run_threads(world: int, body: Callable[[int, str], object], timeout_s: float):
+    """Runs ``body(rank, group_name)`` on ``world`` thread ranks with real Gloo groups; returns
+    each rank's result and exception (None where it finished cleanly)."""
     names, groups = thread_groups.make_thread_groups(world, timeout_s)
     results: list = [None] * world
     errors: list = [None] * world
@@ -28,7 +28,7 @@ def run_ranks(world: int, body: Callable[[int, str], object], timeout_s: float =
     def run(r: int) -> None:
         try:
             results[r] = body(r, names[r])
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:  # noqa: BLE001 - reported by the callers
             errors[r] = e
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
@@ -38,6 +38,13 @@ def run_ranks(world: int, body: Callable[[int, str], object], timeout_s: float =
         t.join()
     thread_groups.release(names)
     del groups
+    return results, errors
+
+
+def run_ranks(world: int, body: Callable[[int, str], object], timeout_s: float = 30.0) -> list:
+    """Runs ``body(rank, group_name)`` on ``world`` thread ranks; returns results, raises the
+    first rank's error (with its rank) if any rank failed."""
+    results, errors = _run_threads(world, body, timeout_s)
     for r, e in enumerate(errors):
         if e is not None:
             raise AssertionError(f"rank {r} of {world} failed: {e!r}") from e
@@ -46,23 +53,8 @@ def run_ranks(world: int, body: Callable[[int, str], object], timeout_s: float =
 
 def run_ranks_errors(world: int, body: Callable[[int, str], object], timeout_s: float = 30.0) -> list[str]:
     """Like run_ranks, but returns each rank's error message ('' for a clean finish)."""
-    names, groups = thread_groups.make_thread_groups(world, timeout_s)
-    errors = [""] * world
-
-    def run(r: int) -> None:
-        try:
-            body(r, names[r])
-        except Exception as e:  # noqa: BLE001
-            errors[r] = f"{type(e).__name__}: {e}"
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    thread_groups.release(names)
-    del groups
-    return errors
+    _, errors = _run_threads(world, body, timeout_s)
+    return ["" if e is None else f"{type(e).__name__}: {e}" for e in errors]
 
 
 def _process_rank(rank, world, store, body, args, result_dir):
