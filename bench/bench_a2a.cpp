@@ -45,12 +45,13 @@ int bench_a2a_main(const Argv& argv, const Runtime& runtime) {
   const int repeats = static_cast<int>(args.integer("--repeats", 5, 1, 100000));
   const std::string layout_name = args.str("--layout", "BSHD");
   const std::string json = args.str("--json", "");
+  const GroupOptions options = group_options(args);
   args.finish();
   const int code = relaunch_as_ranks(nproc, runtime.self, {"bench", "a2a"}, argv);
   if (code >= 0) return code;
 
   at::set_num_threads(1);
-  Group g = runtime.join_world(GroupOptions{});
+  Group g = runtime.join_world(options);
   const int P = g.size();
   const bool lead = g.rank() == 0;
   const Layout layout = parse_layout(layout_name);

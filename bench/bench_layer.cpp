@@ -20,11 +20,12 @@ int bench_layer_main(const Argv& argv, const Runtime& runtime) {
                 D = args.integer("--head-dim", 64, 1);
   const int repeats = static_cast<int>(args.integer("--repeats", 3, 1, 100000));
   const std::string json = args.str("--json", "");
+  const GroupOptions group_opts = group_options(args);
   args.finish();
   const int code = relaunch_as_ranks(nproc, runtime.self, {"bench", "layer"}, argv);
   if (code >= 0) return code;
 
-  Group g = runtime.join_world(GroupOptions{});
+  Group g = runtime.join_world(group_opts);
   const int P = g.size();
   // Ranks share the machine's cores.
   at::set_num_threads(std::max<int>(1, static_cast<int>(std::thread::hardware_concurrency()) / P));

@@ -23,11 +23,13 @@ const Usage kUsages[] = {
      "        [--dim 128] [--layers 2] [--q-heads 8] [--kv-heads 2] [--ffn-dim 0] [--lr 5e-3]\n"
      "        [--warmup 50] [--lr-decay-steps STEPS] [--weight-decay 0.01] [--clip 1.0]\n"
      "        [--pairs 16] [--shuffle] [--data FILE] [--eval-every 100] [--eval-sequences 64]\n"
-     "        [--log-every 25] [--seed 0] [--check] [--save DIR] [--resume DIR]",
+     "        [--log-every 25] [--seed 0] [--check] [--save DIR] [--resume DIR] [--timeout 120]",
      "sequence-parallel training of a GQA transformer on local ranks (or under torchrun)"},
     {"plan", "--q-heads N [--kv-heads N] --sp P [--seq-len S] [--json]",
      "print the head (and sequence) partition of every rank"},
-    {"demo", "[--nproc 4] [--q-heads 8] [--kv-heads 2] [--seq-len 1024] [--head-dim 64]",
+    {"demo",
+     "[--nproc 4] [--q-heads 8] [--kv-heads 2] [--seq-len 1024] [--head-dim 64]\n"
+     "        [--timeout 120]",
      "checked all-to-all round trip of a GQA layout on local ranks"},
     {"bench attention",
      "[--seq-lens 1024,4096] [--batch 1] [--q-heads 8] [--kv-heads 2] [--head-dim 64]\n"
@@ -37,11 +39,11 @@ const Usage kUsages[] = {
      "fused local attention kernel vs the math reference (time, GFLOP/s, peak memory)"},
     {"bench a2a",
      "[--nproc 2] [--seq-lens 2048,16384] [--head-dim 64] [--layout BSHD|SBHD|BHSD]\n"
-     "        [--repeats 5] [--json FILE]",
+     "        [--repeats 5] [--json FILE] [--timeout 120]",
      "all-to-all around attention: ours vs a bare collective vs the reference chain"},
     {"bench layer",
      "[--nproc 2] [--seq-lens 2048,4096,8192] [--q-heads 8] [--kv-heads 2] [--head-dim 64]\n"
-     "        [--repeats 3] [--json FILE]",
+     "        [--repeats 3] [--json FILE] [--timeout 120]",
      "DistributedAttention forward+backward per rank: time and peak memory"},
     {"bench gemm", "[--shapes M,N,K,...] [--threads 1] [--repeats 20]",
      "the kernel's GEMM (sgemm_ inside libtorch_cpu) vs torch.matmul on the same shapes"},
@@ -53,7 +55,7 @@ const Usage kUsages[] = {
 void print_usage(std::ostream& os, const std::string& prefix) {
   if (prefix.empty()) {
     os << "usage: ulysses <command> [options]    (ulysses <command> --help, ulysses --version)\n\n"
-          "commands:\n";
+          "commands (--timeout SECONDS bounds every collective of those that communicate):\n";
   }
   for (const Usage& u : kUsages) {
     if (std::string(u.name).rfind(prefix, 0) != 0) continue;
@@ -71,6 +73,12 @@ bool asks_for_help(const Argv& args) {
 }
 
 }  // namespace
+
+GroupOptions group_options(Args& args) {
+  GroupOptions options;
+  options.timeout = std::chrono::seconds(args.integer("--timeout", 120, 1, 86400));
+  return options;
+}
 
 int run_cli(const Argv& argv, const Runtime& runtime) {
   if (argv.empty() || argv[0] == "--help" || argv[0] == "-h") {

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "args.h"
 #include "ulysses/group.h"
 
 namespace ulysses::cli {
@@ -26,6 +27,10 @@ struct Runtime {
   // Creates this rank's sub-group of the world (see Mesh::Split).
   Mesh::Split split;
 };
+
+// The process-group options of a subcommand that communicates: --timeout SECONDS (default 120,
+// in [1, 86400]) bounds every collective, so a dead or frozen peer is an error, not a hang.
+GroupOptions group_options(Args& args);
 
 // Runs `ulysses <argv...>` and returns the process exit code.
 int run_cli(const Argv& argv, const Runtime& runtime);

@@ -17,12 +17,13 @@ int demo_main(const Argv& argv, const Runtime& runtime) {
   const int64_t hkv = args.integer("--kv-heads", 2, 1);
   const int64_t S = args.integer("--seq-len", 1024, 1);
   const int64_t D = args.integer("--head-dim", 64, 1);
+  const GroupOptions options = group_options(args);
   args.finish();
   const int code = relaunch_as_ranks(nproc, runtime.self, {"demo"}, argv);
   if (code >= 0) return code;
 
   at::set_num_threads(1);
-  Group group = runtime.join_world(GroupOptions{});
+  Group group = runtime.join_world(options);
   const int P = group.size(), me = group.rank();
   const auto heads = HeadPartition::make(hq, hkv, P);
   const auto seq = SequencePartition::even(S, P);

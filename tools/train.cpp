@@ -38,6 +38,7 @@ struct TrainOptions {
   bool check = false;
   bool shuffle = false;
   ModelConfig model;
+  GroupOptions group;  // --timeout.
 };
 
 std::string mb(int64_t bytes) {
@@ -282,6 +283,7 @@ TrainOptions parse(const Argv& argv) {
   o.model.q_heads = args.integer("--q-heads", 8, 1);
   o.model.kv_heads = args.integer("--kv-heads", 2, 1);
   o.model.ffn_dim = args.integer("--ffn-dim", 0, 0);
+  o.group = group_options(args);
   args.finish();
   return o;
 }
@@ -297,7 +299,7 @@ int train_main(const Argv& argv, const Runtime& runtime) {
   const int local_ranks = std::max(
       1, std::atoi(std::getenv("LOCAL_WORLD_SIZE") ? std::getenv("LOCAL_WORLD_SIZE") : "1"));
   at::set_num_threads(std::max<int>(1, std::thread::hardware_concurrency() / local_ranks));
-  Group world = runtime.join_world(GroupOptions{});
+  Group world = runtime.join_world(o.group);
   // The mesh from what the user gave: both sizes, one (the other derived), or neither (SP only).
   const int W = world.size();
   if (o.sp > 0 && o.dp > 0) {

@@ -55,7 +55,7 @@ def test_launch_stops_the_others_on_failure():
 
 
 @pytest.mark.parametrize("args", [
-    ["--nproc", "2", "--seq-len", "63", "--pairs", "4"],
+    ["--nproc", "2", "--seq-len", "63", "--pairs", "4", "--timeout", "30"],
     ["--nproc", "4", "--sp", "2", "--dp", "2", "--seq-len", "33", "--pairs", "4"],
 ])
 def test_train_check_matches_single_rank(args):
@@ -156,7 +156,7 @@ def test_version_and_help_per_command():
         assert r.returncode == 0 and r.stdout.startswith("usage: ulysses " + " ".join(command)), r
     full = run(ULYSSES, "--help").stdout
     for option in ("--ffn-dim", "--weight-decay", "--eval-sequences", "--addr", "bench a2a",
-                   "bench layer", "--log-every"):
+                   "bench layer", "--log-every", "--timeout"):
         assert option in full
 
 
@@ -172,6 +172,8 @@ def test_version_and_help_per_command():
     (["train", "--steps", "ten"], "option --steps must be an integer; got 'ten'"),
     (["launch", "--", "true"], "-n N (the number of ranks) is required"),
     (["bench"], "say what to measure: attention, a2a, layer or gemm"),
+    (["train", "--timeout", "0"], "option --timeout must be in [1, 86400]; got 0"),
+    (["bench", "layer", "--timeout", "-1"], "option --timeout must be in [1, 86400]; got -1"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(args, message):
     r = run(ULYSSES, *args)
