@@ -126,7 +126,11 @@ PYBIND11_MODULE(_C, m) {
         options.timeout = std::chrono::milliseconds(timeout_ms);
         const Group g = Group::resolve(group, options);
         py::gil_scoped_release release;
-        g.agree([&]() -> std::vector<int64_t> { TORCH_CHECK_VALUE(false, message); });
+        try {
+          TORCH_CHECK_VALUE(false, message);
+        } catch (const c10::Error&) {
+          g.fail_together(std::current_exception());
+        }
       },
       py::arg("message"), py::arg("group"), py::arg("timeout_ms"),
       "Raises `message` on every rank of `group` through the agreement round that the other "

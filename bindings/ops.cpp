@@ -45,17 +45,14 @@ AllToAllPlan plan_of(int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_len
                       SequencePartition::from_lengths(seq_lens.vec()), parse_layout(layout)};
 }
 
-// Runs `prepare` (argument parsing that can fail on one rank only); a failure joins the
-// agreement round the other ranks' ops run next (every round has one shape), so all ranks raise
-// it alike instead of the others hanging in a collective this rank never posts.
+// Runs `prepare` (argument parsing that can fail on one rank only); a failure is raised on
+// every rank through Group::fail_together.
 template <typename Fn>
 auto fail_together_on_error(const Group& group, Fn&& prepare) {
   try {
     return prepare();
   } catch (const std::exception&) {
-    const std::exception_ptr error = std::current_exception();
-    group.agree([&]() -> std::vector<int64_t> { std::rethrow_exception(error); });
-    throw;  // Unreachable: agree rethrows the agreed error.
+    group.fail_together(std::current_exception());
   }
 }
 
@@ -99,6 +96,8 @@ std::vector<at::Tensor> scatter_heads_op(at::TensorList xs, c10::ArrayRef<std::s
   std::vector<Heads> kinds;
   std::vector<TensorSpec> specs;
   std::vector<Agreed> same;
+  Layout parsed_layout = Layout::kBSHD;
+  c10::optional<SequencePartition> seq;
   const HeadPartition partition = fail_together_on_error(group, [&] {
     kinds = parse_heads(heads);
     TORCH_CHECK_VALUE(kinds.size() == xs.size(), "scatter_heads: ", xs.size(), " tensors but ",
@@ -108,13 +107,12 @@ std::vector<at::Tensor> scatter_heads_op(at::TensorList xs, c10::ArrayRef<std::s
     TORCH_CHECK_VALUE(same_names.size() == same_values.size(), "scatter_heads: ", same_names.size(),
                       " names but ", same_values.size(), " values to agree on");
     for (size_t i = 0; i < same_names.size(); ++i) same.push_back({same_names[i], same_values[i]});
-    parse_layout(layout);
-    SequencePartition::from_lengths(seq_lens.vec());
+    parsed_layout = parse_layout(layout);
+    seq = SequencePartition::from_lengths(seq_lens.vec());
     return HeadPartition::make(q_heads, kv_heads, group.size());
   });
   // Checks every rank's tensors and the given split in one small collective before data moves.
-  const AllToAllPlan plan = agree_plan(group, partition, parse_layout(layout), specs,
-                                       SequencePartition::from_lengths(seq_lens.vec()), same);
+  const AllToAllPlan plan = agree_plan(group, partition, parsed_layout, specs, seq, same);
   at::NoGradGuard no_grad;
   return fresh(scatter_heads(xs.vec(), kinds, plan, group), xs);
 }

@@ -322,6 +322,11 @@ std::vector<std::vector<int64_t>> Group::agree(
   throw_kind(acc[failing][0], msg.str());
 }
 
+void Group::fail_together(const std::exception_ptr& error) const {
+  agree([&]() -> std::vector<int64_t> { std::rethrow_exception(error); });
+  TORCH_INTERNAL_ASSERT(false, "Group::agree returned although this rank failed");
+}
+
 std::vector<std::vector<int>> Mesh::sp_partition(int world_size, int sp_size) {
   std::vector<std::vector<int>> groups(world_size / sp_size);
   for (int w = 0; w < world_size; ++w) groups[w / sp_size].push_back(w);

@@ -16,6 +16,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <string>
@@ -87,6 +88,11 @@ class Group {
   // rank's metadata, in rank order (ranks returning different amounts is itself an error).
   std::vector<std::vector<int64_t>> agree(
       const std::function<std::vector<int64_t>()>& local_check) const;
+
+  // Raises `error` on every rank through the agreement round that the other ranks run next
+  // (every round has one shape, whatever each rank's check): a mistake only this rank can see
+  // fails all ranks alike instead of hanging them in a collective this rank never posts.
+  [[noreturn]] void fail_together(const std::exception_ptr& error) const;
 
   // True when both handles share one process group (e.g. a mesh whose SP group is the world).
   bool operator==(const Group& other) const { return runtime_ == other.runtime_; }
