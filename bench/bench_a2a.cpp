@@ -14,22 +14,6 @@
 namespace ulysses::cli {
 namespace {
 
-// Times `fn` on every rank after a barrier; each sample is the slowest rank's time.
-bench::Stats time_collective(const Group& g, const std::function<void()>& fn, int repeats) {
-  std::vector<double> samples;
-  fn();  // Warm-up.
-  for (int i = 0; i < repeats; ++i) {
-    g.barrier();
-    auto one = bench::time_ms(fn, 0, 1).median;
-    at::Tensor all = g.all_gather(at::tensor({one}, at::kDouble));
-    samples.push_back(all.max().item<double>());
-  }
-  std::sort(samples.begin(), samples.end());
-  const size_t n = samples.size();
-  return {n % 2 ? samples[n / 2] : 0.5 * (samples[n / 2 - 1] + samples[n / 2]), samples.front(),
-          samples.back()};
-}
-
 struct HeadCase {
   const char* kind;
   int64_t hq, hkv;
@@ -114,15 +98,15 @@ int bench_a2a_main(const Argv& argv, const Runtime& runtime) {
       r.add("seq_len", S).add("batch", 1).add("q_heads", hc.hq).add("kv_heads", hc.hkv);
       r.add("head_dim", D).add("sp", P).add("layout", layout_name).add("dtype", "float32");
       r.add("heads", hc.kind).add("elements_per_rank", q.numel());
-      const auto t_ours = time_collective(g, ours, repeats);
-      const auto t_raw = time_collective(g, raw, repeats);
+      const auto t_ours = bench::time_slowest_rank(g, ours, 1, repeats);
+      const auto t_raw = bench::time_slowest_rank(g, raw, 1, repeats);
       r.add("ours", t_ours).add("raw", t_raw);
       r.add("ours_over_raw", t_ours.median / t_raw.median);
       if (reference_applies && (hc.hkv % P == 0 || hc.hkv == hc.hq)) {
         // The reference's output must equal ours (checked once), or the timing means nothing.
         const bool same = bench::reference_scatter_heads(q, g).equal(o) &&
                           bench::reference_gather_heads(o, hc.hq, g).equal(q);
-        const auto t_ref = time_collective(g, reference, repeats);
+        const auto t_ref = bench::time_slowest_rank(g, reference, 1, repeats);
         r.add("reference", t_ref);
         r.add("reference_over_ours", t_ref.median / t_ours.median);
         r.add("reference_matches", same);
@@ -136,8 +120,8 @@ int bench_a2a_main(const Argv& argv, const Runtime& runtime) {
         scatter_heads(k, Heads::kKeyValue, plan, g);
         scatter_heads(v, Heads::kKeyValue, plan, g);
       };
-      const auto t_fused = time_collective(g, fused, repeats);
-      const auto t_sep = time_collective(g, separate, repeats);
+      const auto t_fused = bench::time_slowest_rank(g, fused, 1, repeats);
+      const auto t_sep = bench::time_slowest_rank(g, separate, 1, repeats);
       r.add("fused", t_fused).add("separate", t_sep);
       r.add("separate_over_fused", t_sep.median / t_fused.median);
       records.push_back(r);

@@ -43,8 +43,9 @@ double matmul_gflops(int64_t n) {
 int bench_attention_main(const Argv& argv, const Runtime& runtime) {
   Args args(argv, {"--memory", "--no-math"});
   const auto seq_lens = args.integers("--seq-lens", "1024,4096", 1);
-  const int64_t B = args.integer("--batch", 1, 1), Hq = args.integer("--q-heads", 8, 1),
-                Hkv = args.integer("--kv-heads", 2, 1), D = args.integer("--head-dim", 64, 1);
+  const int64_t B = args.integer("--batch", 1, 1), Hq = args.integer("--q-heads", 8, 1, kMaxHeads),
+                Hkv = args.integer("--kv-heads", 2, 1, kMaxHeads),
+                D = args.integer("--head-dim", 64, 1);
   const std::string dtype_name = args.str("--dtype", "float32");
   const std::string causal_arg = args.str("--causal", "both");
   const int threads = static_cast<int>(args.integer("--threads", 2, 1, 1024));

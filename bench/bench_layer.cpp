@@ -16,7 +16,8 @@ int bench_layer_main(const Argv& argv, const Runtime& runtime) {
   Args args(argv, {});
   const int nproc = static_cast<int>(args.integer("--nproc", 2, 1, kMaxRanks));
   const auto seq_lens = args.integers("--seq-lens", "2048,4096,8192", 1);
-  const int64_t Hq = args.integer("--q-heads", 8, 1), Hkv = args.integer("--kv-heads", 2, 1),
+  const int64_t Hq = args.integer("--q-heads", 8, 1, kMaxHeads),
+                Hkv = args.integer("--kv-heads", 2, 1, kMaxHeads),
                 D = args.integer("--head-dim", 64, 1);
   const int repeats = static_cast<int>(args.integer("--repeats", 3, 1, 100000));
   const std::string json = args.str("--json", "");
@@ -48,19 +49,12 @@ int bench_layer_main(const Argv& argv, const Runtime& runtime) {
     };
     g.barrier();
     const int64_t peak = bench::peak_extra_bytes(prepare, step);
-    std::vector<double> samples;
-    for (int i = 0; i < repeats; ++i) {
-      g.barrier();
-      const double one = bench::time_ms(step, 0, 1).median;
-      samples.push_back(g.all_gather(at::tensor({one}, at::kDouble)).max().item<double>());
-    }
-    std::sort(samples.begin(), samples.end());
+    const bench::Stats layer = bench::time_slowest_rank(g, step, 0, repeats);
     at::Tensor peaks = g.all_gather(at::tensor({peak}, at::kLong));
     bench::Record r;
     r.add("seq_len", S).add("batch", 1).add("q_heads", Hq).add("kv_heads", Hkv);
     r.add("head_dim", D).add("sp", P).add("layout", "BSHD").add("dtype", "float32");
-    r.add("causal", true)
-        .add("layer", bench::Stats{samples[samples.size() / 2], samples.front(), samples.back()});
+    r.add("causal", true).add("layer", layer);
     r.add("peak_bytes", peaks.max().item<int64_t>());
     records.push_back(r);
     if (g.rank() == 0)

@@ -20,6 +20,14 @@ extern "C" void sgemm_(const char*, const char*, const int*, const int*, const i
 
 namespace ulysses::bench {
 
+Stats stats_of(std::vector<double> samples) {
+  if (samples.empty()) return {};
+  std::sort(samples.begin(), samples.end());
+  const size_t n = samples.size();
+  const double median = n % 2 ? samples[n / 2] : 0.5 * (samples[n / 2 - 1] + samples[n / 2]);
+  return {median, samples.front(), samples.back()};
+}
+
 Stats time_ms(const std::function<void()>& fn, int warmup, int repeats) {
   for (int i = 0; i < warmup; ++i) fn();
   std::vector<double> ms;
@@ -29,10 +37,19 @@ Stats time_ms(const std::function<void()>& fn, int warmup, int repeats) {
     ms.push_back(
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
-  std::sort(ms.begin(), ms.end());
-  const size_t n = ms.size();
-  const double median = n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
-  return {median, ms.front(), ms.back()};
+  return stats_of(std::move(ms));
+}
+
+Stats time_slowest_rank(const Group& group, const std::function<void()>& fn, int warmup,
+                        int repeats) {
+  for (int i = 0; i < warmup; ++i) fn();
+  std::vector<double> samples;
+  for (int i = 0; i < std::max(1, repeats); ++i) {
+    group.barrier();
+    const double one = time_ms(fn, 0, 1).median;
+    samples.push_back(group.all_gather(at::tensor({one}, at::kDouble)).max().item<double>());
+  }
+  return stats_of(std::move(samples));
 }
 
 int64_t peak_extra_bytes(const std::function<void()>& prepare, const std::function<void()>& run) {

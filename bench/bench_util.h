@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include "ulysses/group.h"
+
 namespace ulysses::bench {
 
 // Wall-clock milliseconds over repeated runs after warm-up.
@@ -15,8 +17,17 @@ struct Stats {
   double median = 0, min = 0, max = 0;
 };
 
+// Median, min and max of `samples` (all zero when empty).
+Stats stats_of(std::vector<double> samples);
+
 // Runs `fn` `warmup` times, then `repeats` times, timing each of the latter.
 Stats time_ms(const std::function<void()>& fn, int warmup, int repeats);
+
+// Like time_ms for a step every rank of `group` runs: each repeat starts after a barrier, and
+// its sample is the slowest rank's time (a collective step is as slow as its slowest rank).
+// Every rank returns the same statistics.
+Stats time_slowest_rank(const Group& group, const std::function<void()>& fn, int warmup,
+                        int repeats);
 
 // Peak resident memory that `run` adds on top of what `prepare` left, in this process: VmHWM
 // after `run` minus VmRSS after `prepare`, with the high-water mark reset in between. Run it in

@@ -3,22 +3,13 @@
 # and the few Debian packages the C++ build uses. Idempotent; works on Debian 12 and 13.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/debian.sh
 packages=(g++ cmake ninja-build libgtest-dev libgmock-dev)
-missing=()
-for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
 # A Debian python3 (rather than one that ships them) needs its venv module and headers packaged.
-python3 -c "import ensurepip, venv" 2>/dev/null || missing+=(python3-venv)
+python3 -c "import ensurepip, venv" 2>/dev/null || packages+=(python3-venv)
 python3 -c "import os, sysconfig; assert os.path.exists(sysconfig.get_paths()['include'] + '/Python.h')" \
-  2>/dev/null || missing+=(python3-dev)
-if ((${#missing[@]})); then
-  echo "setup: installing Debian packages: ${missing[*]}"
-  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
-  export DEBIAN_FRONTEND=noninteractive
-  $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
-fi
+  2>/dev/null || packages+=(python3-dev)
+ensure_debian_packages "${packages[@]}"
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   python3 -m venv .venv

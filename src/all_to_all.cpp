@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "detail/autograd.h"
+#include "detail/wire.h"
 
 namespace ulysses {
 namespace {
@@ -31,12 +32,6 @@ bool leading_dims_trivial(at::IntArrayRef sizes, int64_t dim) {
   for (int64_t i = 0; i < dim; ++i)
     if (sizes[i] != 1) return false;
   return true;
-}
-
-// All-to-all only moves bytes: bf16 travels as fp16, which Gloo knows (it has no bf16).
-at::Tensor wire(const at::Tensor& flat) {
-  if (flat.scalar_type() == at::kBFloat16) return flat.view(at::kHalf);
-  return flat;
 }
 
 bool overlapping(const std::vector<Range>& ranges) {
@@ -82,7 +77,7 @@ std::vector<at::Tensor> seq_to_heads(const std::vector<at::Tensor>& xs,
   // One tensor whose per-source blocks are contiguous: receive straight into the output.
   const bool direct = xs.size() == 1 && leading_dims_trivial(outs[0].sizes(), sdim);
   at::Tensor recv = direct ? outs[0].view({-1}) : group.new_buffer({recv_total}, xs[0].options());
-  at::Tensor send_w = wire(send), recv_w = wire(recv);
+  at::Tensor send_w = detail::wire_view(send), recv_w = detail::wire_view(recv);
   group.all_to_all(recv_w, send_w, recv_splits, send_splits);
   if (direct) return outs;
   off = 0;
@@ -141,7 +136,7 @@ std::vector<at::Tensor> heads_to_seq(const std::vector<at::Tensor>& ys,
     }
   }
   at::Tensor recv = group.new_buffer({recv_total}, ys[0].options());
-  at::Tensor send_w = wire(send), recv_w = wire(recv);
+  at::Tensor send_w = detail::wire_view(send), recv_w = detail::wire_view(recv);
   group.all_to_all(recv_w, send_w, recv_splits, send_splits);
   int64_t off = 0;
   for (int j = 0; j < P; ++j) {
@@ -190,6 +185,18 @@ void check_against_plan(const char* op, const std::vector<at::Tensor>& xs,
   }
 }
 
+// A non-negative 63-bit FNV-1a hash of `values`: ranks compare a given split through it.
+int64_t fingerprint(const std::vector<int64_t>& values) {
+  uint64_t h = 14695981039346656037ull;
+  for (int64_t v : values) {
+    for (int byte = 0; byte < 8; ++byte) {
+      h ^= (static_cast<uint64_t>(v) >> (8 * byte)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  }
+  return static_cast<int64_t>(h >> 1);
+}
+
 }  // namespace
 
 AllToAllPlan agree_plan(const Group& group, const HeadPartition& heads, Layout layout,
@@ -210,7 +217,7 @@ AllToAllPlan agree_plan(const Group& group, const HeadPartition& heads, Layout l
                               heads.kv_heads(),
                               P,
                               static_cast<int64_t>(layout),
-                              seq ? static_cast<int64_t>(c10::get_hash(seq->lengths()) >> 1) : -1,
+                              seq ? fingerprint(seq->lengths()) : -1,
                               static_cast<int64_t>(same.size())};
     for (const Agreed& a : same) meta.push_back(a.value);
     const at::Tensor& first = tensors[0].tensor;

@@ -12,6 +12,12 @@ at::Tensor document_ids(const at::Tensor& positions) {
   return positions.eq(0).to(at::kLong).cumsum(-1) - 1;
 }
 
+at::Tensor document_mask(const at::Tensor& positions) {
+  at::Tensor doc = document_ids(positions);
+  if (doc.dim() == 1) doc = doc.unsqueeze(0);
+  return doc.unsqueeze(-1).eq(doc.unsqueeze(-2)).unsqueeze(1);
+}
+
 at::Tensor math_attention(const LocalAttentionArgs& a) {
   TORCH_CHECK_VALUE(a.q.dim() == 4 && a.k.dim() == 4 && a.v.dim() == 4,
                     "math_attention: q, k, v must be 4-D BHSD; got ", a.q.sizes(), ", ",
@@ -35,11 +41,7 @@ at::Tensor math_attention(const LocalAttentionArgs& a) {
     }
   }
   if (a.causal) allowed = allowed.logical_and(at::ones({Sq, Sk}, allowed.options()).tril());
-  if (a.positions) {
-    at::Tensor doc = document_ids(*a.positions);
-    if (doc.dim() == 1) doc = doc.unsqueeze(0);
-    allowed = allowed.logical_and(doc.unsqueeze(-1).eq(doc.unsqueeze(-2)).unsqueeze(1));
-  }
+  if (a.positions) allowed = allowed.logical_and(document_mask(*a.positions));
   s = s.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
   // Softmax that yields 0 (not NaN) for rows with no allowed key, gradients included.
   at::Tensor row_max = std::get<0>(s.max(-1, true)).detach();

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 
+#include "ulysses/attention.h"
 #include "ulysses/flash_attention.h"
 #include "ulysses/mask.h"
 
@@ -48,11 +49,7 @@ at::Tensor sdpa_attention(const LocalAttentionArgs& a) {
   const c10::optional<double> scale =
       a.scale > 0 ? c10::optional<double>(a.scale) : c10::optional<double>();
   c10::optional<at::Tensor> mask = a.mask;
-  if (a.positions) {
-    at::Tensor doc = document_ids(*a.positions);
-    if (doc.dim() == 1) doc = doc.unsqueeze(0);
-    mask = restrict_mask(mask, doc.unsqueeze(-1).eq(doc.unsqueeze(-2)).unsqueeze(1));
-  }
+  if (a.positions) mask = restrict_mask(mask, document_mask(*a.positions));
   if (a.causal && mask) {  // SDPA takes a mask or is_causal, not both.
     at::Tensor tril = at::ones({q.size(2), k.size(2)}, q.options().dtype(at::kBool)).tril();
     return at::scaled_dot_product_attention(q, k, v, restrict_mask(mask, tril), 0.0, false, scale);
@@ -132,11 +129,12 @@ at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& 
   const HeadPartition& heads = *partition_;
   // Everything that decides which collectives follow, and their sizes, agreed in the same round
   // as the plan: a rank that differs fails together with the others instead of hanging them.
-  auto mask_kind = [](const c10::optional<at::Tensor>& t) -> std::vector<int64_t> {
-    if (!t) return {0, -1, -1, 0};
-    return {1, t->dim(), static_cast<int64_t>(t->scalar_type()), t->requires_grad() ? 1 : 0};
+  auto kind = [&](const c10::optional<at::Tensor>& t) -> std::vector<int64_t> {
+    if (!t) return {0, -1, -1, 0, 1};
+    return {1, t->dim(), static_cast<int64_t>(t->scalar_type()), t->requires_grad() ? 1 : 0,
+            t->device() == q.device() ? 1 : 0};
   };
-  const auto m = mask_kind(in.mask), p = mask_kind(in.positions);
+  const auto m = kind(in.mask), p = kind(in.positions);
   const AllToAllPlan plan = agree_plan(
       group_, heads, L,
       {{q, Heads::kQuery, "q"}, {k, Heads::kKeyValue, "k"}, {v, Heads::kKeyValue, "v"}}, in.seq,
@@ -144,9 +142,13 @@ at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& 
        {"the mask's number of dims", m[1]},
        {"the mask's dtype (as c10::ScalarType)", m[2]},
        {"whether the mask requires grad", m[3]},
+       {"whether the mask is on q's device", m[4]},
        {"whether position ids are given", p[0]},
        {"the position ids' number of dims", p[1]},
        {"the position ids' dtype (as c10::ScalarType)", p[2]},
+       {"whether the position ids are on q's device", p[4]},
+       {"whether q, k or v require grad",
+        q.requires_grad() || k.requires_grad() || v.requires_grad() ? 1 : 0},
        {"causal", options_.causal ? 1 : 0},
        {"whether a StepContext is used", in.context ? 1 : 0}});
   const std::vector<Heads> kinds{Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue};

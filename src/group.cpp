@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -67,9 +68,10 @@ struct GroupRuntime {
 // Counts one collective and the time spent in it.
 class CollectiveScope {
  public:
-  explicit CollectiveScope(GroupRuntime& s) : s_(s), t0_(std::chrono::steady_clock::now()) {
-    ++s_.collectives;
-  }
+  explicit CollectiveScope(GroupRuntime& s)
+      : s_(s), number_(++s_.collectives), t0_(std::chrono::steady_clock::now()) {}
+  // This collective's number on its process group (1 for the first), as logged by slow waits.
+  int64_t number() const { return number_; }
   ~CollectiveScope() {
     s_.collective_ns +=
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_)
@@ -78,6 +80,7 @@ class CollectiveScope {
 
  private:
   GroupRuntime& s_;
+  const int64_t number_;
   std::chrono::steady_clock::time_point t0_;
 };
 
@@ -112,17 +115,60 @@ void check_options(const GroupOptions& options) {
                     options.timeout.count(), " ms");
   TORCH_CHECK_VALUE(options.buffer_cache_bytes >= 0, "Group: buffer_cache_bytes must be >= 0; got ",
                     options.buffer_cache_bytes);
+  TORCH_CHECK_VALUE(options.log_wait_fraction >= 0 && options.log_wait_fraction <= 1,
+                    "Group: log_wait_fraction must be in [0, 1]; got ", options.log_wait_fraction);
 }
 
-// Waits for `work`, turning a backend failure into an error that says where it happened.
-void wait(const Group& g, const char* op, const c10::intrusive_ptr<c10d::Work>& work) {
+// Peers whose contribution a collective of this rank waits for: every other rank, or for an
+// all-to-all only those it exchanges a non-empty chunk with.
+std::string peer_list(const Group& g, const std::vector<int64_t>* out_splits,
+                      const std::vector<int64_t>* in_splits) {
+  std::ostringstream peers;
+  const char* sep = "";
+  for (int r = 0; r < g.size(); ++r) {
+    if (r == g.rank()) continue;
+    if (out_splits && (*out_splits)[r] == 0 && (*in_splits)[r] == 0) continue;
+    peers << sep << r;
+    sep = ", ";
+  }
+  return peers.str();
+}
+
+// Waits for `work`, turning a backend failure into an error that says where it happened. A
+// wait longer than GroupOptions::log_wait_fraction of the timeout is logged once, naming the
+// collective, its number on this group and the peers it needs: with a frozen or lagging rank
+// every other rank says what it is stuck in long before the timeout ends the job.
+void wait(const Group& g, const char* op, const c10::intrusive_ptr<c10d::Work>& work,
+          int64_t number, const std::vector<int64_t>* out_splits = nullptr,
+          const std::vector<int64_t>* in_splits = nullptr) {
+  using std::chrono::milliseconds;
+  const milliseconds timeout = g.options().timeout;
   auto fail = [&](const std::string& what) {
-    TORCH_CHECK(false, "ulysses: collective ", op, " failed on rank ", g.rank(), " of ", g.size(),
-                " (timeout ", g.options().timeout.count(),
+    TORCH_CHECK(false, "ulysses: collective ", op, " #", number, " failed on rank ", g.rank(),
+                " of ", g.size(), " (timeout ", timeout.count(),
                 " ms; a peer may have died or skipped it): ", what);
   };
+  const double fraction = g.options().log_wait_fraction;
+  milliseconds first = timeout;
+  if (fraction > 0 && fraction < 1) {
+    first =
+        std::max(milliseconds(1), milliseconds(static_cast<int64_t>(timeout.count() * fraction)));
+  }
   try {
-    work->wait(g.options().timeout);
+    try {
+      work->wait(first);
+      return;
+    } catch (const std::exception&) {
+      // Work::wait throws when its wait ends before the work completes: then only slow.
+      if (work->isCompleted() || first == timeout) throw;
+    }
+    std::fprintf(stderr,
+                 "ulysses: rank %d of %d has waited %.1f s of its %.1f s timeout in %s #%lld of "
+                 "group '%s' for ranks %s\n",
+                 g.rank(), g.size(), first.count() / 1e3, timeout.count() / 1e3, op,
+                 static_cast<long long>(number), g.name().c_str(),
+                 peer_list(g, out_splits, in_splits).c_str());
+    work->wait(timeout - first);
   } catch (const c10::Error& e) {
     fail(e.what_without_backtrace());
   } catch (const std::exception& e) {
@@ -195,7 +241,8 @@ void Group::all_to_all(at::Tensor& output, at::Tensor& input,
     return;
   }
   std::vector<int64_t> out_splits = output_splits, in_splits = input_splits;
-  wait(*this, "all_to_all", pg_->alltoall_base(output, input, out_splits, in_splits));
+  wait(*this, "all_to_all", pg_->alltoall_base(output, input, out_splits, in_splits),
+       scope.number(), &output_splits, &input_splits);
 }
 
 at::Tensor Group::all_gather(const at::Tensor& input) const {
@@ -206,7 +253,7 @@ at::Tensor Group::all_gather(const at::Tensor& input) const {
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int i = 0; i < size(); ++i) outputs[0].push_back(out[i]);
   std::vector<at::Tensor> inputs{in.view({-1})};
-  wait(*this, "all_gather", pg_->allgather(outputs, inputs));
+  wait(*this, "all_gather", pg_->allgather(outputs, inputs), scope.number());
   std::vector<int64_t> shape{size()};
   for (int64_t s : in.sizes()) shape.push_back(s);
   return out.view(shape);
@@ -216,7 +263,7 @@ void Group::all_reduce_sum(at::Tensor& tensor) const {
   detail::CollectiveScope scope(*runtime_);
   if (size() == 1) return;
   std::vector<at::Tensor> tensors{tensor};
-  wait(*this, "all_reduce", pg_->allreduce(tensors));
+  wait(*this, "all_reduce", pg_->allreduce(tensors), scope.number());
 }
 
 void Group::broadcast(at::Tensor& tensor, int root) const {
@@ -225,13 +272,13 @@ void Group::broadcast(at::Tensor& tensor, int root) const {
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  wait(*this, "broadcast", pg_->broadcast(tensors, opts));
+  wait(*this, "broadcast", pg_->broadcast(tensors, opts), scope.number());
 }
 
 void Group::barrier() const {
   detail::CollectiveScope scope(*runtime_);
   if (size() == 1) return;
-  wait(*this, "barrier", pg_->barrier());
+  wait(*this, "barrier", pg_->barrier(), scope.number());
 }
 
 namespace {

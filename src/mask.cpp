@@ -5,30 +5,10 @@
 #include <sstream>
 
 #include "detail/autograd.h"
+#include "detail/wire.h"
 
 namespace ulysses {
 namespace {
-
-std::string sizes_str(const std::array<int64_t, 4>& s) {
-  std::ostringstream os;
-  os << "[" << s[0] << ", " << s[1] << ", " << s[2] << ", " << s[3] << "]";
-  return os.str();
-}
-
-// Collectives move bytes: bool travels as uint8.
-at::Tensor wire(const at::Tensor& t) {
-  return t.scalar_type() == at::kBool ? t.view(at::kByte) : t;
-}
-
-std::array<int64_t, 4> sizes_4d(const std::vector<int64_t>& s, const std::string& name) {
-  TORCH_CHECK_VALUE(s.size() >= 2 && s.size() <= 4, "rebuild_mask: ", name,
-                    " must be 2-D [Sq, Sk], 3-D [heads, Sq, Sk] or 4-D [B, heads, Sq, Sk]; got "
-                    "shape ",
-                    c10::IntArrayRef(s));
-  std::array<int64_t, 4> out{1, 1, 1, 1};
-  std::copy(s.begin(), s.end(), out.begin() + (4 - s.size()));
-  return out;
-}
 
 at::Tensor gather_impl(const at::Tensor& x, int64_t dim, const SequencePartition& seq,
                        const Group& group) {
@@ -41,8 +21,7 @@ at::Tensor gather_impl(const at::Tensor& x, int64_t dim, const SequencePartition
   padded_shape[0] = s_max;
   at::Tensor padded = at::zeros(padded_shape, x.options());
   padded.narrow(0, 0, front.size(0)).copy_(front);
-  at::Tensor all = group.all_gather(wire(padded));  // [P, s_max, ...]
-  if (x.scalar_type() == at::kBool) all = all.view(at::kBool);
+  at::Tensor all = group.all_gather(detail::wire_view(padded)).view(x.scalar_type());
   std::vector<at::Tensor> parts;
   for (int r = 0; r < P; ++r) parts.push_back(all[r].narrow(0, 0, seq.length(r)));
   return at::cat(parts, 0).movedim(0, dim).contiguous();
@@ -52,7 +31,7 @@ at::Tensor reduce_scatter_impl(const at::Tensor& x, int64_t dim, const SequenceP
                                const Group& group) {
   const int P = group.size(), me = group.rank();
   at::Tensor front = x.movedim(dim, 0).contiguous();  // [S, rest...]: rank blocks contiguous.
-  const int64_t rest = front.numel() / std::max<int64_t>(1, front.size(0));
+  const int64_t rest = c10::multiply_integers(front.sizes().slice(1));
   std::vector<int64_t> send_splits, recv_splits;
   for (int r = 0; r < P; ++r) {
     send_splits.push_back(seq.length(r) * rest);
@@ -71,45 +50,6 @@ int64_t wrap_dim(int64_t dim, int64_t ndim) { return dim < 0 ? dim + ndim : dim;
 
 }  // namespace
 
-MaskDecision decide_mask(const std::vector<std::array<int64_t, 4>>& sizes, int64_t q_heads,
-                         const SequencePartition& seq, const std::string& name) {
-  const int64_t P = seq.sp_size(), S = seq.seq_len();
-  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(sizes.size()) == P && P > 1);
-  auto describe = [&](int64_t r) {
-    std::ostringstream os;
-    os << name << " has shape " << sizes_str(sizes[r]) << " on rank " << r << " of " << P
-       << " (S=" << S << ", S_r=" << seq.length(r) << ", Hq=" << q_heads << ")";
-    return os.str();
-  };
-  const std::string accepted =
-      "accepted: [B or 1, 1 or Hq, S_r or S or 1, S or 1] (2-D [Sq, Sk], 3-D [heads, Sq, Sk])";
-  bool sharded = true, full = true, broadcast = true;
-  for (int64_t r = 0; r < P; ++r) {
-    const auto& s = sizes[r];
-    TORCH_CHECK_VALUE(s[0] == sizes[0][0] && s[1] == sizes[0][1] && s[3] == sizes[0][3],
-                      "rebuild_mask: ranks disagree on ", name, "'s shape: ", describe(0), " but ",
-                      describe(r));
-    TORCH_CHECK_VALUE(!(s[3] == seq.length(r) && s[3] != S && s[3] != 1),
-                      "rebuild_mask: ", describe(r),
-                      ": its key dim is sharded, and a key-sharded mask cannot be rebuilt from "
-                      "local pieces; pass a mask over all S keys");
-    TORCH_CHECK_VALUE(s[3] == S || s[3] == 1, "rebuild_mask: ", describe(r),
-                      ": key dim must be S or 1; ", accepted);
-    TORCH_CHECK_VALUE(s[1] == 1 || s[1] == q_heads, "rebuild_mask: ", describe(r),
-                      ": head dim must be 1 or Hq; ", accepted);
-    sharded = sharded && s[2] == seq.length(r);
-    full = full && s[2] == S;
-    broadcast = broadcast && s[2] == 1;
-  }
-  TORCH_CHECK_VALUE(sharded || full || broadcast, "rebuild_mask: ", name,
-                    "'s query dim must be S_r on every rank, S, or 1; ", describe(0), "; ",
-                    accepted);
-  MaskDecision d;
-  d.rows = sharded ? MaskRows::kSharded : full ? MaskRows::kFull : MaskRows::kBroadcast;
-  d.heads = sizes[0][1] == 1 ? MaskHeads::kShared : MaskHeads::kPerHead;
-  return d;
-}
-
 namespace {
 
 // Checks `x` on every rank before a sequence collective along `dim` moves its bytes: the
@@ -124,8 +64,9 @@ int64_t agree_sequence_tensor(const char* op, const at::Tensor& x, int64_t dim, 
     d = wrap_dim(dim, x.dim());
     TORCH_CHECK_VALUE(x.size(d) == tokens, op, ": dim ", d, " of shape ", x.sizes(), " must hold ",
                       tokens, " tokens");
-    return std::vector<int64_t>{x.dim(), static_cast<int64_t>(x.scalar_type()), d,
-                                x.numel() / std::max<int64_t>(1, x.size(d))};
+    int64_t per_token = 1;  // From the shape: an empty shard (S_r = 0) has elements per token too.
+    for (int64_t i = 0; i < x.dim(); ++i) per_token *= i == d ? 1 : x.size(i);
+    return std::vector<int64_t>{x.dim(), static_cast<int64_t>(x.scalar_type()), d, per_token};
   });
   const char* what[] = {"number of dims", "dtype (as c10::ScalarType)", "sequence dim",
                         "elements per token"};
@@ -193,7 +134,7 @@ MaskDecision agree_mask(const std::vector<int64_t>& mask_sizes, const c10::Scala
   auto all = group.agree([&] {
     TORCH_CHECK_TYPE(dtype == at::kBool || c10::isFloatingType(dtype), "rebuild_mask: ", name,
                      " must be bool or floating point; got ", dtype);
-    const auto s = sizes_4d(mask_sizes, name);
+    const auto s = mask_sizes_4d(mask_sizes, name);
     return std::vector<int64_t>{
         s[0], s[1], s[2], s[3], static_cast<int64_t>(dtype), requires_grad ? 1 : 0};
   });
@@ -223,28 +164,11 @@ AllToAllPlan mask_plan(const AllToAllPlan& plan) {
 
 }  // namespace
 
-std::vector<int64_t> rebuilt_mask_shape(const std::vector<int64_t>& sizes,
-                                        const HeadPartition& heads, const SequencePartition& seq,
-                                        int64_t rank) {
-  auto s = sizes_4d(sizes, "mask");
-  if (seq.sp_size() == 1) return {s[0], s[1], s[2], s[3]};
-  std::vector<std::array<int64_t, 4>> all;
-  for (int64_t r = 0; r < seq.sp_size(); ++r) {
-    auto t = s;
-    if (s[2] == seq.length(rank)) t[2] = seq.length(r);  // Sharded rows on every rank.
-    all.push_back(t);
-  }
-  const MaskDecision d = decide_mask(all, heads.q_heads(), seq);
-  const int64_t rows = d.rows == MaskRows::kSharded ? seq.seq_len() : s[2];
-  const int64_t h = d.heads == MaskHeads::kShared ? 1 : heads.q_range(rank).size();
-  return {s[0], h, rows, s[3]};
-}
-
 at::Tensor rebuild_mask_backward(const at::Tensor& grad, const std::vector<int64_t>& mask_sizes,
                                  const AllToAllPlan& plan, const Group& group) {
   if (group.size() == 1) return grad.reshape(mask_sizes);
   const MaskDecision d = agree_mask(mask_sizes, grad.scalar_type(), false, plan, group, "mask");
-  const auto s = sizes_4d(mask_sizes, "mask");
+  const auto s = mask_sizes_4d(mask_sizes, "mask");
   at::Tensor g;
   if (d.heads == MaskHeads::kShared) {
     g = d.rows == MaskRows::kSharded ? reduce_scatter_impl(grad, 2, plan.seq, group) : grad;

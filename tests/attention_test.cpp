@@ -1,11 +1,10 @@
-// Local attention reference and the pure mask decision.
+// The local attention reference (math_attention).
 #include "ulysses/attention.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
 #include "testing.h"
-#include "ulysses/mask.h"
 
 namespace ulysses {
 namespace {
@@ -69,50 +68,6 @@ TEST(MathAttention, FullyMaskedRowsGiveZerosAndFiniteGradients) {
   o.sum().backward();
   EXPECT_TRUE(q.grad().isfinite().all().item<bool>());
   EXPECT_TRUE(k.grad().isfinite().all().item<bool>());
-}
-
-using Sizes = std::vector<std::array<int64_t, 4>>;
-
-TEST(DecideMask, SharedQueryShardedRows) {
-  auto seq = SequencePartition::even(10, 3);  // [4, 3, 3]
-  auto d = decide_mask(Sizes{{2, 1, 4, 10}, {2, 1, 3, 10}, {2, 1, 3, 10}}, 6, seq);
-  EXPECT_EQ(d, (MaskDecision{MaskRows::kSharded, MaskHeads::kShared}));
-}
-
-TEST(DecideMask, PerHeadFullAndBroadcast) {
-  auto seq = SequencePartition::even(8, 2);
-  EXPECT_EQ(decide_mask(Sizes{{1, 6, 8, 8}, {1, 6, 8, 8}}, 6, seq),
-            (MaskDecision{MaskRows::kFull, MaskHeads::kPerHead}));
-  EXPECT_EQ(decide_mask(Sizes{{1, 1, 1, 8}, {1, 1, 1, 8}}, 6, seq),
-            (MaskDecision{MaskRows::kBroadcast, MaskHeads::kShared}));
-  EXPECT_EQ(decide_mask(Sizes{{1, 1, 4, 1}, {1, 1, 4, 1}}, 6, seq),
-            (MaskDecision{MaskRows::kSharded, MaskHeads::kShared}));
-}
-
-TEST(DecideMask, OneTokenPerRankIsSharded) {
-  auto seq = SequencePartition::even(2, 2);
-  EXPECT_EQ(decide_mask(Sizes{{1, 1, 1, 2}, {1, 1, 1, 2}}, 2, seq).rows, MaskRows::kSharded);
-}
-
-TEST(DecideMask, KeyShardedIsAClearError) {
-  auto seq = SequencePartition::even(8, 2);
-  try {
-    decide_mask(Sizes{{1, 1, 4, 4}, {1, 1, 4, 4}}, 4, seq, "attention_mask");
-    FAIL();
-  } catch (const c10::ValueError& e) {
-    EXPECT_NE(std::string(e.what()).find("attention_mask has shape [1, 1, 4, 4] on rank 0 of 2 "
-                                         "(S=8, S_r=4, Hq=4): its key dim is sharded"),
-              std::string::npos)
-        << e.what();
-  }
-}
-
-TEST(DecideMask, OtherShapesAreErrors) {
-  auto seq = SequencePartition::even(8, 2);
-  EXPECT_THROW(decide_mask(Sizes{{1, 3, 4, 8}, {1, 3, 4, 8}}, 4, seq), c10::ValueError);
-  EXPECT_THROW(decide_mask(Sizes{{1, 1, 5, 8}, {1, 1, 5, 8}}, 4, seq), c10::ValueError);
-  EXPECT_THROW(decide_mask(Sizes{{1, 1, 4, 7}, {1, 1, 4, 7}}, 4, seq), c10::ValueError);
-  EXPECT_THROW(decide_mask(Sizes{{1, 1, 4, 8}, {1, 1, 8, 8}}, 4, seq), c10::ValueError);
 }
 
 }  // namespace

@@ -79,7 +79,8 @@ TEST(Group, MeshRejectsIndivisibleWorld) {
                           "world size (3) must be a multiple of the sequence-parallel size (2)");
 }
 
-TEST(Group, AbsentPeerIsAnErrorNotAHang) {
+TEST(Group, AbsentPeerIsAnErrorNotAHangAndTheWaitIsLogged) {
+  ::testing::internal::CaptureStderr();
   auto errors = run_ranks(
       2,
       [](Group& g) {
@@ -91,9 +92,17 @@ TEST(Group, AbsentPeerIsAnErrorNotAHang) {
         g.all_reduce_sum(t);
       },
       std::chrono::milliseconds(2500));
-  EXPECT_NE(errors[0].find("collective all_reduce failed on rank 0 of 2"), std::string::npos)
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(errors[0].find("collective all_reduce #1 failed on rank 0 of 2 (timeout 2500 ms"),
+            std::string::npos)
       << errors[0];
   EXPECT_EQ(errors[1], "");
+  // After a quarter of its timeout (GroupOptions::log_wait_fraction) rank 0 said where it waits.
+  EXPECT_NE(log.find("rank 0 of 2 has waited 0.6 s of its 2.5 s timeout in all_reduce #1 of "
+                     "group"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("for ranks 1\n"), std::string::npos) << log;
 }
 
 }  // namespace

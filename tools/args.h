@@ -17,6 +17,22 @@ struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// `text` as it appears in a one-line message: control characters escaped as \xNN.
+inline std::string shown(const std::string& text) {
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : text) {
+    if (c < 0x20 || c == 0x7f) {
+      out += "\\x";
+      out += hex[c >> 4];
+      out += hex[c & 15];
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out;
+}
+
 class Args {
  public:
   // Parses `args`; `flags` take no value, every other `--name` (or `-n`) takes one.
@@ -24,11 +40,11 @@ class Args {
       : flags_(std::move(flags)) {
     for (size_t i = 0; i < args.size(); ++i) {
       const std::string& a = args[i];
-      if (a.size() < 2 || a[0] != '-') throw UsageError("unexpected argument '" + a + "'");
+      if (a.size() < 2 || a[0] != '-') throw UsageError("unexpected argument '" + shown(a) + "'");
       if (flags_.count(a)) {
         values_[a] = "1";
       } else {
-        if (i + 1 >= args.size()) throw UsageError("option " + a + " needs a value");
+        if (i + 1 >= args.size()) throw UsageError("option " + shown(a) + " needs a value");
         values_[a] = args[++i];
       }
     }
@@ -49,7 +65,8 @@ class Args {
       v = std::stoll(values_[name], &end);
       if (end != values_[name].size()) throw std::invalid_argument("trailing characters");
     } catch (const std::exception&) {
-      throw UsageError("option " + name + " must be an integer; got '" + values_[name] + "'");
+      throw UsageError("option " + name + " must be an integer; got '" + shown(values_[name]) +
+                       "'");
     }
     check_range(name, v, lo, hi);
     return v;
@@ -63,11 +80,11 @@ class Args {
       v = std::stod(values_[name], &end);
       if (end != values_[name].size()) throw std::invalid_argument("trailing characters");
     } catch (const std::exception&) {
-      throw UsageError("option " + name + " must be a number; got '" + values_[name] + "'");
+      throw UsageError("option " + name + " must be a number; got '" + shown(values_[name]) + "'");
     }
     if (!(v >= lo && v <= hi)) {
       throw UsageError("option " + name + " must be in [" + std::to_string(lo) + ", " +
-                       std::to_string(hi) + "]; got " + values_[name]);
+                       std::to_string(hi) + "]; got " + shown(values_[name]));
     }
     return v;
   }
@@ -90,7 +107,7 @@ class Args {
         if (end != item.size()) throw std::invalid_argument("trailing characters");
       } catch (const std::exception&) {
         throw UsageError("option " + name + " must be a comma-separated list of integers; got '" +
-                         text + "'");
+                         shown(text) + "'");
       }
       check_range(name, out.back(), lo, hi);
       start = comma + 1;
@@ -100,7 +117,7 @@ class Args {
   // Call after reading every option: rejects options nobody asked for.
   void finish() const {
     for (const auto& kv : values_)
-      if (!used_.count(kv.first)) throw UsageError("unknown option " + kv.first);
+      if (!used_.count(kv.first)) throw UsageError("unknown option " + shown(kv.first));
   }
 
  private:

@@ -104,7 +104,7 @@ int run_cli(const Argv& argv, const Runtime& runtime) {
     if (command == "train") return train_main(args, runtime);
     if (command == "launch") return launch_main(args);
     if (command == "bench") return bench_main(args, runtime);
-    std::cerr << "ulysses: unknown command '" << command << "' (see 'ulysses --help')\n";
+    std::cerr << "ulysses: unknown command '" << shown(command) << "' (see 'ulysses --help')\n";
     return 2;
   } catch (const UsageError& e) {
     std::cerr << "ulysses " << name << ": " << e.what() << " (see 'ulysses " << name

@@ -13,8 +13,8 @@ namespace ulysses::cli {
 int demo_main(const Argv& argv, const Runtime& runtime) {
   Args args(argv, {});
   const int nproc = static_cast<int>(args.integer("--nproc", 4, 1, kMaxRanks));
-  const int64_t hq = args.integer("--q-heads", 8, 1);
-  const int64_t hkv = args.integer("--kv-heads", 2, 1);
+  const int64_t hq = args.integer("--q-heads", 8, 1, kMaxHeads);
+  const int64_t hkv = args.integer("--kv-heads", 2, 1, kMaxHeads);
   const int64_t S = args.integer("--seq-len", 1024, 1);
   const int64_t D = args.integer("--head-dim", 64, 1);
   const GroupOptions options = group_options(args);

@@ -182,6 +182,7 @@ int launch(const LaunchOptions& options, const Argv& command) {
       stop_started = now;
       if (first_failure == 0) first_failure = 130;
       stop_all(SIGTERM);
+      stop_all(SIGCONT);  // A frozen (stopped) rank takes its SIGTERM now, not at SIGKILL.
     }
     if (stopping && running > 0 && now - stop_started > std::chrono::seconds(5)) {
       stop_all(SIGKILL);

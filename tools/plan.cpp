@@ -26,8 +26,8 @@ std::string range_json(const Range& r) {
 
 int plan_main(const Argv& argv) {
   Args args(argv, {"--json"});
-  const int64_t hq = args.required_integer("--q-heads", 1);
-  const int64_t hkv = args.integer("--kv-heads", hq, 1);
+  const int64_t hq = args.required_integer("--q-heads", 1, kMaxHeads);
+  const int64_t hkv = args.integer("--kv-heads", hq, 1, kMaxHeads);
   const int64_t sp = args.required_integer("--sp", 1, kMaxRanks);
   const int64_t seq_len = args.integer("--seq-len", -1, 0);
   const bool json = args.has("--json");

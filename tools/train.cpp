@@ -280,8 +280,8 @@ TrainOptions parse(const Argv& argv) {
   // the default 400 steps.
   o.model.dim = args.integer("--dim", 128, 2);
   o.model.layers = args.integer("--layers", o.model.layers, 1);
-  o.model.q_heads = args.integer("--q-heads", 8, 1);
-  o.model.kv_heads = args.integer("--kv-heads", 2, 1);
+  o.model.q_heads = args.integer("--q-heads", 8, 1, kMaxHeads);
+  o.model.kv_heads = args.integer("--kv-heads", 2, 1, kMaxHeads);
   o.model.ffn_dim = args.integer("--ffn-dim", 0, 0);
   o.group = group_options(args);
   args.finish();

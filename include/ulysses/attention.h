@@ -38,4 +38,9 @@ at::Tensor math_attention(const LocalAttentionArgs& args);
 // positions: [B, S] or [S]; returns the same shape.
 at::Tensor document_ids(const at::Tensor& positions);
 
+// The document mask of packed sequences as a bool tensor [B or 1, 1, S, S]: true where query i
+// and key j lie in one document (doc(b,i) == doc(b,j)). For implementations that take a mask;
+// the fused kernel evaluates the same rule per tile instead.
+at::Tensor document_mask(const at::Tensor& positions);
+
 }  // namespace ulysses

@@ -31,6 +31,9 @@ struct GroupOptions {
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};
   // Most bytes of freed CPU buffers (see Group::new_buffer) kept for reuse; >= 0.
   int64_t buffer_cache_bytes = int64_t{1} << 30;
+  // A rank still waiting for a collective after this fraction of `timeout` logs (to stderr,
+  // once per collective) which collective it waits in and for which peers; in [0, 1], 0 never.
+  double log_wait_fraction = 0.25;
 };
 
 // Most metadata values one rank contributes to Group::agree.

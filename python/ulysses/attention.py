@@ -45,20 +45,22 @@ _DTYPE_CODES = {dt: i for i, dt in enumerate(
      torch.bfloat16, torch.float32, torch.float64))}
 
 
-def _agreed_call_values(mask, positions, causal, step) -> tuple[list[str], list[int]]:
+def _agreed_call_values(q, k, v, mask, positions, causal, step) -> tuple[list[str], list[int]]:
     """Names and values of a call that every rank must hold alike."""
     def kind(t):
         if t is None:
-            return [0, -1, -1, 0]
-        return [1, t.dim(), _DTYPE_CODES.get(t.dtype, 99), int(t.requires_grad)]
+            return [0, -1, -1, 0, 1]
+        return [1, t.dim(), _DTYPE_CODES.get(t.dtype, 99), int(t.requires_grad), int(t.device == q.device)]
 
     m, p = kind(mask), kind(positions)
     names = ["whether a mask is given", "the mask's number of dims", "the mask's dtype (code)",
-             "whether the mask requires grad", "whether position ids are given",
-             "the position ids' number of dims", "the position ids' dtype (code)",
-             "whether the position ids require grad", "causal",
+             "whether the mask requires grad", "whether the mask is on q's device",
+             "whether position ids are given", "the position ids' number of dims",
+             "the position ids' dtype (code)", "whether the position ids require grad",
+             "whether the position ids are on q's device", "whether q, k or v require grad", "causal",
              "whether a StepContext is used"]
-    return names, m + p + [int(causal), int(step is not None)]
+    grad = q.requires_grad or k.requires_grad or v.requires_grad
+    return names, m + p + [int(grad), int(causal), int(step is not None)]
 
 
 def _local_problem(q, k, v, layout) -> str:
@@ -170,7 +172,7 @@ class DistributedAttention(nn.Module):
         group, t = self.group_name, self.timeout_ms
         # Everything that decides which collectives follow is agreed in the scatter's round: a
         # rank whose call differs fails together with the others instead of hanging them.
-        names, values = _agreed_call_values(mask, position_ids, self.causal, step)
+        names, values = _agreed_call_values(q, k, v, mask, position_ids, self.causal, step)
         qh, kh, vh = O._ops.scatter_heads([q, k, v], ["q", "kv", "kv"], *args, self.layout, group,
                                           t, names, values)
         if mask is not None:

@@ -174,6 +174,11 @@ def test_version_and_help_per_command():
     (["bench"], "say what to measure: attention, a2a, layer or gemm"),
     (["train", "--timeout", "0"], "option --timeout must be in [1, 86400]; got 0"),
     (["bench", "layer", "--timeout", "-1"], "option --timeout must be in [1, 86400]; got -1"),
+    # Found by scripts/fuzz.sh: a plan listing 5e16 heads per rank; a newline in an option.
+    (["plan", "--q-heads", "333333333333333331", "--sp", "6"],
+     "option --q-heads must be in [1, 65536]; got 333333333333333331"),
+    (["plan", "--q-heads", "4\n", "--sp", "2"], "option --q-heads must be an integer; got '4\\x0a'"),
+    (["plan", "--q-heads", "4", "--sp", "2", "-\x01\n", "4"], "unknown option -\\x01\\x0a"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(args, message):
     r = run(ULYSSES, *args)
@@ -189,3 +194,43 @@ def test_mesh_error_names_what_the_user_gave():
     assert "--dp 3 must divide the number of ranks (4)" in r.stderr
     assert "--sp" not in r.stderr.split("must divide")[0]
     assert r.stderr.count("must divide") == 1  # every rank raised it; shown once
+
+
+def _rank_pids(launcher_pid: int) -> dict[int, int]:
+    """The launcher's rank processes, by RANK (read from /proc)."""
+    with open(f"/proc/{launcher_pid}/task/{launcher_pid}/children") as f:
+        children = [int(p) for p in f.read().split()]
+    ranks = {}
+    for pid in children:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        ranks[int(env[b"RANK"])] = pid
+    return ranks
+
+
+def test_frozen_rank_ends_the_job_within_its_timeout_and_is_named():
+    import signal
+    import time
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RANK", None)
+    job = subprocess.Popen([ULYSSES, "train", "--nproc", "2", "--steps", "100000", "--timeout", "4",
+                            "--log-every", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env=env)
+    try:
+        # Wait for training to run (a step logged), then freeze rank 1 as a debugger would.
+        assert job.stdout.readline().startswith("[rank 0]")
+        while "step" not in job.stdout.readline():
+            pass
+        os.kill(_rank_pids(job.pid)[1], signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        out, err = job.communicate(timeout=60)
+        took = time.monotonic() - frozen_at
+    finally:
+        job.kill()
+    assert job.returncode != 0
+    # Rank 0 says where it waits long before its timeout ends the job, then fails on it; the
+    # launcher stops the frozen rank (SIGTERM + SIGCONT) within its grace period.
+    assert "has waited 1.0 s of its 4.0 s timeout in" in err and "for ranks 1" in err, err
+    assert "timeout 4000 ms" in err, err
+    assert took < 4 + 3 + 5, took

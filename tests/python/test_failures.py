@@ -87,13 +87,41 @@ CATALOGUE = {
     "k on another device": (dict(k=torch.randn(B, S_R, H, D, device="meta")), {},
                             "q, k and v must be on one device; got cpu, meta and cpu"),
     "tokens of q and k differ": (dict(k=torch.randn(B, S_R + 1, H, D)), {}, "has 5 tokens but"),
+    "q requires grad on one rank only": (dict(q=tuple(t.requires_grad_() for t in qkv())), {},
+                                         "ranks disagree on whether q, k or v require grad"),
+    "mask fp64 vs fp32": (dict(mask=torch.zeros(B, 1, S_R, 2 * S_R, dtype=torch.float64)),
+                          dict(mask=torch.zeros(B, 1, S_R, 2 * S_R)), "ranks disagree on the mask's dtype"),
+    "mask int8 vs bool": (dict(mask=torch.ones(B, 1, S_R, 2 * S_R, dtype=torch.int8)), dict(mask=bool_mask()),
+                          "ranks disagree on the mask's dtype"),
+    "mask batch 2 vs 1": (dict(mask=torch.ones(2, 1, S_R, 2 * S_R, dtype=torch.bool)), dict(mask=bool_mask()),
+                          "ranks disagree on mask's shape"),
+    "mask per head vs shared": (dict(mask=torch.ones(B, H, S_R, 2 * S_R, dtype=torch.bool)),
+                                dict(mask=bool_mask()), "ranks disagree on mask's shape"),
+    "mask on another device": (dict(mask=torch.ones(B, 1, S_R, 2 * S_R, dtype=torch.bool, device="meta")),
+                               dict(mask=bool_mask()), "ranks disagree on whether the mask is on q's device"),
+    "positions float vs int64": (dict(pos=positions().float()), dict(pos=positions()),
+                                 "ranks disagree on the position ids' dtype"),
+    "positions on another device": (dict(pos=positions().to("meta")), dict(pos=positions()),
+                                    "ranks disagree on whether the position ids are on q's device"),
+    "positions batch 2 vs 1": (dict(pos=positions().expand(2, S_R)), dict(pos=positions()),
+                               "ranks disagree on the tensor's elements per token"),
+    "seq_lens given on one rank only": (dict(seq_lens=[4, 4]), {},
+                                        "they called different operations"),
+    "seq_lens [4, 5] vs [4, 4]": (dict(seq_lens=[4, 5]), dict(seq_lens=[4, 4]),
+                                  "ranks disagree on the given sequence split"),
+    "v with other kv heads than k": (dict(k=torch.randn(B, S_R, 2, D)), {}, "must have 2 kv heads"),
 }
+
+
+def run_case(case: str) -> list[str]:
+    bad, both, _ = CATALOGUE[case]
+    return run_ranks_errors(2, lambda rank, group: call(rank, group, bad=bad, **both), timeout_s=5)
 
 
 @pytest.mark.parametrize("case", list(CATALOGUE))
 def test_one_rank_differs_every_rank_fails_alike(case):
-    bad, both, message = CATALOGUE[case]
-    errors = run_ranks_errors(2, lambda rank, group: call(rank, group, bad=bad, **both), timeout_s=5)
+    message = CATALOGUE[case][2]
+    errors = run_case(case)
     assert errors[0] != "" and errors[0] == errors[1], errors
     assert message in errors[0], errors[0]
     assert "timed out" not in errors[0] and "Timeout" not in errors[0]
@@ -118,3 +146,14 @@ def test_nan_propagates_through_the_fused_kernel():
     assert out[0, 0, 2].isnan().all() and not out[0, 1].isnan().any()
     out.sum().backward()
     assert q.grad[0, 0, 2].isnan().any() and k.grad.isnan().any()  # as the math reference
+
+
+if __name__ == "__main__":  # Prints the catalogue as a table: case, error (every rank), seconds.
+    import time
+
+    print("| case (rank 1 differs) | error raised on both ranks | seconds |\n|---|---|---|")
+    for case in CATALOGUE:
+        t0 = time.perf_counter()
+        errors = run_case(case)
+        alike = "" if errors[0] == errors[1] else " (RANKS DIFFER)"
+        print(f"| {case} | {errors[0].splitlines()[0]}{alike} | {time.perf_counter() - t0:.2f} |")

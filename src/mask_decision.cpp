@@ -1,0 +1,91 @@
+#include "ulysses/mask_decision.h"
+
+#include <c10/util/ArrayRef.h>
+#include <c10/util/Exception.h>
+
+#include <sstream>
+
+namespace ulysses {
+namespace {
+
+std::string sizes_str(const std::array<int64_t, 4>& s) {
+  std::ostringstream os;
+  os << "[" << s[0] << ", " << s[1] << ", " << s[2] << ", " << s[3] << "]";
+  return os.str();
+}
+
+}  // namespace
+
+std::array<int64_t, 4> mask_sizes_4d(const std::vector<int64_t>& s, const std::string& name) {
+  TORCH_CHECK_VALUE(s.size() >= 2 && s.size() <= 4, "rebuild_mask: ", name,
+                    " must be 2-D [Sq, Sk], 3-D [heads, Sq, Sk] or 4-D [B, heads, Sq, Sk]; got "
+                    "shape ",
+                    c10::IntArrayRef(s));
+  std::array<int64_t, 4> out{1, 1, 1, 1};
+  std::copy(s.begin(), s.end(), out.begin() + (4 - s.size()));
+  return out;
+}
+
+MaskDecision decide_mask(const std::vector<std::array<int64_t, 4>>& sizes, int64_t q_heads,
+                         const SequencePartition& seq, const std::string& name) {
+  const int64_t P = seq.sp_size(), S = seq.seq_len();
+  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(sizes.size()) == P && P > 1);
+  auto describe = [&](int64_t r) {
+    std::ostringstream os;
+    os << name << " has shape " << sizes_str(sizes[r]) << " on rank " << r << " of " << P
+       << " (S=" << S << ", S_r=" << seq.length(r) << ", Hq=" << q_heads << ")";
+    return os.str();
+  };
+  const std::string accepted =
+      "accepted: [B or 1, 1 or Hq, S_r or S or 1, S or 1] (2-D [Sq, Sk], 3-D [heads, Sq, Sk])";
+  bool sharded = true, full = true, broadcast = true;
+  for (int64_t r = 0; r < P; ++r) {
+    const auto& s = sizes[r];
+    TORCH_CHECK_VALUE(s[0] == sizes[0][0] && s[1] == sizes[0][1] && s[3] == sizes[0][3],
+                      "rebuild_mask: ranks disagree on ", name, "'s shape: ", describe(0), " but ",
+                      describe(r));
+    TORCH_CHECK_VALUE(!(s[3] == seq.length(r) && s[3] != S && s[3] != 1),
+                      "rebuild_mask: ", describe(r),
+                      ": its key dim is sharded, and a key-sharded mask cannot be rebuilt from "
+                      "local pieces; pass a mask over all S keys");
+    TORCH_CHECK_VALUE(s[3] == S || s[3] == 1, "rebuild_mask: ", describe(r),
+                      ": key dim must be S or 1; ", accepted);
+    TORCH_CHECK_VALUE(s[1] == 1 || s[1] == q_heads, "rebuild_mask: ", describe(r),
+                      ": head dim must be 1 or Hq; ", accepted);
+    sharded = sharded && s[2] == seq.length(r);
+    full = full && s[2] == S;
+    broadcast = broadcast && s[2] == 1;
+  }
+  TORCH_CHECK_VALUE(sharded || full || broadcast, "rebuild_mask: ", name,
+                    "'s query dim must be S_r on every rank, S, or 1; ", describe(0), "; ",
+                    accepted);
+  MaskDecision d;
+  d.rows = sharded ? MaskRows::kSharded : full ? MaskRows::kFull : MaskRows::kBroadcast;
+  d.heads = sizes[0][1] == 1 ? MaskHeads::kShared : MaskHeads::kPerHead;
+  return d;
+}
+
+std::vector<int64_t> rebuilt_mask_shape(const std::vector<int64_t>& sizes,
+                                        const HeadPartition& heads, const SequencePartition& seq,
+                                        int64_t rank) {
+  auto s = mask_sizes_4d(sizes, "mask");
+  if (seq.sp_size() == 1) return {s[0], s[1], s[2], s[3]};
+  std::vector<std::array<int64_t, 4>> all;
+  // A rank holding one token cannot tell one sharded row from a broadcast row: it reads it as
+  // broadcast (the common key-padding form), unless every rank holds one token (then the two
+  // are the same thing and decide_mask calls it sharded).
+  bool all_one = true;
+  for (int64_t n : seq.lengths()) all_one = all_one && n == 1;
+  const bool sharded = s[2] == seq.length(rank) && (s[2] != 1 || all_one);
+  for (int64_t r = 0; r < seq.sp_size(); ++r) {
+    auto t = s;
+    if (sharded) t[2] = seq.length(r);  // Sharded rows on every rank.
+    all.push_back(t);
+  }
+  const MaskDecision d = decide_mask(all, heads.q_heads(), seq);
+  const int64_t rows = d.rows == MaskRows::kSharded ? seq.seq_len() : s[2];
+  const int64_t h = d.heads == MaskHeads::kShared ? 1 : heads.q_range(rank).size();
+  return {s[0], h, rows, s[3]};
+}
+
+}  // namespace ulysses
