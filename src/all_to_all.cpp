@@ -34,127 +34,94 @@ bool leading_dims_trivial(at::IntArrayRef sizes, int64_t dim) {
   return true;
 }
 
-bool overlapping(const std::vector<Range>& ranges) {
-  for (size_t i = 1; i < ranges.size(); ++i)
-    if (ranges[i].begin < ranges[i - 1].end) return true;
-  return false;
+// Blocks `blocks` of a tensor of `extent` tile its memory in buffer order, so the flat buffer can
+// be the tensor itself: one tensor whose dims before the sequence dim are all 1, and blocks of
+// all its heads over consecutive tokens.
+bool tiles_in_order(const std::vector<ExchangeBlock>& blocks, const Extent& extent,
+                    const at::Tensor& x, int64_t sdim) {
+  if (!x.is_contiguous() || !leading_dims_trivial(x.sizes(), sdim)) return false;
+  int64_t next = 0;
+  for (const ExchangeBlock& b : blocks) {
+    if (b.tensor != 0 || b.heads != Range{0, extent.heads} || b.tokens.begin != next) return false;
+    next = b.tokens.end;
+  }
+  return next == extent.tokens;
+}
+
+// Executes `plan` on the tensors `xs` (in `layout`) in one collective: packs the send blocks,
+// exchanges them and unpacks (or sums) the received blocks into fresh outputs. A single tensor
+// laid out block after block is sent or received in place, without a copy.
+std::vector<at::Tensor> exchange(const std::vector<at::Tensor>& xs, const ExchangePlan& plan,
+                                 Layout layout, const Group& group) {
+  const int64_t sdim = seq_dim(layout), hdim = head_dim(layout);
+  auto block_of = [&](const at::Tensor& x, const ExchangeBlock& b) {
+    return x.narrow(sdim, b.tokens.begin, b.tokens.size())
+        .narrow(hdim, b.heads.begin, b.heads.size());
+  };
+  auto flat_block = [&](const at::Tensor& buffer, const ExchangeBlock& b, const at::Tensor& like) {
+    return buffer.narrow(0, b.offset, b.numel)
+        .view(shape_with(like, layout, b.tokens.size(), b.heads.size()));
+  };
+  std::vector<at::Tensor> outs;
+  for (size_t t = 0; t < xs.size(); ++t) {
+    const Extent e = plan.outputs()[t];
+    outs.push_back(group.new_buffer(shape_with(xs[t], layout, e.tokens, e.heads), xs[t].options()));
+    if (plan.sums_received()) outs.back().zero_();
+  }
+  int64_t send_total = 0, recv_total = 0;
+  for (int64_t n : plan.send_splits()) send_total += n;
+  for (int64_t n : plan.recv_splits()) recv_total += n;
+
+  at::Tensor send;
+  if (xs.size() == 1 && tiles_in_order(plan.send(), plan.inputs()[0], xs[0], sdim)) {
+    send = xs[0].view({-1});
+  } else {
+    send = group.new_buffer({send_total}, xs[0].options());
+    for (const ExchangeBlock& b : plan.send()) {
+      flat_block(send, b, xs[b.tensor]).copy_(block_of(xs[b.tensor], b));
+    }
+  }
+  const bool direct = xs.size() == 1 && !plan.sums_received() &&
+                      tiles_in_order(plan.recv(), plan.outputs()[0], outs[0], sdim);
+  at::Tensor recv = direct ? outs[0].view({-1}) : group.new_buffer({recv_total}, xs[0].options());
+  at::Tensor send_w = detail::wire_view(send), recv_w = detail::wire_view(recv);
+  group.all_to_all(recv_w, send_w, plan.recv_splits(), plan.send_splits());
+  if (direct) return outs;
+  for (const ExchangeBlock& b : plan.recv()) {
+    at::Tensor dst = block_of(outs[b.tensor], b);
+    const at::Tensor src = flat_block(recv, b, outs[b.tensor]);
+    if (plan.sums_received()) {
+      dst.add_(src);
+    } else {
+      dst.copy_(src);
+    }
+  }
+  return outs;
+}
+
+// The sequence -> heads exchange of `xs` on this rank (elements per (token, head) read from
+// the tensors).
+ExchangePlan seq_to_heads_plan(const std::vector<at::Tensor>& xs, const std::vector<Heads>& kinds,
+                               const AllToAllPlan& plan, const Group& group) {
+  std::vector<int64_t> elements;
+  for (const at::Tensor& x : xs) {
+    elements.push_back(c10::multiply_integers(shape_with(x, plan.layout, 1, 1)));
+  }
+  return ExchangePlan::seq_to_heads(plan.heads, plan.seq, group.rank(), kinds, elements);
 }
 
 // Sequence-sharded -> head-sharded for every tensor in `xs`, in one collective.
 std::vector<at::Tensor> seq_to_heads(const std::vector<at::Tensor>& xs,
                                      const std::vector<Heads>& kinds, const AllToAllPlan& plan,
                                      const Group& group) {
-  const int P = group.size(), me = group.rank();
-  const Layout L = plan.layout;
-  const int64_t sdim = seq_dim(L), hdim = head_dim(L);
-  const int64_t S_me = plan.seq.length(me);
-  std::vector<int64_t> send_splits(P, 0), recv_splits(P, 0);
-  std::vector<at::Tensor> outs;
-  for (size_t t = 0; t < xs.size(); ++t) {
-    const auto& R = plan.ranges(kinds[t]);
-    const int64_t per_token_head = c10::multiply_integers(shape_with(xs[t], L, 1, 1));
-    for (int j = 0; j < P; ++j) {
-      send_splits[j] += S_me * R[j].size() * per_token_head;
-      recv_splits[j] += plan.seq.length(j) * R[me].size() * per_token_head;
-    }
-    outs.push_back(
-        group.new_buffer(shape_with(xs[t], L, plan.seq.seq_len(), R[me].size()), xs[t].options()));
-  }
-  int64_t send_total = 0, recv_total = 0;
-  for (int j = 0; j < P; ++j) send_total += send_splits[j], recv_total += recv_splits[j];
-
-  at::Tensor send = group.new_buffer({send_total}, xs[0].options());
-  int64_t off = 0;
-  for (int j = 0; j < P; ++j) {
-    for (size_t t = 0; t < xs.size(); ++t) {
-      const Range r = plan.ranges(kinds[t])[j];
-      const auto shape = shape_with(xs[t], L, S_me, r.size());
-      const int64_t n = c10::multiply_integers(shape);
-      send.narrow(0, off, n).view(shape).copy_(xs[t].narrow(hdim, r.begin, r.size()));
-      off += n;
-    }
-  }
-  // One tensor whose per-source blocks are contiguous: receive straight into the output.
-  const bool direct = xs.size() == 1 && leading_dims_trivial(outs[0].sizes(), sdim);
-  at::Tensor recv = direct ? outs[0].view({-1}) : group.new_buffer({recv_total}, xs[0].options());
-  at::Tensor send_w = detail::wire_view(send), recv_w = detail::wire_view(recv);
-  group.all_to_all(recv_w, send_w, recv_splits, send_splits);
-  if (direct) return outs;
-  off = 0;
-  for (int j = 0; j < P; ++j) {
-    const Range s = plan.seq.range(j);
-    for (size_t t = 0; t < xs.size(); ++t) {
-      const auto shape = shape_with(xs[t], L, s.size(), outs[t].size(hdim));
-      const int64_t n = c10::multiply_integers(shape);
-      outs[t].narrow(sdim, s.begin, s.size()).copy_(recv.narrow(0, off, n).view(shape));
-      off += n;
-    }
-  }
-  return outs;
+  return exchange(xs, seq_to_heads_plan(xs, kinds, plan, group), plan.layout, group);
 }
 
-// Head-sharded -> sequence-sharded for every tensor in `ys`, in one collective. Heads held by
-// several ranks (replicated kv) are summed.
+// Head-sharded -> sequence-sharded: the same exchange reversed (replicated kv heads summed).
 std::vector<at::Tensor> heads_to_seq(const std::vector<at::Tensor>& ys,
                                      const std::vector<Heads>& kinds, const AllToAllPlan& plan,
                                      const Group& group) {
-  const int P = group.size(), me = group.rank();
-  const Layout L = plan.layout;
-  const int64_t sdim = seq_dim(L), hdim = head_dim(L);
-  const int64_t S_me = plan.seq.length(me);
-  std::vector<int64_t> send_splits(P, 0), recv_splits(P, 0);
-  std::vector<at::Tensor> outs;
-  for (size_t t = 0; t < ys.size(); ++t) {
-    const auto& R = plan.ranges(kinds[t]);
-    const int64_t per_token_head = c10::multiply_integers(shape_with(ys[t], L, 1, 1));
-    for (int j = 0; j < P; ++j) {
-      send_splits[j] += plan.seq.length(j) * R[me].size() * per_token_head;
-      recv_splits[j] += S_me * R[j].size() * per_token_head;
-    }
-    auto shape = shape_with(ys[t], L, S_me, plan.total(kinds[t]));
-    outs.push_back(group.new_buffer(shape, ys[t].options()));
-    if (overlapping(R)) outs.back().zero_();
-  }
-  int64_t send_total = 0, recv_total = 0;
-  for (int j = 0; j < P; ++j) send_total += send_splits[j], recv_total += recv_splits[j];
-
-  // One contiguous tensor whose per-destination blocks are contiguous: send it as it is.
-  at::Tensor send;
-  if (ys.size() == 1 && ys[0].is_contiguous() && leading_dims_trivial(ys[0].sizes(), sdim)) {
-    send = ys[0].view({-1});
-  } else {
-    send = group.new_buffer({send_total}, ys[0].options());
-    int64_t off = 0;
-    for (int j = 0; j < P; ++j) {
-      const Range s = plan.seq.range(j);
-      for (size_t t = 0; t < ys.size(); ++t) {
-        const auto shape = shape_with(ys[t], L, s.size(), ys[t].size(hdim));
-        const int64_t n = c10::multiply_integers(shape);
-        send.narrow(0, off, n).view(shape).copy_(ys[t].narrow(sdim, s.begin, s.size()));
-        off += n;
-      }
-    }
-  }
-  at::Tensor recv = group.new_buffer({recv_total}, ys[0].options());
-  at::Tensor send_w = detail::wire_view(send), recv_w = detail::wire_view(recv);
-  group.all_to_all(recv_w, send_w, recv_splits, send_splits);
-  int64_t off = 0;
-  for (int j = 0; j < P; ++j) {
-    for (size_t t = 0; t < ys.size(); ++t) {
-      const auto& R = plan.ranges(kinds[t]);
-      const auto shape = shape_with(ys[t], L, S_me, R[j].size());
-      const int64_t n = c10::multiply_integers(shape);
-      at::Tensor dst = outs[t].narrow(hdim, R[j].begin, R[j].size());
-      at::Tensor src = recv.narrow(0, off, n).view(shape);
-      if (overlapping(R)) {
-        dst.add_(src);
-      } else {
-        dst.copy_(src);
-      }
-      off += n;
-    }
-  }
-  return outs;
+  return exchange(ys, seq_to_heads_plan(ys, kinds, plan, group).reversed(), plan.layout, group);
 }
 
 // Checks that `xs` match the agreed plan on this rank (`seq_sharded`: before scatter).

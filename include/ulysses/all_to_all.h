@@ -8,6 +8,7 @@
 // ranks (Hkv < P); there it is exactly the backward of scatter_heads.
 // Backward of each op is the other, using the AllToAllPlan saved with the autograd node: the
 // total head count is never read from anywhere else. Q, K and V may move in one collective.
+// Which block goes where is an ExchangePlan (ulysses/exchange_plan.h); this file executes it.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -16,16 +17,11 @@
 #include <string>
 #include <vector>
 
+#include "ulysses/exchange_plan.h"
 #include "ulysses/group.h"
 #include "ulysses/partition.h"
 
 namespace ulysses {
-
-// Which heads of a HeadPartition a tensor carries.
-enum class Heads {
-  kQuery,     // Hq heads: Q, O, query-head masks.
-  kKeyValue,  // Hkv heads: K, V.
-};
 
 // One tensor to be checked by agree_plan: its role and its name for error messages.
 struct TensorSpec {

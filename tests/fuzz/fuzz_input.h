@@ -34,10 +34,10 @@ class Input {
 }  // namespace ulysses::fuzz
 
 // An invariant of the code under test: a violation aborts (the fuzzer's crash signal).
-#define FUZZ_CHECK(cond)                                                           \
-  do {                                                                             \
-    if (!(cond)) {                                                                 \
+#define FUZZ_CHECK(cond)                                                                \
+  do {                                                                                  \
+    if (!(cond)) {                                                                      \
       std::fprintf(stderr, "%s:%d: invariant failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::abort();                                                                \
-    }                                                                              \
+      std::abort();                                                                     \
+    }                                                                                   \
   } while (0)

@@ -33,7 +33,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const bool same_everywhere = in.in(0, 1) == 1;
   std::vector<std::array<int64_t, 4>> sizes(P);
   for (int64_t r = 0; r < P; ++r) {
-    for (int64_t d = 0; d < 4; ++d) sizes[r][d] = same_everywhere && r > 0 ? sizes[0][d] : pick(r, d);
+    for (int64_t d = 0; d < 4; ++d)
+      sizes[r][d] = same_everywhere && r > 0 ? sizes[0][d] : pick(r, d);
   }
   try {
     const MaskDecision d = decide_mask(sizes, hq, seq);
@@ -54,7 +55,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     bool all_one = true;
     for (int64_t n : lengths) all_one = all_one && n == 1;
     for (int64_t r = 0; r < P; ++r) {
-      if (sizes[r][2] == 1 && seq.length(r) == 1 && !all_one && d.rows == MaskRows::kSharded) continue;
+      if (sizes[r][2] == 1 && seq.length(r) == 1 && !all_one && d.rows == MaskRows::kSharded)
+        continue;
       const auto& s = sizes[r];
       const auto shape = rebuilt_mask_shape({s[0], s[1], s[2], s[3]}, heads, seq, r);
       FUZZ_CHECK(shape.size() == 4 && shape[0] == s[0] && shape[3] == s[3]);
