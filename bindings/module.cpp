@@ -116,6 +116,13 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("layout"), "(sequence dim, head dim) of a layout name such as 'BSHD'.");
   m.def(
+      "bhsd_permutations",
+      [](const std::string& layout) {
+        const Layout l = parse_layout(layout);
+        return std::make_pair(to_bhsd(l), from_bhsd(l));
+      },
+      py::arg("layout"), "(layout -> BHSD, BHSD -> layout) permutations of a layout name.");
+  m.def(
       "collective_count",
       [](const std::string& group) { return Group::resolve(group).collective_count(); },
       py::arg("group"));

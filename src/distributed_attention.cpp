@@ -12,26 +12,6 @@
 namespace ulysses {
 namespace {
 
-// Permutation taking `layout` to BHSD; BHSD -> layout is its inverse.
-std::vector<int64_t> to_bhsd(Layout layout) {
-  switch (layout) {
-    case Layout::kBSHD:
-      return {0, 2, 1, 3};
-    case Layout::kSBHD:
-      return {1, 2, 0, 3};
-    case Layout::kBHSD:
-      return {0, 1, 2, 3};
-  }
-  TORCH_INTERNAL_ASSERT(false);
-}
-
-std::vector<int64_t> from_bhsd(Layout layout) {
-  const std::vector<int64_t> to = to_bhsd(layout);
-  std::vector<int64_t> inverse(to.size());
-  for (size_t i = 0; i < to.size(); ++i) inverse[to[i]] = static_cast<int64_t>(i);
-  return inverse;
-}
-
 // `mask` (bool or additive, or none) further restricted to the `allowed` positions.
 at::Tensor restrict_mask(const c10::optional<at::Tensor>& mask, const at::Tensor& allowed) {
   if (!mask) return allowed;

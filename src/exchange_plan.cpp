@@ -14,9 +14,8 @@ bool any_overlap(const std::vector<ExchangeBlock>& blocks) {
   for (size_t a = 0; a < blocks.size(); ++a) {
     for (size_t b = a + 1; b < blocks.size(); ++b) {
       const ExchangeBlock &x = blocks[a], &y = blocks[b];
-      if (x.tensor == y.tensor && x.tokens.begin < y.tokens.end &&
-          y.tokens.begin < x.tokens.end && x.heads.begin < y.heads.end &&
-          y.heads.begin < x.heads.end) {
+      if (x.tensor == y.tensor && x.tokens.begin < y.tokens.end && y.tokens.begin < x.tokens.end &&
+          x.heads.begin < y.heads.end && y.heads.begin < x.heads.end) {
         return true;
       }
     }

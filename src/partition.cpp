@@ -3,52 +3,56 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 
 namespace ulysses {
 
-int64_t seq_dim(Layout layout) {
-  switch (layout) {
-    case Layout::kBSHD:
-      return 1;
-    case Layout::kSBHD:
-      return 0;
-    case Layout::kBHSD:
-      return 2;
-  }
+namespace {
+
+// Every fact about a layout, in one table.
+struct LayoutFacts {
+  Layout layout;
+  const char* name;
+  int64_t seq_dim, head_dim;
+  std::array<int64_t, 4> to_bhsd;  // Permutation taking the layout to BHSD.
+};
+
+constexpr LayoutFacts kLayouts[] = {
+    {Layout::kBSHD, "BSHD", 1, 2, {0, 2, 1, 3}},
+    {Layout::kSBHD, "SBHD", 0, 2, {1, 2, 0, 3}},
+    {Layout::kBHSD, "BHSD", 2, 1, {0, 1, 2, 3}},
+};
+
+const LayoutFacts& facts(Layout layout) {
+  for (const LayoutFacts& f : kLayouts)
+    if (f.layout == layout) return f;
   TORCH_INTERNAL_ASSERT(false, "unknown layout");
 }
 
-int64_t head_dim(Layout layout) {
-  switch (layout) {
-    case Layout::kBSHD:
-      return 2;
-    case Layout::kSBHD:
-      return 2;
-    case Layout::kBHSD:
-      return 1;
-  }
-  TORCH_INTERNAL_ASSERT(false, "unknown layout");
+}  // namespace
+
+int64_t seq_dim(Layout layout) { return facts(layout).seq_dim; }
+int64_t head_dim(Layout layout) { return facts(layout).head_dim; }
+std::string to_string(Layout layout) { return facts(layout).name; }
+
+std::vector<int64_t> to_bhsd(Layout layout) {
+  const auto& p = facts(layout).to_bhsd;
+  return {p.begin(), p.end()};
 }
 
-std::string to_string(Layout layout) {
-  switch (layout) {
-    case Layout::kBSHD:
-      return "BSHD";
-    case Layout::kSBHD:
-      return "SBHD";
-    case Layout::kBHSD:
-      return "BHSD";
-  }
-  TORCH_INTERNAL_ASSERT(false, "unknown layout");
+std::vector<int64_t> from_bhsd(Layout layout) {
+  const auto& p = facts(layout).to_bhsd;
+  std::vector<int64_t> inverse(4);
+  for (int64_t i = 0; i < 4; ++i) inverse[p[i]] = i;
+  return inverse;
 }
 
 Layout parse_layout(const std::string& name) {
   std::string upper = name;
   std::transform(upper.begin(), upper.end(), upper.begin(), ::toupper);
-  for (Layout l : {Layout::kBSHD, Layout::kSBHD, Layout::kBHSD}) {
-    if (to_string(l) == upper) return l;
-  }
+  for (const LayoutFacts& f : kLayouts)
+    if (upper == f.name) return f.layout;
   TORCH_CHECK_VALUE(false, "parse_layout: layout must be one of BSHD, SBHD, BHSD; got '", name,
                     "'");
 }

@@ -14,11 +14,11 @@ struct Case {
 };
 
 const Case kCases[] = {
-    {8, 2, {3, 3, 2, 2}},   // GQA, Hkv < P: kv heads replicated
-    {15, 15, {5, 4}},       // uneven heads
-    {6, 3, {4, 0, 3}},      // an empty shard
-    {4, 1, {1, 1, 1, 1}},   // MQA
-    {12, 4, {7}},           // one rank
+    {8, 2, {3, 3, 2, 2}},  // GQA, Hkv < P: kv heads replicated
+    {15, 15, {5, 4}},      // uneven heads
+    {6, 3, {4, 0, 3}},     // an empty shard
+    {4, 1, {1, 1, 1, 1}},  // MQA
+    {12, 4, {7}},          // one rank
 };
 
 std::vector<ExchangePlan> plans_of(const Case& s, const std::vector<Heads>& kinds,
@@ -34,9 +34,9 @@ std::vector<ExchangePlan> plans_of(const Case& s, const std::vector<Heads>& kind
 
 TEST(ExchangePlan, WhatARankSendsIsWhatItsPeerReceives) {
   for (const Case& s : kCases) {
-    for (const auto& plans : {plans_of(s, {Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue},
-                                       {16, 16, 8}),
-                              plans_of(s, {Heads::kQuery}, {3})}) {
+    for (const auto& plans :
+         {plans_of(s, {Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue}, {16, 16, 8}),
+          plans_of(s, {Heads::kQuery}, {3})}) {
       const auto P = static_cast<int64_t>(plans.size());
       for (int64_t r = 0; r < P; ++r) {
         for (int64_t j = 0; j < P; ++j) {
@@ -81,7 +81,8 @@ TEST(ExchangePlan, ReversedSwapsDirectionsAndSumsOnlyReplicatedHeads) {
 TEST(ExchangePlan, SequenceToHeadsExtentsAndPrinting) {
   const auto seq = SequencePartition::from_lengths({3, 2});
   const auto heads = HeadPartition::make(6, 3, 2);  // q [0,4)[4,6), kv [0,2)[2,3)
-  const auto p = ExchangePlan::seq_to_heads(heads, seq, 1, {Heads::kQuery, Heads::kKeyValue}, {1, 1});
+  const auto p =
+      ExchangePlan::seq_to_heads(heads, seq, 1, {Heads::kQuery, Heads::kKeyValue}, {1, 1});
   EXPECT_EQ(p.inputs(), (std::vector<Extent>{{2, 6}, {2, 3}}));
   EXPECT_EQ(p.outputs(), (std::vector<Extent>{{5, 2}, {5, 1}}));
   EXPECT_EQ(p.send_splits(), (std::vector<int64_t>{2 * 4 + 2 * 2, 2 * 2 + 2 * 1}));

@@ -3,9 +3,9 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include "model.h"
+#include "sharding.h"
 #include "testing.h"
-#include "ulysses/model.h"
-#include "ulysses/sharding.h"
 
 namespace ulysses {
 namespace {

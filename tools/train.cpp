@@ -17,10 +17,10 @@
 
 #include "args.h"
 #include "commands.h"
+#include "model.h"
 #include "proc_status.h"
+#include "sharding.h"
 #include "train_data.h"
-#include "ulysses/model.h"
-#include "ulysses/sharding.h"
 
 namespace ulysses::cli {
 namespace {

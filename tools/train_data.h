@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "ulysses/sharding.h"
+#include "sharding.h"
 
 namespace ulysses::cli {
 

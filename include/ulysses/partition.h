@@ -32,6 +32,9 @@ int64_t seq_dim(Layout layout);
 int64_t head_dim(Layout layout);
 // "BSHD", "SBHD" or "BHSD".
 std::string to_string(Layout layout);
+// The permutation taking a tensor in `layout` to BHSD (x.permute(to_bhsd(layout))), and back.
+std::vector<int64_t> to_bhsd(Layout layout);
+std::vector<int64_t> from_bhsd(Layout layout);
 // Parses "BSHD", "SBHD" or "BHSD" (case-insensitive); throws c10::ValueError otherwise.
 Layout parse_layout(const std::string& name);
 

@@ -24,16 +24,6 @@ from torch import nn
 from . import _C
 from . import ops as O
 
-_TO_BHSD = {"BSHD": (0, 2, 1, 3), "SBHD": (1, 2, 0, 3), "BHSD": (0, 1, 2, 3)}
-
-
-def _inverse(perm: Sequence[int]) -> tuple[int, ...]:
-    inv = [0] * len(perm)
-    for i, p in enumerate(perm):
-        inv[p] = i
-    return tuple(inv)
-
-
 @torch.compiler.assume_constant_result
 def _local_kv_map(q_heads: int, kv_heads: int, sp: int, rank: int) -> list[int]:
     # A pure function of integers: torch.compile evaluates it once while tracing.
@@ -125,9 +115,11 @@ class DistributedAttention(nn.Module):
         pg = torch._C._distributed_c10d._resolve_process_group(self.group_name)
         self.rank, self.sp_size = pg.rank(), pg.size()
         self.layout = layout.upper()
-        if self.layout not in _TO_BHSD:
-            raise ValueError(f"DistributedAttention: layout must be BSHD, SBHD or BHSD; got {layout!r}")
-        self.seq_dim, self.head_dim = _C.layout_dims(self.layout)
+        try:
+            self.seq_dim, self.head_dim = _C.layout_dims(self.layout)
+        except ValueError:
+            raise ValueError(f"DistributedAttention: layout must be BSHD, SBHD or BHSD; got {layout!r}") from None
+        self._to_bhsd, self._from_bhsd = _C.bhsd_permutations(self.layout)
         self.causal = causal
         self.scale = scale
         self.timeout_ms = O.timeout_ms(timeout)
@@ -182,11 +174,11 @@ class DistributedAttention(nn.Module):
         if position_ids is not None:
             build = lambda: O._ops.all_gather_sequence(position_ids, -1, seq_lens, group, t)  # noqa: E731
             position_ids = step.get(position_ids, ("positions", tuple(seq_lens)), build) if step else build()
-        perm = _TO_BHSD[self.layout]
+        perm = self._to_bhsd
         kv_map = _local_kv_map(hq, hkv, self.sp_size, self.rank)
         o = self._local(qh.permute(perm), kh.permute(perm), vh.permute(perm), kv_map, mask,
                         position_ids)
-        return O._ops.gather_heads([o.permute(_inverse(perm))], ["q"], *args, self.layout, group, t)[0]
+        return O._ops.gather_heads([o.permute(self._from_bhsd)], ["q"], *args, self.layout, group, t)[0]
 
     def _local(self, q, k, v, kv_map, mask, positions):
         if q.device.type == "cpu" and q.dtype != torch.float64:

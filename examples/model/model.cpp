@@ -1,4 +1,4 @@
-#include "ulysses/model.h"
+#include "model.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 

@@ -1,4 +1,4 @@
-#include "ulysses/sharding.h"
+#include "sharding.h"
 
 #include <c10/util/Exception.h>
 
