@@ -19,6 +19,127 @@ struct HeadCase {
   int64_t hq, hkv;
 };
 
+// One measured case: this rank's q, k, v shards and the agreed plan.
+struct A2aCase {
+  const Group& g;
+  Layout layout;
+  int64_t S, D;
+  HeadCase heads;
+  int repeats;
+  at::Tensor q, k, v;
+  AllToAllPlan plan;
+  bool gqa() const { return heads.hq != heads.hkv; }
+};
+
+A2aCase make_case(const Group& g, Layout layout, int64_t S, int64_t D, HeadCase hc, int repeats) {
+  const int P = g.size();
+  const auto seq = SequencePartition::even(S, P);
+  const int64_t s = seq.length(g.rank());
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1 + g.rank());
+  auto make = [&](int64_t h) {
+    std::vector<int64_t> shape{1, s, h, D};
+    if (layout == Layout::kSBHD) shape = {s, 1, h, D};
+    if (layout == Layout::kBHSD) shape = {1, h, s, D};
+    return at::randn(shape, gen);
+  };
+  at::Tensor q = make(hc.hq), k = make(hc.hkv), v = make(hc.hkv);
+  auto plan =
+      agree_plan(g, HeadPartition::make(hc.hq, hc.hkv, P), layout,
+                 {{q, Heads::kQuery, "q"}, {k, Heads::kKeyValue, "k"}, {v, Heads::kKeyValue, "v"}});
+  return A2aCase{g, layout, S, D, hc, repeats, q, k, v, plan};
+}
+
+// The forward all-to-alls around attention (q, and k, v for GQA, in; o out), ours against the
+// bare collective moving the same bytes into preallocated buffers.
+bench::Stats time_ours_and_raw(const A2aCase& c, bench::Record& r) {
+  const Group& g = c.g;
+  const int P = g.size();
+  auto ours = [&] {
+    at::Tensor y = scatter_heads(c.q, Heads::kQuery, c.plan, g);
+    if (c.gqa()) {
+      scatter_heads(c.k, Heads::kKeyValue, c.plan, g);
+      scatter_heads(c.v, Heads::kKeyValue, c.plan, g);
+    }
+    gather_heads(y, Heads::kQuery, c.plan, g);
+  };
+  // o moves as many bytes as q in total; q's size is the same on every rank, o's is not for
+  // uneven heads.
+  std::vector<at::Tensor> raw_in, raw_out;
+  for (const at::Tensor& t :
+       c.gqa() ? std::vector<at::Tensor>{c.q, c.k, c.v, c.q} : std::vector<at::Tensor>{c.q, c.q}) {
+    const int64_t n = (t.numel() + P - 1) / P * P;
+    raw_in.push_back(at::randn({n}));
+    raw_out.push_back(at::empty({n}, t.options()));
+  }
+  auto raw = [&] {
+    for (size_t i = 0; i < raw_in.size(); ++i) {
+      const int64_t chunk = raw_in[i].numel() / P;
+      g.all_to_all(raw_out[i], raw_in[i], std::vector<int64_t>(P, chunk),
+                   std::vector<int64_t>(P, chunk));
+    }
+  };
+  const auto t_ours = bench::time_slowest_rank(g, ours, 1, c.repeats);
+  const auto t_raw = bench::time_slowest_rank(g, raw, 1, c.repeats);
+  r.add("ours", t_ours).add("raw", t_raw);
+  r.add("ours_over_raw", t_ours.median / t_raw.median);
+  return t_ours;
+}
+
+// The reference system's chain (where it applies), checked to give our outputs first.
+void time_reference(const A2aCase& c, const bench::Stats& t_ours, bench::Record& r) {
+  const Group& g = c.g;
+  const int P = g.size();
+  if (c.layout != Layout::kBSHD || c.S % P != 0 || (c.heads.hkv % P != 0 && c.gqa())) return;
+  auto reference = [&] {
+    at::Tensor y = bench::reference_scatter_heads(c.q, g);
+    if (c.gqa()) {
+      bench::reference_scatter_heads(c.k, g);
+      bench::reference_scatter_heads(c.v, g);
+    }
+    bench::reference_gather_heads(y, c.heads.hq, g);
+  };
+  const at::Tensor o = scatter_heads(c.q, Heads::kQuery, c.plan, g);
+  const bool same = bench::reference_scatter_heads(c.q, g).equal(o) &&
+                    bench::reference_gather_heads(o, c.heads.hq, g).equal(c.q);
+  const auto t_ref = bench::time_slowest_rank(g, reference, 1, c.repeats);
+  r.add("reference", t_ref);
+  r.add("reference_over_ours", t_ref.median / t_ours.median);
+  r.add("reference_matches", same);
+}
+
+// Q, K, V in one collective against three.
+void time_fused(const A2aCase& c, bench::Record& r) {
+  auto fused = [&] {
+    scatter_heads({c.q, c.k, c.v}, {Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue}, c.plan,
+                  c.g);
+  };
+  auto separate = [&] {
+    scatter_heads(c.q, Heads::kQuery, c.plan, c.g);
+    scatter_heads(c.k, Heads::kKeyValue, c.plan, c.g);
+    scatter_heads(c.v, Heads::kKeyValue, c.plan, c.g);
+  };
+  const auto t_fused = bench::time_slowest_rank(c.g, fused, 1, c.repeats);
+  const auto t_sep = bench::time_slowest_rank(c.g, separate, 1, c.repeats);
+  r.add("fused", t_fused).add("separate", t_sep);
+  r.add("separate_over_fused", t_sep.median / t_fused.median);
+}
+
+const std::vector<std::string> kColumns{"seq_len",
+                                        "heads",
+                                        "q_heads",
+                                        "kv_heads",
+                                        "elements_per_rank",
+                                        "ours_ms",
+                                        "ours_spread",
+                                        "raw_ms",
+                                        "ours_over_raw",
+                                        "reference_ms",
+                                        "reference_over_ours",
+                                        "reference_matches",
+                                        "fused_ms",
+                                        "separate_ms",
+                                        "separate_over_fused"};
+
 }  // namespace
 
 int bench_a2a_main(const Argv& argv, const Runtime& runtime) {
@@ -39,117 +160,34 @@ int bench_a2a_main(const Argv& argv, const Runtime& runtime) {
   const int P = g.size();
   const bool lead = g.rank() == 0;
   const Layout layout = parse_layout(layout_name);
-  const std::vector<HeadCase> head_cases{{"even", 16, 16}, {"uneven", 15, 15}, {"gqa", 16, 4}};
   std::vector<bench::Record> records;
   for (int64_t S : seq_lens) {
-    for (const HeadCase& hc : head_cases) {
+    for (const HeadCase& hc : {HeadCase{"even", 16, 16}, {"uneven", 15, 15}, {"gqa", 16, 4}}) {
       if (hc.hq < P) continue;
-      const auto heads = HeadPartition::make(hc.hq, hc.hkv, P);
-      const auto seq = SequencePartition::even(S, P);
-      const int64_t s = seq.length(g.rank());
-      auto gen = at::make_generator<at::CPUGeneratorImpl>(1 + g.rank());
-      auto make = [&](int64_t h) {
-        std::vector<int64_t> shape{1, s, h, D};
-        if (layout == Layout::kSBHD) shape = {s, 1, h, D};
-        if (layout == Layout::kBHSD) shape = {1, h, s, D};
-        return at::randn(shape, gen);
-      };
-      at::Tensor q = make(hc.hq), k = make(hc.hkv), v = make(hc.hkv);
-      const auto plan = agree_plan(
-          g, heads, layout,
-          {{q, Heads::kQuery, "q"}, {k, Heads::kKeyValue, "k"}, {v, Heads::kKeyValue, "v"}});
-      const bool gqa = hc.hq != hc.hkv;
-      // Forward all-to-alls around attention: q (and k, v for GQA) in, o out.
-      at::Tensor o = scatter_heads(q, Heads::kQuery, plan, g);
-      auto ours = [&] {
-        at::Tensor y = scatter_heads(q, Heads::kQuery, plan, g);
-        if (gqa) {
-          scatter_heads(k, Heads::kKeyValue, plan, g);
-          scatter_heads(v, Heads::kKeyValue, plan, g);
-        }
-        gather_heads(y, Heads::kQuery, plan, g);
-      };
-      // The bare collective moving the same bytes, with preallocated buffers (o moves as many
-      // bytes as q in total; q's size is the same on every rank, o's is not for uneven heads).
-      std::vector<at::Tensor> raw_in, raw_out;
-      for (const at::Tensor& t :
-           gqa ? std::vector<at::Tensor>{q, k, v, q} : std::vector<at::Tensor>{q, q}) {
-        const int64_t n = (t.numel() + P - 1) / P * P;
-        raw_in.push_back(at::randn({n}, gen));
-        raw_out.push_back(at::empty({n}, t.options()));
-      }
-      auto raw = [&] {
-        for (size_t i = 0; i < raw_in.size(); ++i) {
-          const int64_t chunk = raw_in[i].numel() / P;
-          g.all_to_all(raw_out[i], raw_in[i], std::vector<int64_t>(P, chunk),
-                       std::vector<int64_t>(P, chunk));
-        }
-      };
-      const bool reference_applies = layout == Layout::kBSHD && S % P == 0;
-      auto reference = [&] {
-        at::Tensor y = bench::reference_scatter_heads(q, g);
-        if (gqa) {
-          bench::reference_scatter_heads(k, g);
-          bench::reference_scatter_heads(v, g);
-        }
-        bench::reference_gather_heads(y, hc.hq, g);
-      };
+      const A2aCase c = make_case(g, layout, S, D, hc, repeats);
       bench::Record r;
       r.add("seq_len", S).add("batch", 1).add("q_heads", hc.hq).add("kv_heads", hc.hkv);
       r.add("head_dim", D).add("sp", P).add("layout", layout_name).add("dtype", "float32");
-      r.add("heads", hc.kind).add("elements_per_rank", q.numel());
-      const auto t_ours = bench::time_slowest_rank(g, ours, 1, repeats);
-      const auto t_raw = bench::time_slowest_rank(g, raw, 1, repeats);
-      r.add("ours", t_ours).add("raw", t_raw);
-      r.add("ours_over_raw", t_ours.median / t_raw.median);
-      if (reference_applies && (hc.hkv % P == 0 || hc.hkv == hc.hq)) {
-        // The reference's output must equal ours (checked once), or the timing means nothing.
-        const bool same = bench::reference_scatter_heads(q, g).equal(o) &&
-                          bench::reference_gather_heads(o, hc.hq, g).equal(q);
-        const auto t_ref = bench::time_slowest_rank(g, reference, 1, repeats);
-        r.add("reference", t_ref);
-        r.add("reference_over_ours", t_ref.median / t_ours.median);
-        r.add("reference_matches", same);
-      }
-      // Q, K, V in one collective against three.
-      auto fused = [&] {
-        scatter_heads({q, k, v}, {Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue}, plan, g);
-      };
-      auto separate = [&] {
-        scatter_heads(q, Heads::kQuery, plan, g);
-        scatter_heads(k, Heads::kKeyValue, plan, g);
-        scatter_heads(v, Heads::kKeyValue, plan, g);
-      };
-      const auto t_fused = bench::time_slowest_rank(g, fused, 1, repeats);
-      const auto t_sep = bench::time_slowest_rank(g, separate, 1, repeats);
-      r.add("fused", t_fused).add("separate", t_sep);
-      r.add("separate_over_fused", t_sep.median / t_fused.median);
+      r.add("heads", hc.kind).add("elements_per_rank", c.q.numel());
+      time_reference(c, time_ours_and_raw(c, r), r);
+      time_fused(c, r);
       records.push_back(r);
-      if (lead) {
-        bench::print_table(
-            {r}, {"seq_len", "heads", "q_heads", "kv_heads", "elements_per_rank", "ours_ms",
-                  "raw_ms", "ours_over_raw", "reference_ms", "reference_over_ours",
-                  "reference_matches", "fused_ms", "separate_ms", "separate_over_fused"});
-      }
+      if (lead) bench::print_table({r}, kColumns);
     }
   }
-  if (lead) {
-    std::cout << "\nsummary: P=" << P << ", " << layout_name << ", D=" << D
-              << ", fp32, Gloo on loopback, median of " << repeats
-              << " (each sample: slowest rank)\n";
-    bench::print_table(
-        records, {"seq_len", "heads", "q_heads", "kv_heads", "elements_per_rank", "ours_ms",
-                  "ours_spread", "raw_ms", "ours_over_raw", "reference_ms", "reference_over_ours",
-                  "reference_matches", "fused_ms", "separate_ms", "separate_over_fused"});
-    const bool all_referenced = std::all_of(records.begin(), records.end(), [](const auto& r) {
-      return !r.text("reference_ms").empty();
-    });
-    if (!all_referenced) {
-      std::cout << "reference: not run where its chain does not apply: it handles BSHD only, "
-                   "S divisible by P, and kv heads divisible by P (or equal to the query heads)\n";
-    }
-    if (!json.empty()) bench::write_json(json, records);
+  if (!lead) return 0;
+  std::cout << "\nsummary: P=" << P << ", " << layout_name << ", D=" << D
+            << ", fp32, Gloo on loopback, median of " << repeats
+            << " (each sample: slowest rank)\n";
+  bench::print_table(records, kColumns);
+  const bool all_referenced = std::all_of(records.begin(), records.end(), [](const auto& r) {
+    return !r.text("reference_ms").empty();
+  });
+  if (!all_referenced) {
+    std::cout << "reference: not run where its chain does not apply: it handles BSHD only, "
+                 "S divisible by P, and kv heads divisible by P (or equal to the query heads)\n";
   }
+  if (!json.empty()) bench::write_json(json, records);
   return 0;
 }
 

@@ -38,115 +38,104 @@ double matmul_gflops(int64_t n) {
   return 2.0 * n * n * n / (stats.median * 1e6);
 }
 
-}  // namespace
-
-int bench_attention_main(const Argv& argv, const Runtime& runtime) {
-  Args args(argv, {"--memory", "--no-math"});
-  const auto seq_lens = args.integers("--seq-lens", "1024,4096", 1);
-  const int64_t B = args.integer("--batch", 1, 1), Hq = args.integer("--q-heads", 8, 1, kMaxHeads),
-                Hkv = args.integer("--kv-heads", 2, 1, kMaxHeads),
-                D = args.integer("--head-dim", 64, 1);
-  const std::string dtype_name = args.str("--dtype", "float32");
-  const std::string causal_arg = args.str("--causal", "both");
-  const int threads = static_cast<int>(args.integer("--threads", 2, 1, 1024));
-  const int repeats = static_cast<int>(args.integer("--repeats", 3, 1, 100000));
-  const bool memory = args.has("--memory");
-  const bool no_math = args.has("--no-math");
-  const double math_limit_gb =
-      args.real("--math-limit-gb", 0.6 * sysconf(_SC_PHYS_PAGES) * sysconf(_SC_PAGE_SIZE) / 1e9);
-  const std::string json = args.str("--json", "");
-  FlashOptions blocks;
-  blocks.block_q = args.integer("--block-q", blocks.block_q, 1);
-  blocks.block_k = args.integer("--block-k", blocks.block_k, 0);
-  const std::string measure_peak = args.str("--measure-peak", "");  // Internal: child mode.
-  args.finish();
-  const at::ScalarType dtype = dtype_name == "bfloat16" ? at::kBFloat16 : at::kFloat;
-  if (dtype_name != "float32" && dtype_name != "bfloat16")
-    throw UsageError("--dtype must be float32 or bfloat16");
+// What `bench attention` was asked for.
+struct AttentionBench {
+  std::vector<int64_t> seq_lens;
+  int64_t B = 1, Hq = 8, Hkv = 2, D = 64;
+  std::string dtype_name = "float32";
+  at::ScalarType dtype = at::kFloat;
   std::vector<bool> causal_modes;
-  if (causal_arg == "both" || causal_arg == "0") causal_modes.push_back(false);
-  if (causal_arg == "both" || causal_arg == "1") causal_modes.push_back(true);
-  if (causal_modes.empty()) throw UsageError("--causal must be 0, 1 or both");
+  int threads = 2, repeats = 3;
+  bool memory = false, no_math = false;
+  double math_limit_gb = 0;
+  std::string json, measure_peak;  // measure_peak: internal child mode (--memory's child).
+  FlashOptions blocks;
+  std::vector<int64_t> kv_map;  // Query head h reads kv head h / (Hq / Hkv).
+};
 
-  at::set_num_threads(threads);
-  std::vector<int64_t> kv_map;
-  for (int64_t h = 0; h < Hq; ++h) kv_map.push_back(h / (Hq / Hkv));
-  const LocalAttention fused = [blocks](const LocalAttentionArgs& a) {
-    return flash_attention(a, blocks);
+AttentionBench parse(const Argv& argv) {
+  Args args(argv, {"--memory", "--no-math"});
+  AttentionBench o;
+  o.seq_lens = args.integers("--seq-lens", "1024,4096", 1);
+  o.B = args.integer("--batch", 1, 1);
+  o.Hq = args.integer("--q-heads", 8, 1, kMaxHeads);
+  o.Hkv = args.integer("--kv-heads", 2, 1, kMaxHeads);
+  o.D = args.integer("--head-dim", 64, 1);
+  o.dtype_name = args.str("--dtype", "float32");
+  const std::string causal = args.str("--causal", "both");
+  o.threads = static_cast<int>(args.integer("--threads", 2, 1, 1024));
+  o.repeats = static_cast<int>(args.integer("--repeats", 3, 1, 100000));
+  o.memory = args.has("--memory");
+  o.no_math = args.has("--no-math");
+  o.math_limit_gb =
+      args.real("--math-limit-gb", 0.6 * sysconf(_SC_PHYS_PAGES) * sysconf(_SC_PAGE_SIZE) / 1e9);
+  o.json = args.str("--json", "");
+  o.blocks.block_q = args.integer("--block-q", o.blocks.block_q, 1);
+  o.blocks.block_k = args.integer("--block-k", o.blocks.block_k, 0);
+  o.measure_peak = args.str("--measure-peak", "");
+  args.finish();
+  if (o.dtype_name != "float32" && o.dtype_name != "bfloat16")
+    throw UsageError("--dtype must be float32 or bfloat16");
+  o.dtype = o.dtype_name == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  if (causal == "both" || causal == "0") o.causal_modes.push_back(false);
+  if (causal == "both" || causal == "1") o.causal_modes.push_back(true);
+  if (o.causal_modes.empty()) throw UsageError("--causal must be 0, 1 or both");
+  if (o.Hq % o.Hkv != 0) throw UsageError("--q-heads must be a multiple of --kv-heads");
+  for (int64_t h = 0; h < o.Hq; ++h) o.kv_map.push_back(h / (o.Hq / o.Hkv));
+  return o;
+}
+
+// Peak memory one fwd+bwd of `impl` ("fused" or "math") adds, measured in a fresh process.
+int64_t peak_of(const AttentionBench& o, const Runtime& runtime, const std::string& impl, int64_t S,
+                bool causal) {
+  return bench::peak_in_child(
+      runtime.self,
+      {"bench",      "attention",           "--measure-peak", impl,
+       "--seq-lens", std::to_string(S),     "--causal",       causal ? "1" : "0",
+       "--batch",    std::to_string(o.B),   "--q-heads",      std::to_string(o.Hq),
+       "--kv-heads", std::to_string(o.Hkv), "--head-dim",     std::to_string(o.D),
+       "--dtype",    o.dtype_name,          "--threads",      std::to_string(o.threads)});
+}
+
+// One case: the fused kernel (and the math reference where it fits in memory), timed side by
+// side; `mm` is the machine's matmul GFLOP/s measured in the same run.
+bench::Record measure(const AttentionBench& o, const Runtime& runtime, int64_t S, bool causal,
+                      double mm) {
+  const LocalAttention fused = [&](const LocalAttentionArgs& a) {
+    return flash_attention(a, o.blocks);
   };
-  const LocalAttention math = math_attention;
-  if (!measure_peak.empty()) {  // Child of --memory: one case, one implementation.
-    Inputs in;
-    const int64_t bytes = bench::peak_extra_bytes(
-        [&] { in = make_inputs(B, Hq, Hkv, seq_lens.at(0), D, dtype); },
-        [&] { step(measure_peak == "math" ? math : fused, in, kv_map, causal_modes.at(0)); });
-    std::cout << "peak_extra_bytes: " << bytes << std::endl;
-    return 0;
+  Inputs in = make_inputs(o.B, o.Hq, o.Hkv, S, o.D, o.dtype);
+  // Useful FLOPs of forward (2 matmuls) + backward (4), halved by causality.
+  const double flops = 12.0 * o.B * o.Hq * S * S * o.D * (causal ? 0.5 : 1.0);
+  const double math_bytes = 6.0 * 4 * o.B * o.Hq * S * S;  // ~6 live [B,H,S,S] fp32 tensors.
+  const bool run_math = !o.no_math && math_bytes / 1e9 < o.math_limit_gb;
+  bench::Record r;
+  r.add("seq_len", S).add("batch", o.B).add("q_heads", o.Hq).add("kv_heads", o.Hkv);
+  r.add("head_dim", o.D).add("dtype", o.dtype_name).add("causal", causal);
+  const auto f = bench::time_ms([&] { step(fused, in, o.kv_map, causal); }, 1, o.repeats);
+  r.add("fused", f);
+  if (run_math) {
+    const auto m =
+        bench::time_ms([&] { step(math_attention, in, o.kv_map, causal); }, 1, o.repeats);
+    r.add("math", m).add("math_over_fused", m.median / f.median);
   }
-  const double mm = matmul_gflops(2048);
-  std::cout << "kernel GEMM: sgemm_ from " << bench::gemm_library() << "\n"
-            << "at::matmul fp32 2048x2048, " << threads << " threads: " << mm << " GFLOP/s\n";
-  // A modern x86 core does >= 50 fp32 GFLOP/s; far less means a mis-detected BLAS kernel, and
-  // percentages of it would overstate the fused kernel.
-  if (mm < 20.0 * threads) {
-    std::cout << "warning: at::matmul is implausibly slow (" << mm << " GFLOP/s on " << threads
-              << " threads); the % of matmul columns are not meaningful\n";
-  }
-
-  std::vector<bench::Record> records;
-  for (int64_t S : seq_lens) {
-    for (bool causal : causal_modes) {
-      Inputs in = make_inputs(B, Hq, Hkv, S, D, dtype);
-      // Useful FLOPs of forward (2 matmuls) + backward (4), halved by causality.
-      const double flops = 12.0 * B * Hq * S * S * D * (causal ? 0.5 : 1.0);
-      const double math_bytes = 6.0 * 4 * B * Hq * S * S;  // ~6 live [B,H,S,S] fp32 tensors.
-      const bool run_math = !no_math && math_bytes / 1e9 < math_limit_gb;
-      auto f = bench::time_ms([&] { step(fused, in, kv_map, causal); }, 1, repeats);
-      bench::Stats m;
-      if (run_math) m = bench::time_ms([&] { step(math, in, kv_map, causal); }, 1, repeats);
-      bench::Record r;
-      r.add("seq_len", S).add("batch", B).add("q_heads", Hq).add("kv_heads", Hkv);
-      r.add("head_dim", D).add("dtype", dtype_name).add("causal", causal);
-      r.add("fused", f);
-      if (run_math) {
-        r.add("math", m);
-        r.add("math_over_fused", m.median / f.median);
-      }
-      const double gflops = flops / (f.median * 1e6);
-      r.add("fused_gflops", gflops)
-          .add("matmul_gflops", mm)
-          .add("fused_pct_of_matmul", 100.0 * gflops / mm);
-      if (memory) {
-        auto peak = [&](const std::string& impl) {
-          return bench::peak_in_child(
-              runtime.self,
-              {"bench",      "attention",         "--measure-peak", impl,
-               "--seq-lens", std::to_string(S),   "--causal",       causal ? "1" : "0",
-               "--batch",    std::to_string(B),   "--q-heads",      std::to_string(Hq),
-               "--kv-heads", std::to_string(Hkv), "--head-dim",     std::to_string(D),
-               "--dtype",    dtype_name,          "--threads",      std::to_string(threads)});
-        };
-        const int64_t fp = peak("fused");
-        r.add("fused_peak_bytes", fp);
-        if (run_math) {
-          const int64_t mp = peak("math");
-          r.add("math_peak_bytes", mp);
-          if (mp > 0) r.add("fused_over_math_peak", static_cast<double>(fp) / mp);
-        }
-      }
-      records.push_back(r);
-      bench::print_table(
-          {r}, {"seq_len", "causal", "fused_ms", "fused_spread", "math_ms", "math_spread",
-                "math_over_fused", "fused_gflops", "fused_pct_of_matmul", "fused_peak_bytes",
-                "math_peak_bytes", "fused_over_math_peak"});
+  const double gflops = flops / (f.median * 1e6);
+  r.add("fused_gflops", gflops).add("matmul_gflops", mm);
+  r.add("fused_pct_of_matmul", 100.0 * gflops / mm);
+  if (o.memory) {
+    const int64_t fp = peak_of(o, runtime, "fused", S, causal);
+    r.add("fused_peak_bytes", fp);
+    if (run_math) {
+      const int64_t mp = peak_of(o, runtime, "math", S, causal);
+      r.add("math_peak_bytes", mp);
+      if (mp > 0) r.add("fused_over_math_peak", static_cast<double>(fp) / mp);
     }
   }
-  std::cout << "\nsummary (B=" << B << " Hq=" << Hq << " Hkv=" << Hkv << " D=" << D << " "
-            << dtype_name << ", " << threads << " threads, median of " << repeats << ")\n";
-  bench::print_table(records,
-                     {"seq_len", "causal", "fused_ms", "fused_spread", "math_ms", "math_spread",
-                      "math_over_fused", "fused_gflops", "fused_pct_of_matmul", "fused_peak_bytes",
-                      "math_peak_bytes", "fused_over_math_peak"});
+  return r;
+}
+
+// Prints the causal speed-up wherever a full and a causal case of one length ran.
+void print_causal_speedups(const std::vector<bench::Record>& records) {
   for (size_t i = 0; i + 1 < records.size(); ++i) {
     if (records[i].text("seq_len") == records[i + 1].text("seq_len") &&
         records[i].text("causal") == "false" && records[i + 1].text("causal") == "true") {
@@ -156,7 +145,52 @@ int bench_attention_main(const Argv& argv, const Runtime& runtime) {
                 << "x\n";
     }
   }
-  if (!json.empty()) bench::write_json(json, records);
+}
+
+const std::vector<std::string> kColumns{
+    "seq_len",          "causal",          "fused_ms",
+    "fused_spread",     "math_ms",         "math_spread",
+    "math_over_fused",  "fused_gflops",    "fused_pct_of_matmul",
+    "fused_peak_bytes", "math_peak_bytes", "fused_over_math_peak"};
+
+}  // namespace
+
+int bench_attention_main(const Argv& argv, const Runtime& runtime) {
+  const AttentionBench o = parse(argv);
+  at::set_num_threads(o.threads);
+  if (!o.measure_peak.empty()) {  // Child of --memory: one case, one implementation.
+    const LocalAttention impl = o.measure_peak == "math" ? LocalAttention(math_attention)
+                                                         : [&](const LocalAttentionArgs& a) {
+                                                             return flash_attention(a, o.blocks);
+                                                           };
+    Inputs in;
+    const int64_t bytes = bench::peak_extra_bytes(
+        [&] { in = make_inputs(o.B, o.Hq, o.Hkv, o.seq_lens.at(0), o.D, o.dtype); },
+        [&] { step(impl, in, o.kv_map, o.causal_modes.at(0)); });
+    std::cout << "peak_extra_bytes: " << bytes << std::endl;
+    return 0;
+  }
+  const double mm = matmul_gflops(2048);
+  std::cout << "kernel GEMM: sgemm_ from " << bench::gemm_library() << "\n"
+            << "at::matmul fp32 2048x2048, " << o.threads << " threads: " << mm << " GFLOP/s\n";
+  // A modern x86 core does >= 50 fp32 GFLOP/s; far less means a mis-detected BLAS kernel, and
+  // percentages of it would overstate the fused kernel.
+  if (mm < 20.0 * o.threads) {
+    std::cout << "warning: at::matmul is implausibly slow (" << mm << " GFLOP/s on " << o.threads
+              << " threads); the % of matmul columns are not meaningful\n";
+  }
+  std::vector<bench::Record> records;
+  for (int64_t S : o.seq_lens) {
+    for (bool causal : o.causal_modes) {
+      records.push_back(measure(o, runtime, S, causal, mm));
+      bench::print_table({records.back()}, kColumns);
+    }
+  }
+  std::cout << "\nsummary (B=" << o.B << " Hq=" << o.Hq << " Hkv=" << o.Hkv << " D=" << o.D << " "
+            << o.dtype_name << ", " << o.threads << " threads, median of " << o.repeats << ")\n";
+  bench::print_table(records, kColumns);
+  print_causal_speedups(records);
+  if (!o.json.empty()) bench::write_json(o.json, records);
   return 0;
 }
 

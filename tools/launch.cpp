@@ -73,6 +73,147 @@ void take_lines(std::string& buf, bool flush_all, Emit&& emit) {
   }
 }
 
+// Starts rank `r` of `nproc` running `command`, its stdout and stderr piped to us.
+Child start_rank(int r, const LaunchOptions& options, int port, const Argv& command) {
+  int out[2], err[2];
+  if (::pipe(out) != 0 || ::pipe(err) != 0) throw std::runtime_error("launch: pipe() failed");
+  const pid_t pid = ::fork();
+  if (pid < 0) throw std::runtime_error("launch: fork() failed");
+  if (pid == 0) {
+    ::setpgid(0, 0);  // Its own process group, so stopping a rank stops what it started.
+    ::dup2(out[1], STDOUT_FILENO);
+    ::dup2(err[1], STDERR_FILENO);
+    ::close(out[0]), ::close(out[1]), ::close(err[0]), ::close(err[1]);
+    ::setenv("RANK", std::to_string(r).c_str(), 1);
+    ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+    ::setenv("WORLD_SIZE", std::to_string(options.nproc).c_str(), 1);
+    ::setenv("LOCAL_WORLD_SIZE", std::to_string(options.nproc).c_str(), 1);
+    ::setenv("MASTER_ADDR", options.master_addr.c_str(), 1);
+    ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+    std::vector<char*> cargv;
+    for (const auto& a : command) cargv.push_back(const_cast<char*>(a.c_str()));
+    cargv.push_back(nullptr);
+    ::execvp(cargv[0], cargv.data());
+    std::fprintf(stderr, "launch: cannot run '%s': %s\n", cargv[0], std::strerror(errno));
+    ::_exit(127);
+  }
+  ::setpgid(pid, pid);
+  ::close(out[1]), ::close(err[1]);
+  return Child{pid, out[0], err[0]};
+}
+
+// The running ranks of one launch: their output, their exits, and stopping them.
+class Ranks {
+ public:
+  explicit Ranks(std::vector<Child> children)
+      : children_(std::move(children)), running_(static_cast<int>(children_.size())) {}
+
+  bool active() const {
+    return running_ > 0 || std::any_of(children_.begin(), children_.end(), [](const Child& c) {
+             return c.out_fd >= 0 || c.err_fd >= 0;
+           });
+  }
+
+  // Waits up to 100 ms for output and forwards what came, line by line. Note [One copy of a
+  // shared error]: rank 0's stderr is shown as it comes; other ranks' stderr is held and shown
+  // at the end only where it differs from rank 0's, so an error every rank raised alike is
+  // printed once, as rank 0's.
+  void pump_output() {
+    std::vector<pollfd> fds;
+    std::vector<std::pair<int, bool>> owner;  // (rank, is_stderr) per pollfd.
+    for (int r = 0; r < size(); ++r) {
+      if (children_[r].out_fd >= 0)
+        fds.push_back({children_[r].out_fd, POLLIN, 0}), owner.push_back({r, false});
+      if (children_[r].err_fd >= 0)
+        fds.push_back({children_[r].err_fd, POLLIN, 0}), owner.push_back({r, true});
+    }
+    if (fds.empty()) {
+      ::usleep(20000);
+      return;
+    }
+    ::poll(fds.data(), fds.size(), 100);
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      const int rank = owner[i].first;
+      const bool is_err = owner[i].second;
+      Child& c = children_[rank];
+      char buf[65536];
+      const ssize_t n = ::read(fds[i].fd, buf, sizeof(buf));
+      std::string& tail = is_err ? c.err_tail : c.out_tail;
+      if (n > 0) tail.append(buf, n);
+      take_lines(tail, n <= 0, [&](const std::string& line) {
+        if (is_err && rank > 0) {
+          c.held_err.push_back(line);
+        } else {
+          (is_err ? std::cerr : std::cout) << "[rank " << rank << "] " << line << "\n";
+          if (is_err) rank0_err_.insert(line);
+        }
+      });
+      (is_err ? std::cerr : std::cout).flush();
+      if (n <= 0) {
+        ::close(fds[i].fd);
+        (is_err ? c.err_fd : c.out_fd) = -1;
+      }
+    }
+  }
+
+  // Reaps ranks that exited; returns the exit code of the first that failed (0 if none).
+  int reap(bool quiet) {
+    int failed = 0;
+    for (int r = 0; r < size(); ++r) {
+      Child& c = children_[r];
+      int status = 0;
+      if (!c.running || ::waitpid(c.pid, &status, WNOHANG) != c.pid) continue;
+      c.running = false;
+      --running_;
+      const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      if (code != 0 && failed == 0 && !quiet) {
+        failed = code;
+        std::cerr << "[launch] rank " << r << " exited with code " << code
+                  << (running_ > 0 ? "; stopping the other ranks" : "") << "\n";
+      }
+    }
+    return failed;
+  }
+
+  int running() const { return running_; }
+
+  void signal_all(int sig) {
+    for (Child& c : children_)
+      if (c.running) ::kill(-c.pid, sig);
+  }
+
+  // Other ranks' stderr, where it differs from rank 0's (Note [One copy of a shared error]).
+  void print_held_stderr() const {
+    std::vector<int> alike;
+    for (int r = 1; r < size(); ++r) {
+      std::multiset<std::string> shown = rank0_err_;
+      bool repeated = false;
+      for (const std::string& line : children_[r].held_err) {
+        auto it = shown.find(line);
+        if (it != shown.end()) {
+          shown.erase(it);
+          repeated = true;
+        } else {
+          std::cerr << "[rank " << r << "] " << line << "\n";
+        }
+      }
+      if (repeated) alike.push_back(r);
+    }
+    if (alike.empty()) return;
+    std::cerr << "[launch] rank";
+    if (alike.size() > 1) std::cerr << "s";
+    for (size_t i = 0; i < alike.size(); ++i) std::cerr << (i ? ", " : " ") << alike[i];
+    std::cerr << " printed the same as rank 0 (shown once)\n";
+  }
+
+ private:
+  int size() const { return static_cast<int>(children_.size()); }
+  std::vector<Child> children_;
+  int running_;
+  std::multiset<std::string> rank0_err_;  // Rank 0's stderr lines so far.
+};
+
 }  // namespace
 
 int launch(const LaunchOptions& options, const Argv& command) {
@@ -82,135 +223,34 @@ int launch(const LaunchOptions& options, const Argv& command) {
   ::signal(SIGINT, on_signal);
   ::signal(SIGTERM, on_signal);
   ::signal(SIGPIPE, SIG_IGN);
+  std::vector<Child> children;
+  for (int r = 0; r < options.nproc; ++r) children.push_back(start_rank(r, options, port, command));
+  Ranks ranks(std::move(children));
 
-  std::vector<Child> children(options.nproc);
-  for (int r = 0; r < options.nproc; ++r) {
-    int out[2], err[2];
-    if (::pipe(out) != 0 || ::pipe(err) != 0) throw std::runtime_error("launch: pipe() failed");
-    const pid_t pid = ::fork();
-    if (pid < 0) throw std::runtime_error("launch: fork() failed");
-    if (pid == 0) {
-      ::setpgid(0, 0);  // Its own process group, so stopping a rank stops what it started.
-      ::dup2(out[1], STDOUT_FILENO);
-      ::dup2(err[1], STDERR_FILENO);
-      ::close(out[0]), ::close(out[1]), ::close(err[0]), ::close(err[1]);
-      ::setenv("RANK", std::to_string(r).c_str(), 1);
-      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(options.nproc).c_str(), 1);
-      ::setenv("LOCAL_WORLD_SIZE", std::to_string(options.nproc).c_str(), 1);
-      ::setenv("MASTER_ADDR", options.master_addr.c_str(), 1);
-      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      std::vector<char*> cargv;
-      for (const auto& a : command) cargv.push_back(const_cast<char*>(a.c_str()));
-      cargv.push_back(nullptr);
-      ::execvp(cargv[0], cargv.data());
-      std::fprintf(stderr, "launch: cannot run '%s': %s\n", cargv[0], std::strerror(errno));
-      ::_exit(127);
-    }
-    ::setpgid(pid, pid);
-    ::close(out[1]), ::close(err[1]);
-    children[r] = Child{pid, out[0], err[0]};
-  }
-
+  // After the first failure the others get kGrace to exit by themselves, then SIGTERM, then
+  // (5 s later) SIGKILL.
+  using Clock = std::chrono::steady_clock;
   int first_failure = 0;
-  int running = options.nproc;
-  std::multiset<std::string> rank0_err;  // Rank 0's stderr lines so far.
   bool stopping = false;
-  auto stop_started = std::chrono::steady_clock::now();
-  auto failed_at = stop_started;
-  auto stop_all = [&](int sig) {
-    for (Child& c : children)
-      if (c.running) ::kill(-c.pid, sig);
-  };
-  while (running > 0 || std::any_of(children.begin(), children.end(), [](const Child& c) {
-           return c.out_fd >= 0 || c.err_fd >= 0;
-         })) {
-    std::vector<pollfd> fds;
-    std::vector<std::pair<int, bool>> owner;  // (rank, is_stderr) per pollfd.
-    for (int r = 0; r < options.nproc; ++r) {
-      if (children[r].out_fd >= 0)
-        fds.push_back({children[r].out_fd, POLLIN, 0}), owner.push_back({r, false});
-      if (children[r].err_fd >= 0)
-        fds.push_back({children[r].err_fd, POLLIN, 0}), owner.push_back({r, true});
-    }
-    if (!fds.empty()) ::poll(fds.data(), fds.size(), 100);
-    for (size_t i = 0; i < fds.size(); ++i) {
-      if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-      Child& c = children[owner[i].first];
-      const bool is_err = owner[i].second;
-      char buf[65536];
-      const ssize_t n = ::read(fds[i].fd, buf, sizeof(buf));
-      std::string& tail = is_err ? c.err_tail : c.out_tail;
-      const int rank = owner[i].first;
-      // Note [One copy of a shared error]: rank 0's stderr is shown as it comes; other ranks'
-      // stderr is held and shown at the end only where it differs from rank 0's, so an error
-      // every rank raised alike is printed once, as rank 0's.
-      auto emit = [&](const std::string& line) {
-        if (is_err && rank > 0) {
-          c.held_err.push_back(line);
-        } else {
-          (is_err ? std::cerr : std::cout) << "[rank " << rank << "] " << line << "\n";
-          if (is_err) rank0_err.insert(line);
-        }
-      };
-      if (n > 0) tail.append(buf, n);
-      take_lines(tail, n <= 0, emit);
-      (is_err ? std::cerr : std::cout).flush();
-      if (n <= 0) {
-        ::close(fds[i].fd);
-        (is_err ? c.err_fd : c.out_fd) = -1;
-      }
-    }
-    for (int r = 0; r < options.nproc; ++r) {
-      Child& c = children[r];
-      int status = 0;
-      if (!c.running || ::waitpid(c.pid, &status, WNOHANG) != c.pid) continue;
-      c.running = false;
-      --running;
-      const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      if (code != 0 && first_failure == 0 && !stopping) {
-        first_failure = code;
-        failed_at = std::chrono::steady_clock::now();
-        std::cerr << "[launch] rank " << r << " exited with code " << code
-                  << (running > 0 ? "; stopping the other ranks" : "") << "\n";
-      }
-    }
-    const auto now = std::chrono::steady_clock::now();
+  Clock::time_point failed_at, stop_started;
+  while (ranks.active()) {
+    ranks.pump_output();
+    const int failed = ranks.reap(first_failure != 0 || stopping);
+    const auto now = Clock::now();
+    if (failed != 0) first_failure = failed, failed_at = now;
     const bool grace_over = first_failure != 0 && now - failed_at > kGrace;
-    if ((grace_over || g_interrupted) && !stopping && running > 0) {
+    if ((grace_over || g_interrupted) && !stopping && ranks.running() > 0) {
       stopping = true;
       stop_started = now;
       if (first_failure == 0) first_failure = 130;
-      stop_all(SIGTERM);
-      stop_all(SIGCONT);  // A frozen (stopped) rank takes its SIGTERM now, not at SIGKILL.
+      ranks.signal_all(SIGTERM);
+      ranks.signal_all(SIGCONT);  // A frozen (stopped) rank takes its SIGTERM now, not at SIGKILL.
     }
-    if (stopping && running > 0 && now - stop_started > std::chrono::seconds(5)) {
-      stop_all(SIGKILL);
+    if (stopping && ranks.running() > 0 && now - stop_started > std::chrono::seconds(5)) {
+      ranks.signal_all(SIGKILL);
     }
-    if (fds.empty() && running > 0) ::usleep(20000);
   }
-  // Other ranks' stderr, where it differs from rank 0's (Note [One copy of a shared error]).
-  std::vector<int> alike;
-  for (int r = 1; r < options.nproc; ++r) {
-    std::multiset<std::string> shown = rank0_err;
-    bool repeated = false;
-    for (const std::string& line : children[r].held_err) {
-      auto it = shown.find(line);
-      if (it != shown.end()) {
-        shown.erase(it);
-        repeated = true;
-      } else {
-        std::cerr << "[rank " << r << "] " << line << "\n";
-      }
-    }
-    if (repeated) alike.push_back(r);
-  }
-  if (!alike.empty()) {
-    std::cerr << "[launch] rank";
-    if (alike.size() > 1) std::cerr << "s";
-    for (size_t i = 0; i < alike.size(); ++i) std::cerr << (i ? ", " : " ") << alike[i];
-    std::cerr << " printed the same as rank 0 (shown once)\n";
-  }
+  ranks.print_held_stderr();
   return first_failure;
 }
 

@@ -288,6 +288,115 @@ TrainOptions parse(const Argv& argv) {
   return o;
 }
 
+// The SP size from what the user gave: both sizes, one (the other derived), or neither (SP
+// only). Throws naming the given sizes when they do not fit `world_size` ranks.
+int sp_size_of(const TrainOptions& o, int world_size) {
+  const int W = world_size;
+  if (o.sp > 0 && o.dp > 0) {
+    TORCH_CHECK_VALUE(o.sp * o.dp == W, "train: --sp ", o.sp, " x --dp ", o.dp,
+                      " must equal the number of ranks (", W, ")");
+  } else if (o.dp > 0) {
+    TORCH_CHECK_VALUE(W % o.dp == 0, "train: --dp ", o.dp, " must divide the number of ranks (", W,
+                      "); the SP size is derived as ranks / --dp");
+  } else if (o.sp > 0) {
+    TORCH_CHECK_VALUE(W % o.sp == 0, "train: --sp ", o.sp, " must divide the number of ranks (", W,
+                      "); the DP size is derived as ranks / --sp");
+  }
+  return o.sp > 0 ? o.sp : o.dp > 0 ? W / o.dp : W;
+}
+
+// The step --resume continues from (0 without --resume). Every rank reads the checkpoint; a
+// bad file raises the same error on every rank.
+int64_t resume_step(Transformer& model, torch::optim::AdamW& optimizer, const TrainOptions& o,
+                    const Group& world) {
+  if (o.resume.empty()) return 0;
+  int64_t start = 0;
+  world.agree([&] {
+    start = load_checkpoint(model, optimizer, o);
+    return std::vector<int64_t>{};
+  });
+  if (start >= o.steps) {
+    throw UsageError("the checkpoint in '" + o.resume + "' is at step " + std::to_string(start) +
+                     ": --steps " + std::to_string(o.steps) +
+                     " leaves nothing to train (pass --steps > " + std::to_string(start) + ")");
+  }
+  if (world.rank() == 0)
+    std::cout << "resumed from " << o.resume << " at step " << start << std::endl;
+  return start;
+}
+
+// Linear warm-up, then cosine decay to a tenth of --lr at --lr-decay-steps (default --steps):
+// a function of the step alone, so a resumed run follows the uninterrupted run's schedule.
+double learning_rate(const TrainOptions& o, int64_t step) {
+  const int64_t horizon = o.decay_steps > 0 ? o.decay_steps : o.steps;
+  const double warm = std::min(1.0, (step + 1.0) / std::max<int64_t>(1, o.warmup));
+  const double progress =
+      std::min(1.0, static_cast<double>(step) / std::max<int64_t>(1, horizon - 1));
+  return o.lr * warm * (0.1 + 0.45 * (1.0 + std::cos(M_PI * progress)));
+}
+
+// The progress lines: loss, tokens/s, share of time in collectives and every rank's peak RSS,
+// averaged over the steps since the previous line.
+class ProgressLog {
+ public:
+  ProgressLog(const Mesh& mesh, int64_t tokens_per_step)
+      : mesh_(mesh), tokens_per_step_(tokens_per_step) {
+    // Every distinct group that carries training traffic (a mesh's SP group may be the world).
+    groups_.push_back(mesh.world);
+    for (const Group& g : {mesh.sp, mesh.dp})
+      if (g != mesh.world && g.size() > 1) groups_.push_back(g);
+    restart();
+  }
+
+  void step_done() { ++steps_; }
+
+  // Every rank calls it (the peak RSS is gathered); rank 0 prints.
+  void print(int64_t step, int64_t steps, double loss) {
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    const double comm = comm_seconds() - comm0_;
+    at::Tensor rss = mesh_.world.all_gather(at::tensor({proc_status_bytes("VmHWM")}, at::kLong));
+    if (mesh_.world.rank() == 0) {
+      std::ostringstream line;
+      line << "step " << step << "/" << steps << " loss " << std::fixed << std::setprecision(4)
+           << loss << " tok/s " << std::setprecision(0) << tokens_per_step_ * steps_ / seconds
+           << " comm " << std::setprecision(1) << 100.0 * comm / seconds << "% peak_rss_mb";
+      for (int r = 0; r < mesh_.world.size(); ++r)
+        line << (r ? "/" : " ") << mb(rss[r].item<int64_t>());
+      std::cout << line.str() << std::endl;
+    }
+    restart();
+  }
+
+ private:
+  double comm_seconds() const {
+    double s = 0;
+    for (const Group& g : groups_) s += g.collective_seconds();
+    return s;
+  }
+  void restart() {
+    start_ = std::chrono::steady_clock::now();
+    comm0_ = comm_seconds();
+    steps_ = 0;
+  }
+  const Mesh& mesh_;
+  const int64_t tokens_per_step_;
+  std::vector<Group> groups_;
+  std::chrono::steady_clock::time_point start_;
+  double comm0_ = 0;
+  int64_t steps_ = 0;
+};
+
+// Rank 0 prints every rank's peak RSS added since `setup_rss` (activations and buffers).
+void print_activation_memory(const Mesh& mesh, int64_t setup_rss) {
+  const int64_t activation = proc_status_bytes("VmHWM") - setup_rss;
+  at::Tensor act = mesh.world.all_gather(at::tensor({activation}, at::kLong));
+  if (mesh.world.rank() != 0) return;
+  std::cout << "activation memory per rank (peak RSS - RSS after setup), MB:";
+  for (int r = 0; r < mesh.world.size(); ++r) std::cout << " " << mb(act[r].item<int64_t>());
+  std::cout << std::endl;
+}
+
 }  // namespace
 
 int train_main(const Argv& argv, const Runtime& runtime) {
@@ -300,20 +409,7 @@ int train_main(const Argv& argv, const Runtime& runtime) {
       1, std::atoi(std::getenv("LOCAL_WORLD_SIZE") ? std::getenv("LOCAL_WORLD_SIZE") : "1"));
   at::set_num_threads(std::max<int>(1, std::thread::hardware_concurrency() / local_ranks));
   Group world = runtime.join_world(o.group);
-  // The mesh from what the user gave: both sizes, one (the other derived), or neither (SP only).
-  const int W = world.size();
-  if (o.sp > 0 && o.dp > 0) {
-    TORCH_CHECK_VALUE(o.sp * o.dp == W, "train: --sp ", o.sp, " x --dp ", o.dp,
-                      " must equal the number of ranks (", W, ")");
-  } else if (o.dp > 0) {
-    TORCH_CHECK_VALUE(W % o.dp == 0, "train: --dp ", o.dp, " must divide the number of ranks (", W,
-                      "); the SP size is derived as ranks / --dp");
-  } else if (o.sp > 0) {
-    TORCH_CHECK_VALUE(W % o.sp == 0, "train: --sp ", o.sp, " must divide the number of ranks (", W,
-                      "); the DP size is derived as ranks / --sp");
-  }
-  const int sp = o.sp > 0 ? o.sp : o.dp > 0 ? W / o.dp : W;
-  Mesh mesh = Mesh::create(world, sp, runtime.split);
+  Mesh mesh = Mesh::create(world, sp_size_of(o, world.size()), runtime.split);
   const bool lead = world.rank() == 0;
   const Data data(o);
   o.model.vocab = data.vocab();
@@ -332,71 +428,21 @@ int train_main(const Argv& argv, const Runtime& runtime) {
   }
   if (o.check) return run_check(model, o, data, mesh, seq);
 
-  int64_t start = 0;
-  if (!o.resume.empty()) {
-    // Every rank reads the checkpoint; a bad file raises the same error on every rank.
-    world.agree([&] {
-      start = load_checkpoint(model, optimizer, o);
-      return std::vector<int64_t>{};
-    });
-    if (start >= o.steps) {
-      throw UsageError("the checkpoint in '" + o.resume + "' is at step " + std::to_string(start) +
-                       ": --steps " + std::to_string(o.steps) +
-                       " leaves nothing to train (pass --steps > " + std::to_string(start) + ")");
-    }
-    if (lead) std::cout << "resumed from " << o.resume << " at step " << start << std::endl;
-  }
+  const int64_t start = resume_step(model, optimizer, o, world);
   const int64_t setup_rss = proc_status_bytes("VmRSS");
-  // Every distinct group that carries training traffic (a mesh's SP group may be the world).
-  std::vector<Group> comm_groups{mesh.world};
-  for (const Group& g : {mesh.sp, mesh.dp})
-    if (g != mesh.world && g.size() > 1) comm_groups.push_back(g);
-  auto comm_seconds = [&] {
-    double s = 0;
-    for (const Group& g : comm_groups) s += g.collective_seconds();
-    return s;
-  };
-  const int64_t tokens_per_step = o.batch * o.seq_len * mesh.dp.size();
-  const int64_t horizon = o.decay_steps > 0 ? o.decay_steps : o.steps;
-  // Progress is printed every --log-every steps, averaged over the steps since the last line.
-  auto interval_start = std::chrono::steady_clock::now();
-  double interval_comm0 = comm_seconds();
-  int64_t interval_steps = 0;
+  ProgressLog progress(mesh, o.batch * o.seq_len * mesh.dp.size());
   for (int64_t step = start; step < o.steps; ++step) {
-    // Linear warm-up, then cosine decay to a tenth of --lr at step `horizon` (a function of the
-    // step alone, so a resumed run follows the uninterrupted run's schedule).
-    const double warm = std::min(1.0, (step + 1.0) / std::max<int64_t>(1, o.warmup));
-    const double progress =
-        std::min(1.0, static_cast<double>(step) / std::max<int64_t>(1, horizon - 1));
-    const double lr = o.lr * warm * (0.1 + 0.45 * (1.0 + std::cos(M_PI * progress)));
     for (auto& group : optimizer.param_groups())
-      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(o, step));
     optimizer.zero_grad();
     const TokenBatch local = data.batch(0, step, mesh.dp.rank() * o.batch, o.batch);
     const ShardedLoss loss = forward_backward(model, shard_batch(local, seq, mesh.sp.rank()), mesh);
     if (o.clip > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), o.clip);
     optimizer.step();
-    ++interval_steps;
+    progress.step_done();
     const bool last = step + 1 == o.steps;
     if (step == start || last || (step + 1) % o.log_every == 0) {
-      const double seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - interval_start).count();
-      const double comm = comm_seconds() - interval_comm0;
-      // Peak RSS of every rank (outside the timed interval).
-      at::Tensor rss = mesh.world.all_gather(at::tensor({proc_status_bytes("VmHWM")}, at::kLong));
-      if (lead) {
-        std::ostringstream line;
-        line << "step " << step + 1 << "/" << o.steps << " loss " << std::fixed
-             << std::setprecision(4) << loss.global_loss << " tok/s " << std::setprecision(0)
-             << tokens_per_step * interval_steps / seconds << " comm " << std::setprecision(1)
-             << 100.0 * comm / seconds << "% peak_rss_mb";
-        for (int r = 0; r < world.size(); ++r)
-          line << (r ? "/" : " ") << mb(rss[r].item<int64_t>());
-        std::cout << line.str() << std::endl;
-      }
-      interval_start = std::chrono::steady_clock::now();
-      interval_comm0 = comm_seconds();
-      interval_steps = 0;
+      progress.print(step + 1, o.steps, loss.global_loss);
     }
     if (o.eval_every > 0 && ((step + 1) % o.eval_every == 0 || last)) {
       const double acc = evaluate(model, o, data, mesh, seq, step);
@@ -407,13 +453,7 @@ int train_main(const Argv& argv, const Runtime& runtime) {
       }
     }
   }
-  const int64_t activation = proc_status_bytes("VmHWM") - setup_rss;
-  at::Tensor act = mesh.world.all_gather(at::tensor({activation}, at::kLong));
-  if (lead) {
-    std::cout << "activation memory per rank (peak RSS - RSS after setup), MB:";
-    for (int r = 0; r < world.size(); ++r) std::cout << " " << mb(act[r].item<int64_t>());
-    std::cout << std::endl;
-  }
+  print_activation_memory(mesh, setup_rss);
   if (!o.save.empty()) {
     if (lead) save_checkpoint(model, optimizer, o, o.steps);
     world.barrier();
