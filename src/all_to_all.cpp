@@ -110,18 +110,22 @@ ExchangePlan seq_to_heads_plan(const std::vector<at::Tensor>& xs, const std::vec
   return ExchangePlan::seq_to_heads(plan.heads, plan.seq, group.rank(), kinds, elements);
 }
 
-// Sequence-sharded -> head-sharded for every tensor in `xs`, in one collective.
-std::vector<at::Tensor> seq_to_heads(const std::vector<at::Tensor>& xs,
-                                     const std::vector<Heads>& kinds, const AllToAllPlan& plan,
-                                     const Group& group) {
-  return exchange(xs, seq_to_heads_plan(xs, kinds, plan, group), plan.layout, group);
-}
-
-// Head-sharded -> sequence-sharded: the same exchange reversed (replicated kv heads summed).
-std::vector<at::Tensor> heads_to_seq(const std::vector<at::Tensor>& ys,
-                                     const std::vector<Heads>& kinds, const AllToAllPlan& plan,
-                                     const Group& group) {
-  return exchange(ys, seq_to_heads_plan(ys, kinds, plan, group).reversed(), plan.layout, group);
+// Runs the exchange `forward` on `xs` (no autograd inside) and records its backward: the same
+// exchange reversed, as c10d's AllToAllSingle swaps its splits.
+std::vector<at::Tensor> exchange_with_backward(const char* node, const std::vector<at::Tensor>& xs,
+                                               const ExchangePlan& forward, Layout layout,
+                                               const Group& group) {
+  std::vector<at::Tensor> outs;
+  {
+    at::NoGradGuard no_grad;
+    outs = exchange(xs, forward, layout, group);
+  }
+  detail::attach_backward(
+      xs, outs, node,
+      [backward = forward.reversed(), layout, group](std::vector<at::Tensor>&& grads) {
+        return exchange(grads, backward, layout, group);
+      });
+  return outs;
 }
 
 // Checks that `xs` match the agreed plan on this rank (`seq_sharded`: before scatter).
@@ -268,16 +272,8 @@ std::vector<at::Tensor> scatter_heads(const std::vector<at::Tensor>& xs,
                                       const Group& group) {
   check_against_plan("scatter_heads", xs, kinds, plan, group, /*seq_sharded=*/true);
   if (group.size() == 1) return xs;
-  std::vector<at::Tensor> outs;
-  {
-    at::NoGradGuard no_grad;
-    outs = seq_to_heads(xs, kinds, plan, group);
-  }
-  detail::attach_backward(xs, outs, "ScatterHeadsBackward",
-                          [kinds, plan, group](std::vector<at::Tensor>&& grads) {
-                            return heads_to_seq(grads, kinds, plan, group);
-                          });
-  return outs;
+  return exchange_with_backward("ScatterHeadsBackward", xs,
+                                seq_to_heads_plan(xs, kinds, plan, group), plan.layout, group);
 }
 
 std::vector<at::Tensor> gather_heads(const std::vector<at::Tensor>& ys,
@@ -285,16 +281,9 @@ std::vector<at::Tensor> gather_heads(const std::vector<at::Tensor>& ys,
                                      const Group& group) {
   check_against_plan("gather_heads", ys, kinds, plan, group, /*seq_sharded=*/false);
   if (group.size() == 1) return ys;
-  std::vector<at::Tensor> outs;
-  {
-    at::NoGradGuard no_grad;
-    outs = heads_to_seq(ys, kinds, plan, group);
-  }
-  detail::attach_backward(ys, outs, "GatherHeadsBackward",
-                          [kinds, plan, group](std::vector<at::Tensor>&& grads) {
-                            return seq_to_heads(grads, kinds, plan, group);
-                          });
-  return outs;
+  return exchange_with_backward("GatherHeadsBackward", ys,
+                                seq_to_heads_plan(ys, kinds, plan, group).reversed(), plan.layout,
+                                group);
 }
 
 at::Tensor scatter_heads(const at::Tensor& x, Heads heads, const AllToAllPlan& plan,

@@ -59,8 +59,10 @@ class StepContext {
 
 // Options of a DistributedAttention.
 struct AttentionOptions {
-  int64_t q_heads = 0;            // Total query heads Hq, >= 0; 0: taken from the first call's q.
-  int64_t kv_heads = 0;           // Total kv heads Hkv, >= 0; 0: taken from the first call's k.
+  // Total query heads Hq, >= 0; 0: taken from the first call's q. Hq >= the group size.
+  int64_t q_heads = 0;
+  // Total kv heads Hkv, >= 0; 0: taken from the first call's k. Hq must be a multiple of Hkv.
+  int64_t kv_heads = 0;
   Layout layout = Layout::kBSHD;  // Dimension order of q, k, v and the output.
   bool causal = false;            // Causal attention (within each document when packed).
   double scale = 0.0;             // Softmax scale; 0 means 1/sqrt(D).
