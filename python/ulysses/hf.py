@@ -1,0 +1,186 @@
+"""Hugging Face ``transformers`` models with Ulysses sequence parallelism.
+
+Importing this module registers the attention implementation ``"ulysses"`` (and its mask
+function) with ``transformers``, so a model built with
+``AutoModelForCausalLM.from_config(cfg, attn_implementation="ulysses")`` (or switched with
+:func:`sequence_parallel`) runs every attention through a :class:`ulysses.DistributedAttention`
+owned by that attention module: head counts come from the module's own q and k (GQA, MQA and
+uneven heads over the group work; two models with different head counts share a process).
+
+Each rank runs the model on its sequence shard (:func:`shard_batch`), with *global* position
+ids (RoPE and packed documents need them). Masks are honoured, not dropped:
+
+- a 2-D padding mask ``[B, S_r]`` (this rank's columns) is gathered into a key mask ``[B, 1, 1, S]``;
+- a 4-D mask given to the model (e.g. ``[B, 1, S_r, S]``, query rows sharded) is rebuilt by the
+  mask rules of ``DistributedAttention``;
+- packed sequences (position ids restarting at 0) attend within their document only.
+
+:func:`sequence_parallel_loss` gives the exact global token mean over the group, and
+:func:`all_reduce_gradients` sums gradients over the SP x DP ranks that share the loss.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from . import ops as O
+from .attention import DistributedAttention
+
+IMPLEMENTATION = "ulysses"
+IGNORE_INDEX = -100
+
+
+def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                  attention_mask=None, **kwargs):
+    """The mask function of the "ulysses" implementation: the 2-D padding mask as it is (the
+    attention gathers it), never a locally built causal mask ([S_r, S_r] would be key-sharded).
+    Unlike flash-attention's, it never drops an all-true mask: that is a per-rank decision, and
+    every rank must pass the same kind of mask."""
+    return attention_mask
+
+
+def _attention_of(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> DistributedAttention:
+    attention = module.__dict__.get("_ulysses_attention")
+    if attention is None:
+        group = module.__dict__.get("_ulysses_group")  # set by sequence_parallel(); else the world
+        timeout = module.__dict__.get("_ulysses_timeout")
+        attention = DistributedAttention(group, q_heads=query.shape[1], kv_heads=key.shape[1],
+                                         layout="BHSD", causal=getattr(module, "is_causal", True),
+                                         timeout=timeout)
+        object.__setattr__(module, "_ulysses_attention", attention)  # state, not a submodule
+    return attention
+
+
+def ulysses_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                              value: torch.Tensor, attention_mask: torch.Tensor | None,
+                              dropout: float = 0.0, scaling: float | None = None,
+                              is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """``transformers``' attention interface: q ``[B, Hq, S_r, D]``, k/v ``[B, Hkv, S_r, D]`` on
+    this rank's shard -> ``([B, S_r, Hq, D], None)``."""
+    if dropout and module.training:
+        raise NotImplementedError("ulysses attention: attention dropout is not supported; set the "
+                                  "model's attention_dropout to 0")
+    for unsupported in ("softcap", "position_bias", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise NotImplementedError(f"ulysses attention: {unsupported} is not supported")
+    attention = _attention_of(module, query, key)
+    if is_causal is not None and bool(is_causal) != attention.causal:
+        raise ValueError(f"ulysses attention: is_causal={is_causal} but the module's attention "
+                         f"was built with causal={attention.causal}")
+    group, timeout = attention.group_name, attention.timeout_ms / 1000
+    seq_lens = kwargs.get("ulysses_seq_lens") or O.sequence_lengths(query, 2, group, timeout)
+    window = kwargs.get("sliding_window")
+    if window is not None and window < sum(seq_lens):
+        raise NotImplementedError(f"ulysses attention: sliding-window attention (window {window} < "
+                                  f"{sum(seq_lens)} tokens) is not supported")
+    mask = attention_mask
+    if mask is not None and mask.dim() == 2:  # padding [B, S_r] -> key mask [B, 1, 1, S]
+        mask = O.all_gather_sequence(mask.bool(), -1, seq_lens, group, timeout)[:, None, None, :]
+    attention.scale = scaling
+    out = attention(query, key, value, mask=mask, position_ids=kwargs.get("position_ids"),
+                    seq_lens=seq_lens)
+    return out.transpose(1, 2), None
+
+
+AttentionInterface.register(IMPLEMENTATION, ulysses_attention_forward)
+AttentionMaskInterface.register(IMPLEMENTATION, _padding_mask)
+
+
+def sequence_parallel(model: torch.nn.Module, group=None, *,
+                      timeout: datetime.timedelta | float | None = None) -> torch.nn.Module:
+    """Makes ``model`` (a ``transformers`` PreTrainedModel) run attention through ulysses over
+    ``group`` (a ProcessGroup or group name; None: the default group). Turns the KV cache off
+    (training; a cache of sharded keys would be wrong). Returns the model."""
+    name = O.group_name(group)
+    model.set_attn_implementation(IMPLEMENTATION)
+    model.config.use_cache = False
+    for module in model.modules():
+        object.__setattr__(module, "_ulysses_group", name)
+        object.__setattr__(module, "_ulysses_timeout", timeout)
+        module.__dict__.pop("_ulysses_attention", None)
+    return model
+
+
+def _even_seq_lens(S: int, P: int) -> list[int]:
+    return [S // P + (r < S % P) for r in range(P)]
+
+
+def shard_batch(batch: Mapping[str, torch.Tensor], group=None, *,
+                ignore_index: int = IGNORE_INDEX) -> dict:
+    """This rank's shard of an unsharded causal-LM batch ``{"input_ids": [B, S], "labels":
+    [B, S] (optional: input_ids), "attention_mask": [B, S] (optional), "position_ids": [B, S]
+    (optional: 0..S-1)}``.
+
+    Labels are shifted on the full sequence first (token t predicts label t+1; the last token
+    and every position whose input or target is padding predict ``ignore_index``), so no label
+    is lost at a shard boundary. S need not
+    divide by the group size (the first S % P ranks take one token more). Returns the sharded
+    ``input_ids``, ``attention_mask`` (if given), global ``position_ids``, ``shift_labels`` (pass
+    them to :func:`sequence_parallel_loss`, not to the model) and ``seq_lens``.
+    """
+    name = O.group_name(group)
+    pg = torch._C._distributed_c10d._resolve_process_group(name)
+    rank, P = pg.rank(), pg.size()
+    input_ids = batch["input_ids"]
+    B, S = input_ids.shape
+    labels = batch.get("labels", input_ids)
+    shift = torch.full_like(labels, ignore_index)
+    shift[:, :-1] = labels[:, 1:]
+    mask = batch.get("attention_mask")
+    if mask is not None:  # Neither a padding target nor a padding input (it has no context).
+        pad = ~mask.bool()
+        shift[:, :-1] = shift[:, :-1].masked_fill(pad[:, 1:] | pad[:, :-1], ignore_index)
+    positions = batch.get("position_ids")
+    if positions is None:
+        positions = torch.arange(S, device=input_ids.device).expand(B, S)
+    lens = _even_seq_lens(S, P)
+    start = sum(lens[:rank])
+    cut = lambda t: t[:, start:start + lens[rank]]  # noqa: E731
+    out = {"input_ids": cut(input_ids), "position_ids": cut(positions), "shift_labels": cut(shift),
+           "seq_lens": lens}
+    if mask is not None:
+        out["attention_mask"] = cut(mask)
+    return out
+
+
+def sequence_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group=None, *,
+                           ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of this rank's ``logits [B, S_r, V]`` against its (already shifted)
+    labels, normalised by the token count of the whole ``group``: the sum over ranks of the
+    returned loss is the exact global token mean (ignored labels excluded). Returns ``(loss to
+    backpropagate on this rank, the global mean, detached)``; sum gradients over the group with
+    :func:`all_reduce_gradients`."""
+    name = O.group_name(group)
+    pg = torch._C._distributed_c10d._resolve_process_group(name)
+    local_sum = F.cross_entropy(logits.float().flatten(0, 1), shift_labels.flatten(),
+                                ignore_index=ignore_index, reduction="sum")
+    stats = torch.stack([local_sum.detach(), (shift_labels != ignore_index).sum().to(local_sum.dtype)])
+    pg.allreduce([stats]).wait()
+    count = stats[1].clamp_min(1)
+    return local_sum / count, stats[0] / count
+
+
+def all_reduce_gradients(model: torch.nn.Module, group=None) -> None:
+    """Sums every parameter gradient over ``group`` (the SP x DP ranks whose losses
+    :func:`sequence_parallel_loss` normalised together), in one flat collective."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    pg = torch._C._distributed_c10d._resolve_process_group(O.group_name(group))
+    pg.allreduce([flat]).wait()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+__all__ = ["IMPLEMENTATION", "sequence_parallel", "shard_batch", "sequence_parallel_loss",
+           "all_reduce_gradients", "ulysses_attention_forward"]
