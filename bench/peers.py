@@ -1,0 +1,314 @@
+"""ulysses side by side with its peers on identical inputs over the same Gloo world:
+DeepSpeed's ``deepspeed.sequence.layer.DistributedAttention`` and yunchang's
+``LongContextAttention`` (torch attention); the peers attend locally with SDPA, ulysses with
+its fused CPU kernel.
+
+    python bench/peers.py [--nproc 4] [--json FILE]
+
+Peers are optional extras (``DS_BUILD_OPS=0 pip install --no-build-isolation '.[peers]'``);
+a peer that is not installed is reported as such. Prints, and writes as JSON:
+
+1. a correctness matrix against a single-rank float64 reference (forward output and q/k/v
+   gradients), each case on a fresh process group with a 20 s timeout: exact / error / silently
+   wrong / hang;
+2. time of the all-to-all chain and of the attention layer forward+backward per system, as
+   ratios to ulysses measured in the same run (slowest rank, median), and peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+TIMEOUT = datetime.timedelta(seconds=20)
+
+
+# ---- Systems: each builds a layer (q, k, v [B, S_r, H, D], key mask or None) -> [B, S_r, Hq, D].
+
+def local_sdpa(q, k, v, key_mask=None, causal=False):
+    """SDPA on [B, S, H, D] tensors with GQA by repeating kv heads; key_mask [B, S] bool."""
+    rep = q.shape[2] // k.shape[2]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    mask = None
+    if key_mask is not None:
+        mask = key_mask[:, None, None, :]
+        if causal:
+            mask = mask & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
+    return out.transpose(1, 2)
+
+
+def make_ulysses(group, causal):
+    import ulysses
+
+    attn = ulysses.DistributedAttention(group, causal=causal, timeout=TIMEOUT)
+
+    def layer(q, k, v, key_mask=None):
+        mask = None
+        if key_mask is not None:  # this shard's key columns -> a key mask over all S keys
+            lens = ulysses.sequence_lengths(key_mask, 1, group)
+            mask = ulysses.all_gather_sequence(key_mask, 1, lens, group)[:, None, None, :]
+        return attn(q, k, v, mask=mask)
+
+    return layer
+
+
+def make_deepspeed(group, causal):
+    import deepspeed
+    from deepspeed.sequence.layer import DistributedAttention
+
+    deepspeed.init_distributed(dist_backend="gloo")  # adopts the torch.distributed world
+
+    def local(q, k, v, key_mask=None):
+        return local_sdpa(q, k, v, key_mask, causal)
+
+    attn = DistributedAttention(local, group, scatter_idx=2, gather_idx=1)
+
+    def layer(q, k, v, key_mask=None):
+        return attn(q, k, v, 0, key_mask) if key_mask is not None else attn(q, k, v, 0)
+
+    return layer
+
+
+def make_yunchang(group, causal):
+    # yunchang's Ulysses all-to-all (SeqAllToAll4D) around SDPA: its own torch attention types
+    # have no backward on CPU ("Not implemented backward for PyTorch attention types").
+    from yunchang.comm.all_to_all import SeqAllToAll4D
+
+    def layer(q, k, v, key_mask=None):
+        if key_mask is not None:
+            raise NotImplementedError("yunchang's Ulysses attention takes no attention mask")
+        q, k, v = (SeqAllToAll4D.apply(group, t, 2, 1, False) for t in (q, k, v))
+        return SeqAllToAll4D.apply(group, local_sdpa(q, k, v, None, causal), 1, 2, False)
+
+    return layer
+
+
+SYSTEMS = {"ulysses": make_ulysses, "deepspeed": make_deepspeed, "yunchang": make_yunchang}
+
+
+def available(name: str) -> str:
+    try:
+        __import__({"ulysses": "ulysses", "deepspeed": "deepspeed.sequence.layer", "yunchang": "yunchang"}[name])
+        return ""
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        return f"not installed ({type(e).__name__})"
+
+
+# ---- Correctness matrix.
+
+CASES = [
+    # name, S, Hq, Hkv, padding, causal
+    ("even heads", 16, 8, 8, False, True),
+    ("uneven heads (15)", 16, 15, 15, False, True),
+    ("GQA 8/2 (Hkv < P)", 16, 8, 2, False, True),
+    ("S not divisible by P", 18, 8, 8, False, True),
+    ("padding mask", 16, 8, 8, True, True),
+]
+
+
+def shard_lens(S, P):
+    return [S // P + (r < S % P) for r in range(P)]
+
+
+def reference(q, k, v, key_mask, causal):
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    out = local_sdpa(q, k, v, key_mask, causal)
+    if key_mask is not None:  # rows with no allowed key are 0 in every system
+        out = out.nan_to_num(0.0)
+    return out, q, k, v
+
+
+def run_case(system, case, P, rank):
+    name, S, hq, hkv, padding, causal = case
+    gen = torch.Generator().manual_seed(11)
+    B, D = 2, 8
+    Q, K, V = (torch.randn(B, S, h, D, generator=gen) for h in (hq, hkv, hkv))
+    dO = torch.randn(B, S, hq, D, generator=gen)
+    key_mask = None
+    if padding:
+        key_mask = torch.ones(B, S, dtype=torch.bool)
+        key_mask[1, :5] = False  # left padding on row 1
+    ref, rq, rk, rv = reference(Q, K, V, key_mask, causal)
+    (ref * dO.double()).sum().backward()
+    lens = shard_lens(S, P)
+    lo, n = sum(lens[:rank]), lens[rank]
+    group = dist.new_group(list(range(P)), timeout=TIMEOUT)
+    try:
+        layer = SYSTEMS[system](group, causal)
+        q, k, v = (t[:, lo:lo + n].clone().requires_grad_() for t in (Q, K, V))
+        out = layer(q, k, v, None if key_mask is None else key_mask[:, lo:lo + n])
+        (out * dO[:, lo:lo + n]).sum().backward()
+        errors = [(out - ref[:, lo:lo + n]).abs().max() / ref.abs().max()]
+        for got, want in ((q.grad, rq.grad), (k.grad, rk.grad), (v.grad, rv.grad)):
+            errors.append((got - want[:, lo:lo + n]).abs().max() / want.abs().max())
+        err = max(e.item() for e in errors)
+        return ("exact" if err < 1e-4 else "silently wrong", f"max rel. error {err:.1e}")
+    except Exception as e:  # noqa: BLE001 - the outcome being measured
+        text = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:110]
+        hang = "timed out" in text.lower() or "timeout" in text.lower()
+        return ("hang" if hang else "error", text)
+
+
+def run_two_models(system, P, rank):
+    """Two attention instances with different head counts (8/4, then 12/12, then 8/4 again) in
+    one process: the second must not change how the first shards."""
+    results = []
+    for case in (("m1", 16, 8, 4, False, True), ("m2", 16, 12, 12, False, True), ("m1", 16, 8, 4, False, True)):
+        results.append(run_case(system, case, P, rank))
+    worst = next((r for r in results if r[0] != "exact"), results[0])
+    return worst
+
+
+# ---- Timing.
+
+def timed(fn, group, repeats):
+    fn()
+    samples = []
+    for _ in range(repeats):
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        fn()
+        t = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        samples.append(t.item() * 1e3)
+    return statistics.median(samples)
+
+
+def measure_time(system, P, rank, S, hq, hkv, repeats):
+    group = dist.new_group(list(range(P)), timeout=TIMEOUT)
+    layer = SYSTEMS[system](group, True)
+    gen = torch.Generator().manual_seed(rank)
+    n = S // P
+    q = torch.randn(1, n, hq, 64, generator=gen, requires_grad=True)
+    k = torch.randn(1, n, hkv, 64, generator=gen, requires_grad=True)
+    v = torch.randn(1, n, hkv, 64, generator=gen, requires_grad=True)
+
+    def step():
+        for t in (q, k, v):
+            t.grad = None
+        layer(q, k, v).sum().backward()
+
+    step()  # warm-up, then the peak RSS one step adds (the high-water mark reset first)
+    rss = lambda key: int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith(key)))  # noqa: E731
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = rss("VmRSS:")
+    step()
+    peak = torch.tensor([rss("VmHWM:") - before], dtype=torch.long)
+    ms = timed(step, group, repeats)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    return ms, int(peak.item()) // 1024
+
+
+# ---- Driver: every case in a fresh world of processes, so a crash or hang is an outcome.
+
+def worker(rank, P, store_dir, task, args, out_dir):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=P,
+                            timeout=TIMEOUT)
+    kind, system, case = task
+    if kind == "case":
+        result = run_two_models(system, P, rank) if case[1] == 0 else run_case(system, case, P, rank)
+    else:
+        S, hq, hkv = case
+        ms, peak = measure_time(system, P, rank, S, hq, hkv, args.repeats)
+        result = {"layer_ms": ms, "peak_mb": peak}
+    with open(os.path.join(out_dir, str(rank)), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def run_world(P, task, args, limit_s=90):
+    """Runs `task` on P fresh processes; returns rank 0's result, or ("crash"/"hang", detail)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(worker, args=(P, tmp, task, args, tmp), nprocs=P, start_method="spawn",
+                                 join=False)
+        deadline = time.monotonic() + limit_s
+        try:
+            while not ctx.join(timeout=1):
+                if time.monotonic() > deadline:
+                    for proc in ctx.processes:
+                        proc.kill()
+                    return ("hang", f"no result after {limit_s} s")
+        except mp.ProcessExitedException as e:
+            for proc in ctx.processes:
+                proc.kill()
+            return ("crash", str(e).splitlines()[0][:110])
+        except mp.ProcessRaisedException as e:
+            last = str(e).strip().splitlines()[-1][:110]
+            return ("hang" if "timed out" in last.lower() else "error", last)
+        with open(os.path.join(tmp, "0")) as f:
+            return json.load(f)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", default="")
+    args = p.parse_args()
+    P = args.nproc
+    rows, timing = [], []
+    for system in SYSTEMS:
+        missing = available(system)
+        for case in CASES + [("two models, different heads", 0, 0, 0, False, True)]:
+            outcome = ("not run", missing) if missing else run_world(P, ("case", system, case), args)
+            rows.append({"system": system, "case": case[0], "outcome": outcome[0], "detail": outcome[1]})
+            print(f"  {system:10s} {case[0]:28s} {outcome[0]}", flush=True)
+    for S, hq, hkv in [(args.seq_len, 8, 8), (args.seq_len, 8, 2)]:
+        for system in SYSTEMS:
+            if available(system):
+                continue
+            r = run_world(P, ("time", system, (S, hq, hkv)), args, limit_s=600)
+            entry = {"system": system, "seq_len": S, "q_heads": hq, "kv_heads": hkv}
+            entry.update(r if isinstance(r, dict) else {"error": f"{r[0]}: {r[1]}"})
+            timing.append(entry)
+    result = {"nproc": P, "matrix": rows, "timing": timing}
+    print(f"correctness vs a single-rank float64 reference, P={args.nproc}, fp32, forward and q/k/v gradients")
+    systems = list(SYSTEMS)
+    cases = list(dict.fromkeys(r["case"] for r in result["matrix"]))
+    cell = {(r["system"], r["case"]): r for r in result["matrix"]}
+    width = max(len(c) for c in cases) + 2
+    print("case".ljust(width) + "".join(s.ljust(18) for s in systems))
+    for c in cases:
+        print(c.ljust(width) + "".join(cell[(s, c)]["outcome"].ljust(18) for s in systems))
+    print("\ndetails:")
+    for r in result["matrix"]:
+        if r["outcome"] != "exact":
+            print(f"  {r['system']:10s} {r['case']:28s} {r['detail']}")
+    print(f"\nattention layer forward+backward (all-to-alls + local SDPA), causal, B=1, D=64, "
+          f"slowest rank, median of {args.repeats}; ratio = system / ulysses")
+    base = {(t["seq_len"], t["kv_heads"]): t["layer_ms"] for t in result["timing"]
+            if t["system"] == "ulysses" and "layer_ms" in t}
+    for t in result["timing"]:
+        key = (t["seq_len"], t["kv_heads"])
+        if "layer_ms" in t:
+            ratio = t["layer_ms"] / base[key] if key in base else float("nan")
+            print(f"  S={t['seq_len']} Hq={t['q_heads']} Hkv={t['kv_heads']} {t['system']:10s} "
+                  f"{t['layer_ms']:9.1f} ms  x{ratio:5.2f}  peak +{t['peak_mb']} MB")
+        else:
+            print(f"  S={t['seq_len']} Hq={t['q_heads']} Hkv={t['kv_heads']} {t['system']:10s} {t['error']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
