@@ -99,6 +99,28 @@ def make_yunchang(group, causal):
 SYSTEMS = {"ulysses": make_ulysses, "deepspeed": make_deepspeed, "yunchang": make_yunchang}
 
 
+def a2a_chain(system, group, q, k, v):
+    """The forward all-to-alls around attention alone: q, k, v to head sharding, and q's shape
+    back to sequence sharding (as o would travel)."""
+    if system == "ulysses":
+        import ulysses
+
+        lens = [q.shape[1]] * dist.get_world_size(group)
+        qh, kh, vh = ulysses.scatter_heads([q, k, v], ["q", "kv", "kv"], q.shape[2], k.shape[2], lens,
+                                           group=group)
+        return ulysses.gather_heads([qh], ["q"], q.shape[2], k.shape[2], lens, group=group)[0]
+    if system == "deepspeed":
+        from deepspeed.sequence.layer import _SeqAllToAll
+
+        qh, kh, vh = (_SeqAllToAll.apply(group, t, 2, 1, 0, None, None, "x", True, k.shape[2])
+                      for t in (q, k, v))
+        return _SeqAllToAll.apply(group, qh, 1, 2, 0, None, None, "x", True, k.shape[2])
+    from yunchang.comm.all_to_all import SeqAllToAll4D
+
+    qh, kh, vh = (SeqAllToAll4D.apply(group, t, 2, 1, False) for t in (q, k, v))
+    return SeqAllToAll4D.apply(group, qh, 1, 2, False)
+
+
 def available(name: str) -> str:
     try:
         __import__({"ulysses": "ulysses", "deepspeed": "deepspeed.sequence.layer", "yunchang": "yunchang"}[name])
@@ -210,7 +232,9 @@ def measure_time(system, P, rank, S, hq, hkv, repeats):
     peak = torch.tensor([rss("VmHWM:") - before], dtype=torch.long)
     ms = timed(step, group, repeats)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    return ms, int(peak.item()) // 1024
+    with torch.no_grad():
+        a2a_ms = timed(lambda: a2a_chain(system, group, q, k, v), group, repeats)
+    return ms, int(peak.item()) // 1024, a2a_ms
 
 
 # ---- Driver: every case in a fresh world of processes, so a crash or hang is an outcome.
@@ -225,8 +249,8 @@ def worker(rank, P, store_dir, task, args, out_dir):
         result = run_two_models(system, P, rank) if case[1] == 0 else run_case(system, case, P, rank)
     else:
         S, hq, hkv = case
-        ms, peak = measure_time(system, P, rank, S, hq, hkv, args.repeats)
-        result = {"layer_ms": ms, "peak_mb": peak}
+        ms, peak, a2a_ms = measure_time(system, P, rank, S, hq, hkv, args.repeats)
+        result = {"layer_ms": ms, "peak_mb": peak, "a2a_ms": a2a_ms}
     with open(os.path.join(out_dir, str(rank)), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -286,23 +310,27 @@ def main():
     cases = list(dict.fromkeys(r["case"] for r in result["matrix"]))
     cell = {(r["system"], r["case"]): r for r in result["matrix"]}
     width = max(len(c) for c in cases) + 2
-    print("case".ljust(width) + "".join(s.ljust(18) for s in systems))
+    print(("case".ljust(width) + "".join(s.ljust(18) for s in systems)).rstrip())
     for c in cases:
-        print(c.ljust(width) + "".join(cell[(s, c)]["outcome"].ljust(18) for s in systems))
+        print((c.ljust(width) + "".join(cell[(s, c)]["outcome"].ljust(18) for s in systems)).rstrip())
     print("\ndetails:")
     for r in result["matrix"]:
         if r["outcome"] != "exact":
             print(f"  {r['system']:10s} {r['case']:28s} {r['detail']}")
-    print(f"\nattention layer forward+backward (all-to-alls + local SDPA), causal, B=1, D=64, "
-          f"slowest rank, median of {args.repeats}; ratio = system / ulysses")
-    base = {(t["seq_len"], t["kv_heads"]): t["layer_ms"] for t in result["timing"]
+    print(f"\ntime, B=1, D=64, fp32, slowest rank, median of {args.repeats}; x = system / ulysses in "
+          f"this run. a2a: the forward all-to-alls alone (q, k, v in; o out). layer: attention "
+          f"forward+backward, causal; peak: RSS one layer step adds")
+    base = {(t["seq_len"], t["kv_heads"]): t for t in result["timing"]
             if t["system"] == "ulysses" and "layer_ms" in t}
     for t in result["timing"]:
         key = (t["seq_len"], t["kv_heads"])
         if "layer_ms" in t:
-            ratio = t["layer_ms"] / base[key] if key in base else float("nan")
+            b = base.get(key, {})
+            xa = t["a2a_ms"] / b["a2a_ms"] if b else float("nan")
+            xl = t["layer_ms"] / b["layer_ms"] if b else float("nan")
             print(f"  S={t['seq_len']} Hq={t['q_heads']} Hkv={t['kv_heads']} {t['system']:10s} "
-                  f"{t['layer_ms']:9.1f} ms  x{ratio:5.2f}  peak +{t['peak_mb']} MB")
+                  f"a2a {t['a2a_ms']:7.1f} ms x{xa:5.2f}   layer {t['layer_ms']:7.1f} ms x{xl:5.2f}   "
+                  f"peak +{t['peak_mb']} MB")
         else:
             print(f"  S={t['seq_len']} Hq={t['q_heads']} Hkv={t['kv_heads']} {t['system']:10s} {t['error']}")
     if args.json:
