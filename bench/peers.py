@@ -258,8 +258,14 @@ def worker(rank, P, store_dir, task, args, out_dir):
 
 def run_world(P, task, args, limit_s=90):
     """Runs `task` on P fresh processes; returns rank 0's result, or ("crash"/"hang", detail)."""
+    import glob
     import torch.multiprocessing as mp
 
+    # One world runs at a time, so a JIT-build lock left by a killed world (DeepSpeed builds its
+    # CPU comm op through torch.utils.cpp_extension at init) is stale: without this every later
+    # DeepSpeed world waits on it forever.
+    for lock in glob.glob(os.path.expanduser("~/.cache/torch_extensions/*/*/lock")):
+        os.remove(lock)
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(worker, args=(P, tmp, task, args, tmp), nprocs=P, start_method="spawn",
                                  join=False)
@@ -300,7 +306,7 @@ def main():
         for system in SYSTEMS:
             if available(system):
                 continue
-            r = run_world(P, ("time", system, (S, hq, hkv)), args, limit_s=600)
+            r = run_world(P, ("time", system, (S, hq, hkv)), args, limit_s=180)
             entry = {"system": system, "seq_len": S, "q_heads": hq, "kv_heads": hkv}
             entry.update(r if isinstance(r, dict) else {"error": f"{r[0]}: {r[1]}"})
             timing.append(entry)

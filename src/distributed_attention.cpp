@@ -19,12 +19,9 @@ at::Tensor restrict_mask(const c10::optional<at::Tensor>& mask, const at::Tensor
   return mask->masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
 }
 
-// Note [Local attention by device]: CUDA tensors, and CPU fp32/bf16 attention without a mask
-// or packed documents, use at::scaled_dot_product_attention (kv heads expanded through the kv
-// map; packed documents folded into the mask on CUDA), which picks its flash backend: on this
-// machine's CPU it is ~1.5x faster than our fused kernel (see `ulysses bench attention`). CPU
-// attention with a mask or packed documents uses our fused kernel: it never materialises
-// [S, S], skips tiles across documents, and gives a row with no allowed key 0 (SDPA: NaN).
+// Note [Local attention by device]: CPU tensors use our fused kernel. CUDA tensors use
+// at::scaled_dot_product_attention (kv heads expanded through the kv map, packed documents
+// folded into the mask), which picks the flash or memory-efficient backend.
 at::Tensor sdpa_attention(const LocalAttentionArgs& a) {
   at::Tensor map = at::tensor(a.kv_map, a.q.options().dtype(at::kLong));
   at::Tensor k = a.k.index_select(1, map), v = a.v.index_select(1, map);
@@ -44,8 +41,7 @@ at::Tensor sdpa_attention(const LocalAttentionArgs& a) {
 
 LocalAttention default_local_attention() {
   return [](const LocalAttentionArgs& args) {
-    const bool plain = !args.mask && !args.positions && args.q.scalar_type() != at::kDouble;
-    return args.q.is_cpu() && !plain ? flash_attention(args) : sdpa_attention(args);
+    return args.q.is_cpu() ? flash_attention(args) : sdpa_attention(args);
   };
 }
 

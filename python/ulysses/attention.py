@@ -181,13 +181,12 @@ class DistributedAttention(nn.Module):
         return O._ops.gather_heads([o.permute(self._from_bhsd)], ["q"], *args, self.layout, group, t)[0]
 
     def _local(self, q, k, v, kv_map, mask, positions):
-        # Note [Local attention by device] (distributed_attention.cpp): our fused kernel for CPU
-        # attention with a mask or packed documents; SDPA otherwise (flash backends).
-        plain = mask is None and positions is None
-        if q.device.type == "cpu" and q.dtype != torch.float64 and not plain:
+        if q.device.type == "cpu" and q.dtype != torch.float64:
             out, _ = O._ops.flash_attention(q, k, v, kv_map, mask, positions, self.causal,
                                             0.0 if self.scale is None else float(self.scale))
             return out
+        # Note [Local attention by device]: other devices use SDPA (flash / memory-efficient
+        # backends on CUDA) with kv heads expanded through the kv map.
         if positions is not None:
             raise NotImplementedError("DistributedAttention: packed documents (position_ids) "
                                       f"are implemented by the CPU kernel only; got {q.device}")
