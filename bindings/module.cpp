@@ -99,6 +99,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("plan", &plan, py::arg("q_heads"), py::arg("kv_heads"), py::arg("sp"),
         py::arg("seq_len") = py::none());
   m.def(
+      "sequence_split",
+      [](int64_t seq_len, int64_t sp) { return SequencePartition::even(seq_len, sp).lengths(); },
+      py::arg("seq_len"), py::arg("sp"),
+      "Every rank's token count when `seq_len` tokens are split evenly over `sp` ranks (the "
+      "first `seq_len % sp` ranks hold one more).");
+  m.def(
       "rebuilt_mask_shape",
       [](const std::vector<int64_t>& sizes, int64_t q_heads, int64_t kv_heads,
          const std::vector<int64_t>& seq_lens, int64_t rank) {

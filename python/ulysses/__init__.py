@@ -9,14 +9,17 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
 from .attention import DistributedAttention, StepContext
+from .auto import autosp, mark_sequence
 from .ops import (
     all_gather_sequence,
+    all_reduce_gradients,
     flash_attention,
     gather_heads,
     rebuild_mask,
     reduce_scatter_sequence,
     scatter_heads,
     sequence_lengths,
+    sum_over_group,
 )
 
 __version__ = "0.2.0"
@@ -43,11 +46,15 @@ __all__ = [
     "DistributedAttention",
     "StepContext",
     "all_gather_sequence",
+    "all_reduce_gradients",
+    "autosp",
     "flash_attention",
     "gather_heads",
+    "mark_sequence",
     "plan",
     "rebuild_mask",
     "reduce_scatter_sequence",
     "scatter_heads",
     "sequence_lengths",
+    "sum_over_group",
 ]

@@ -176,26 +176,30 @@ class DistributedAttention(nn.Module):
             position_ids = step.get(position_ids, ("positions", tuple(seq_lens)), build) if step else build()
         perm = self._to_bhsd
         kv_map = _local_kv_map(hq, hkv, self.sp_size, self.rank)
-        o = self._local(qh.permute(perm), kh.permute(perm), vh.permute(perm), kv_map, mask,
-                        position_ids)
+        o = local_attention(qh.permute(perm), kh.permute(perm), vh.permute(perm), kv_map, mask,
+                            position_ids, self.causal, self.scale)
         return O._ops.gather_heads([o.permute(self._from_bhsd)], ["q"], *args, self.layout, group, t)[0]
 
-    def _local(self, q, k, v, kv_map, mask, positions):
-        if q.device.type == "cpu" and q.dtype != torch.float64:
-            out, _ = O._ops.flash_attention(q, k, v, kv_map, mask, positions, self.causal,
-                                            0.0 if self.scale is None else float(self.scale))
-            return out
-        # Note [Local attention by device]: other devices use SDPA (flash / memory-efficient
-        # backends on CUDA) with kv heads expanded through the kv map.
-        if positions is not None:
-            raise NotImplementedError("DistributedAttention: packed documents (position_ids) "
-                                      f"are implemented by the CPU kernel only; got {q.device}")
-        index = torch.tensor(kv_map, device=q.device)
-        k, v = k.index_select(1, index), v.index_select(1, index)
-        if self.causal and mask is not None:
-            S = q.shape[2]
-            tril = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
-            mask = mask & tril if mask.dtype == torch.bool else mask.masked_fill(~tril, float("-inf"))
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal,
-                                              scale=self.scale)
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: Sequence[int],
+                    mask: torch.Tensor | None, positions: torch.Tensor | None, causal: bool,
+                    scale: float | None) -> torch.Tensor:
+    """Attention of head-sharded BHSD q ``[B, Hq_r, S, D]`` over k/v ``[B, Hkv_r, S, D]``; query
+    head h uses kv head ``kv_map[h]``; ``mask`` already rebuilt (see ``rebuild_mask``)."""
+    if q.device.type == "cpu" and q.dtype != torch.float64:
+        out, _ = O._ops.flash_attention(q, k, v, list(kv_map), mask, positions, causal,
+                                        0.0 if scale is None else float(scale))
+        return out
+    # Note [Local attention by device]: other devices use SDPA (flash / memory-efficient
+    # backends on CUDA) with kv heads expanded through the kv map.
+    if positions is not None:
+        raise NotImplementedError("DistributedAttention: packed documents (position_ids) "
+                                  f"are implemented by the CPU kernel only; got {q.device}")
+    index = torch.tensor(list(kv_map), device=q.device)
+    k, v = k.index_select(1, index), v.index_select(1, index)
+    if causal and mask is not None:
+        S = q.shape[2]
+        tril = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+        mask = mask & tril if mask.dtype == torch.bool else mask.masked_fill(~tril, float("-inf"))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)

@@ -30,7 +30,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from . import _C
 from . import ops as O
+from .ops import all_reduce_gradients  # noqa: F401  (part of this module's API)
 from .attention import DistributedAttention
 
 IMPLEMENTATION = "ulysses"
@@ -108,10 +110,6 @@ def sequence_parallel(model: torch.nn.Module, group=None, *,
     return model
 
 
-def _even_seq_lens(S: int, P: int) -> list[int]:
-    return [S // P + (r < S % P) for r in range(P)]
-
-
 def shard_batch(batch: Mapping[str, torch.Tensor], group=None, *,
                 ignore_index: int = IGNORE_INDEX) -> dict:
     """This rank's shard of an unsharded causal-LM batch ``{"input_ids": [B, S], "labels":
@@ -140,7 +138,7 @@ def shard_batch(batch: Mapping[str, torch.Tensor], group=None, *,
     positions = batch.get("position_ids")
     if positions is None:
         positions = torch.arange(S, device=input_ids.device).expand(B, S)
-    lens = _even_seq_lens(S, P)
+    lens = _C.sequence_split(S, P)
     start = sum(lens[:rank])
     cut = lambda t: t[:, start:start + lens[rank]]  # noqa: E731
     out = {"input_ids": cut(input_ids), "position_ids": cut(positions), "shift_labels": cut(shift),
@@ -165,21 +163,6 @@ def sequence_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, gro
     pg.allreduce([stats]).wait()
     count = stats[1].clamp_min(1)
     return local_sum / count, stats[0] / count
-
-
-def all_reduce_gradients(model: torch.nn.Module, group=None) -> None:
-    """Sums every parameter gradient over ``group`` (the SP x DP ranks whose losses
-    :func:`sequence_parallel_loss` normalised together), in one flat collective."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    pg = torch._C._distributed_c10d._resolve_process_group(O.group_name(group))
-    pg.allreduce([flat]).wait()
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 __all__ = ["IMPLEMENTATION", "sequence_parallel", "shard_batch", "sequence_parallel_loss",

@@ -289,3 +289,47 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: S
     out, _ = _ops.flash_attention(q, k, v, list(kv_map), mask, positions, causal,
                                   0.0 if scale is None else float(scale))
     return out
+
+
+# ---- sum_over_group ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op("ulysses::sum_over_group", mutates_args=())
+def _sum_over_group(x: torch.Tensor, group: str) -> torch.Tensor:
+    out = x.contiguous().clone()
+    torch._C._distributed_c10d._resolve_process_group(group).allreduce([out]).wait()
+    return out
+
+
+@_sum_over_group.register_fake
+def _(x, group):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# Each rank backpropagates its own part of a sum over the group: the gradient passes through
+# unchanged, and summing parameter gradients over the group afterwards gives the exact total.
+_sum_over_group.register_autograd(lambda ctx, grad: (grad, None))
+
+
+def sum_over_group(x: torch.Tensor, group: GroupLike = None) -> torch.Tensor:
+    """``x`` summed over the ranks of ``group`` (an all-reduce; traceable by torch.compile).
+
+    Backward passes the gradient through unchanged: each rank's gradient is its own part of
+    the total, so gradients summed over the group afterwards are exact."""
+    return _ops.sum_over_group(x, group_name(group))
+
+
+def all_reduce_gradients(model: torch.nn.Module, group=None) -> None:
+    """Sums every parameter gradient over ``group`` (the SP x DP ranks whose losses were
+    normalised together: ``ulysses.hf.sequence_parallel_loss``, ``ulysses.autosp``), in one flat
+    collective."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    pg = torch._C._distributed_c10d._resolve_process_group(group_name(group))
+    pg.allreduce([flat]).wait()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
