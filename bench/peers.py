@@ -21,6 +21,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -121,9 +122,10 @@ def a2a_chain(system, group, q, k, v):
     return SeqAllToAll4D.apply(group, qh, 1, 2, False)
 
 
-def available(name: str) -> str:
+def available(name: str, module: str | None = None) -> str:
     try:
-        __import__({"ulysses": "ulysses", "deepspeed": "deepspeed.sequence.layer", "yunchang": "yunchang"}[name])
+        __import__(module or {"ulysses": "ulysses", "deepspeed": "deepspeed.sequence.layer",
+                              "yunchang": "yunchang"}[name])
         return ""
     except Exception as e:  # noqa: BLE001 - reported in the table
         return f"not installed ({type(e).__name__})"
@@ -237,6 +239,86 @@ def measure_time(system, P, rank, S, hq, hkv, repeats):
     return ms, int(peak.item()) // 1024, a2a_ms
 
 
+# ---- AutoSP: an unmodified single-device model compiled sequence-parallel.
+
+AUTOSP_SYSTEMS = {"ulysses": "ulysses", "deepspeed": "deepspeed.compile.passes.sp_compile"}
+AUTOSP_CASES = [
+    # name, model, S, padding
+    ("plain GQA 8/2, causal", "plain", 16, False),
+    ("plain GQA 8/2, padding mask", "plain", 16, True),
+    ("Llama, S even", "llama", 16, False),
+    ("Llama, S uneven, padding", "llama", 13, True),
+]
+
+
+def autosp_case(system, case, P):
+    """Loss and gradient errors of the compiled sequence-parallel step against the same model
+    run eagerly on one rank (gradients summed over the group)."""
+    name, kind, S, padding = case
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 32, (2, S), generator=gen)
+    attention_mask = torch.ones(2, S, dtype=torch.long)
+    if padding:
+        attention_mask[0, :3] = 0
+    torch.manual_seed(0)
+    if kind == "plain":
+        from autosp_train import PlainGQA
+
+        model = PlainGQA(vocab=32, dim=64, hq=8, hkv=2)
+        inputs = {"input_ids": ids, "labels": ids.roll(-1, 1).masked_fill(attention_mask == 0, -100)}
+        loss_of = lambda out: out  # noqa: E731
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=8, num_key_value_heads=8, use_cache=False)
+        model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").float()
+        inputs = {"input_ids": ids, "labels": ids.masked_fill(attention_mask == 0, -100),
+                  "position_ids": torch.arange(S).expand(2, S).clone()}
+        loss_of = lambda out: out.loss  # noqa: E731
+    if padding:
+        inputs["attention_mask"] = attention_mask
+    ref = loss_of(model(**inputs))
+    ref.backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    inputs = {k: v.clone() for k, v in inputs.items()}
+    if system == "ulysses":
+        import ulysses
+
+        backend = ulysses.autosp(timeout=TIMEOUT)
+        ulysses.mark_sequence(inputs["input_ids"])
+    else:
+        import deepspeed
+        from deepspeed.compile.passes.sp_compile import apply_autosp, prepare_autosp_inputs
+
+        deepspeed.init_distributed(dist_backend="gloo")
+
+        def backend(gm, example_inputs):
+            apply_autosp(gm, example_inputs, sp_size=P, dp_size=1)
+            return gm.forward
+
+        prepare_autosp_inputs(inputs["input_ids"], inputs["labels"], inputs.get("position_ids"),
+                              inputs.get("attention_mask"))
+    loss = loss_of(torch.compile(model, backend=backend, fullgraph=True)(**inputs))
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    for g in grads:
+        dist.all_reduce(g)
+    grad_err = max(((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).item()
+                   for a, b in zip(ref_grads, grads))
+    return {"loss_err": abs(loss.item() - ref.item()) / abs(ref.item()), "grad_err": grad_err}
+
+
+def autosp_outcome(result) -> tuple[str, str]:
+    if not isinstance(result, dict):
+        return result[0], result[1]
+    worst = max(result["loss_err"], result["grad_err"])
+    detail = f"loss rel. error {result['loss_err']:.1e}, gradients {result['grad_err']:.1e}"
+    return ("exact" if worst <= 1e-4 else "silently wrong"), detail
+
+
 # ---- Driver: every case in a fresh world of processes, so a crash or hang is an outcome.
 
 def worker(rank, P, store_dir, task, args, out_dir):
@@ -247,6 +329,8 @@ def worker(rank, P, store_dir, task, args, out_dir):
     kind, system, case = task
     if kind == "case":
         result = run_two_models(system, P, rank) if case[1] == 0 else run_case(system, case, P, rank)
+    elif kind == "autosp":
+        result = autosp_case(system, case, P)
     else:
         S, hq, hkv = case
         ms, peak, a2a_ms = measure_time(system, P, rank, S, hq, hkv, args.repeats)
@@ -281,10 +365,27 @@ def run_world(P, task, args, limit_s=90):
                 proc.kill()
             return ("crash", str(e).splitlines()[0][:110])
         except mp.ProcessRaisedException as e:
-            last = str(e).strip().splitlines()[-1][:110]
+            lines = str(e).strip().splitlines()
+            errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
+            last = (errors or lines)[-1][:110]
             return ("hang" if "timed out" in last.lower() else "error", last)
         with open(os.path.join(tmp, "0")) as f:
             return json.load(f)
+
+
+def print_matrix(title: str, rows: list[dict]) -> None:
+    print(title)
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    cell = {(r["system"], r["case"]): r for r in rows}
+    width = max(len(c) for c in cases) + 2
+    print(("case".ljust(width) + "".join(s.ljust(18) for s in systems)).rstrip())
+    for c in cases:
+        print((c.ljust(width) + "".join(cell[(s, c)]["outcome"].ljust(18) for s in systems)).rstrip())
+    print("\ndetails:")
+    for r in rows:
+        if r["outcome"] != "exact":
+            print(f"  {r['system']:10s} {r['case']:28s} {r['detail']}")
 
 
 def main():
@@ -293,16 +394,26 @@ def main():
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default="")
+    p.add_argument("--parts", default="matrix,autosp,timing",
+                   help="comma-separated parts to run (matrix, autosp, timing)")
     args = p.parse_args()
     P = args.nproc
-    rows, timing = [], []
-    for system in SYSTEMS:
+    parts = set(args.parts.split(","))
+    rows, timing, autosp_rows = [], [], []
+    for system in SYSTEMS if "matrix" in parts else ():
         missing = available(system)
         for case in CASES + [("two models, different heads", 0, 0, 0, False, True)]:
             outcome = ("not run", missing) if missing else run_world(P, ("case", system, case), args)
             rows.append({"system": system, "case": case[0], "outcome": outcome[0], "detail": outcome[1]})
             print(f"  {system:10s} {case[0]:28s} {outcome[0]}", flush=True)
-    for S, hq, hkv in [(args.seq_len, 8, 8), (args.seq_len, 8, 2)]:
+    for system, module in AUTOSP_SYSTEMS.items() if "autosp" in parts else ():
+        missing = available(system, module)
+        for case in AUTOSP_CASES:
+            r = ("not run", missing) if missing else run_world(P, ("autosp", system, case), args, limit_s=180)
+            outcome, detail = autosp_outcome(r)
+            autosp_rows.append({"system": system, "case": case[0], "outcome": outcome, "detail": detail})
+            print(f"  autosp {system:10s} {case[0]:28s} {outcome}", flush=True)
+    for S, hq, hkv in [(args.seq_len, 8, 8), (args.seq_len, 8, 2)] if "timing" in parts else ():
         for system in SYSTEMS:
             if available(system):
                 continue
@@ -310,35 +421,30 @@ def main():
             entry = {"system": system, "seq_len": S, "q_heads": hq, "kv_heads": hkv}
             entry.update(r if isinstance(r, dict) else {"error": f"{r[0]}: {r[1]}"})
             timing.append(entry)
-    result = {"nproc": P, "matrix": rows, "timing": timing}
-    print(f"correctness vs a single-rank float64 reference, P={args.nproc}, fp32, forward and q/k/v gradients")
-    systems = list(SYSTEMS)
-    cases = list(dict.fromkeys(r["case"] for r in result["matrix"]))
-    cell = {(r["system"], r["case"]): r for r in result["matrix"]}
-    width = max(len(c) for c in cases) + 2
-    print(("case".ljust(width) + "".join(s.ljust(18) for s in systems)).rstrip())
-    for c in cases:
-        print((c.ljust(width) + "".join(cell[(s, c)]["outcome"].ljust(18) for s in systems)).rstrip())
-    print("\ndetails:")
-    for r in result["matrix"]:
-        if r["outcome"] != "exact":
-            print(f"  {r['system']:10s} {r['case']:28s} {r['detail']}")
-    print(f"\ntime, B=1, D=64, fp32, slowest rank, median of {args.repeats}; x = system / ulysses in "
-          f"this run. a2a: the forward all-to-alls alone (q, k, v in; o out). layer: attention "
-          f"forward+backward, causal; peak: RSS one layer step adds")
-    base = {(t["seq_len"], t["kv_heads"]): t for t in result["timing"]
-            if t["system"] == "ulysses" and "layer_ms" in t}
-    for t in result["timing"]:
-        key = (t["seq_len"], t["kv_heads"])
-        if "layer_ms" in t:
-            b = base.get(key, {})
-            xa = t["a2a_ms"] / b["a2a_ms"] if b else float("nan")
-            xl = t["layer_ms"] / b["layer_ms"] if b else float("nan")
-            print(f"  S={t['seq_len']} Hq={t['q_heads']} Hkv={t['kv_heads']} {t['system']:10s} "
-                  f"a2a {t['a2a_ms']:7.1f} ms x{xa:5.2f}   layer {t['layer_ms']:7.1f} ms x{xl:5.2f}   "
-                  f"peak +{t['peak_mb']} MB")
-        else:
-            print(f"  S={t['seq_len']} Hq={t['q_heads']} Hkv={t['kv_heads']} {t['system']:10s} {t['error']}")
+    result = {"nproc": P, "matrix": rows, "autosp_matrix": autosp_rows, "timing": timing}
+    if rows:
+        print_matrix(f"correctness vs a single-rank float64 reference, P={P}, fp32, forward and "
+                     "q/k/v gradients", rows)
+    if autosp_rows:
+        print_matrix(f"\nAutoSP: an unmodified model compiled sequence-parallel, P={P}, fp32, loss "
+                     "and every gradient vs the same model run eagerly on one rank", autosp_rows)
+    if timing:
+        print(f"\ntime, B=1, D=64, fp32, slowest rank, median of {args.repeats}; x = system / ulysses in "
+              f"this run. a2a: the forward all-to-alls alone (q, k, v in; o out). layer: attention "
+              f"forward+backward, causal; peak: RSS one layer step adds")
+        base = {(t["seq_len"], t["kv_heads"]): t for t in result["timing"]
+                if t["system"] == "ulysses" and "layer_ms" in t}
+        for t in result["timing"]:
+            key = (t["seq_len"], t["kv_heads"])
+            if "layer_ms" in t:
+                b = base.get(key, {})
+                xa = t["a2a_ms"] / b["a2a_ms"] if b else float("nan")
+                xl = t["layer_ms"] / b["layer_ms"] if b else float("nan")
+                print(f"  S={t['seq_len']} Hq={t['q_heads']} Hkv={t['kv_heads']} {t['system']:10s} "
+                      f"a2a {t['a2a_ms']:7.1f} ms x{xa:5.2f}   layer {t['layer_ms']:7.1f} ms x{xl:5.2f}   "
+                      f"peak +{t['peak_mb']} MB")
+            else:
+                print(f"  S={t['seq_len']} Hq={t['q_heads']} Hkv={t['kv_heads']} {t['system']:10s} {t['error']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

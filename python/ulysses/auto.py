@@ -222,6 +222,7 @@ class _Rewriter:
                 self._record(new, self._fake(getattr(self.gm, node.target)))
             else:
                 self._call(node)
+        self.graph.eliminate_dead_code()  # e.g. kv head copies no longer used
         self.graph.lint()
         return fx.GraphModule(self.gm, self.graph)
 
@@ -384,6 +385,9 @@ class _Rewriter:
                                      "sequence dim 2 ([B, H, S, D])"))
         if call.get("dropout_p", 0.0):
             raise AutoSPError(_where(node, "uses attention dropout; AutoSP attention has none"))
+        sources = self._repeat_source(k), self._repeat_source(v)
+        if all(sources) and self.full[sources[0]].shape[1] == self.full[sources[1]].shape[1]:
+            k, v = sources  # Move the kv heads, not their copies.
         hq, hkv = self.full[q].shape[1], self.full[k].shape[1]
         causal, scale = bool(call.get("is_causal", False)), call.get("scale")
         group, t, lens = self.owner.group, self.owner.timeout_ms, self.seq_lens
@@ -401,6 +405,19 @@ class _Rewriter:
         with self.mode:
             probe = full.new_empty((*full.shape[:2], self.A, full.shape[3]))
         self._record(out, full, probe.requires_grad_(any(p.requires_grad for p in probes)), Shard(2))
+
+    def _repeat_source(self, n: fx.Node) -> fx.Node | None:
+        """``x`` when ``n`` is ``x``'s kv heads repeated for GQA the way transformers does it
+        (``x[:, :, None].expand(B, Hkv, n_rep, S, D).reshape(B, Hkv * n_rep, S, D)``)."""
+        expand = n.args[0] if n.op == "call_method" and n.target == "reshape" else None
+        if not (isinstance(expand, fx.Node) and expand.op == "call_method" and expand.target == "expand"):
+            return None
+        index = expand.args[0]
+        if not (isinstance(index, fx.Node) and index.target is operator.getitem
+                and index.args[1] == (slice(None),) * 2 + (None,) + (slice(None),) * 2):
+            return None
+        src = index.args[0]
+        return src if self.shard.get(src) == Shard(2) and self.full[src].dim() == 4 else None
 
     def _rebuilt_mask(self, node: fx.Node, mask: fx.Node, hq: int, hkv: int) -> fx.Node:
         """The mask rebuilt for this rank's heads over all queries: once per mask (and head

@@ -87,8 +87,12 @@ def llama(group, mark_positions):
     kwargs["input_ids"] = ulysses.mark_sequence(ids.clone())
     if mark_positions:
         kwargs["position_ids"] = ulysses.mark_sequence(kwargs["position_ids"].clone())
-    loss = sp_step(model, ulysses.autosp(group), **kwargs)
-    return compare(model, *ref, loss, group)
+    backend = ulysses.autosp(group)
+    loss = sp_step(model, backend, **kwargs)
+    # transformers repeats kv heads before SDPA; the all-to-all moves the 2 kv heads only.
+    moved = {n.args[3] for n in backend.graphs[0].graph.nodes
+             if n.target is torch.ops.ulysses.scatter_heads}
+    return compare(model, *ref, loss, group) + (moved,)
 
 
 def shared_mask(group, layers):
@@ -115,6 +119,53 @@ def shared_mask(group, layers):
     rebuilds = sum(n.target is torch.ops.ulysses.rebuild_mask
                    for n in backend.graphs[0].graph.nodes)
     return errors + (rebuilds, counted[0] - counted[1])
+
+
+class MaskForms(torch.nn.Module):
+    """One SDPA call with its mask given positionally, in the forms SDPA accepts."""
+
+    def __init__(self, form, hq=4, hkv=2, hd=8):
+        super().__init__()
+        self.form, self.hq, self.hkv, self.hd = form, hq, hkv, hd
+        self.embed = torch.nn.Embedding(VOCAB, 32)
+        self.qkv = torch.nn.Linear(32, (hq + 2 * hkv) * hd)
+        self.head = torch.nn.Linear(hq * hd, VOCAB)
+        # A learnable per-head bias, full on every rank: its gradient follows the heads.
+        self.bias = torch.nn.Parameter(torch.randn(hq, S, S) * 0.1) if form == "bias" else None
+
+    def forward(self, ids, labels, mask=None):
+        b, s = ids.shape
+        q, k, v = self.qkv(self.embed(ids)).split([self.hq * self.hd, self.hkv * self.hd,
+                                                   self.hkv * self.hd], -1)
+        q, k, v = (t.view(b, s, -1, self.hd).transpose(1, 2) for t in (q, k, v))
+        if self.form == "bias":
+            mask = self.bias  # 3-D [Hq, S, S]: gets its batch dim
+        elif self.form == "tril":
+            mask = torch.ones(s, s, dtype=torch.bool).tril()  # 2-D, built in the graph
+        o = F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)
+        logits = self.head(o.transpose(1, 2).reshape(b, s, -1))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def mask_forms(group):
+    import ulysses
+
+    ids, labels, attention_mask = batch()
+    gen = torch.Generator().manual_seed(3)
+    given = {  # marked along the query rows (-2): query-sharded on the way in
+        "per-head [B, Hq, S, S] float, query-sharded": torch.randn(B, 4, S, S, generator=gen),
+        "[B, 1, S, 1] float, key dim broadcast": torch.randn(B, 1, S, 1, generator=gen),
+    }
+    out = {}
+    for form in ("bias", "tril", *given):
+        torch.manual_seed(0)
+        model = MaskForms(form if form in ("bias", "tril") else "given")
+        mask = given.get(form)
+        ref = reference(model, ids, labels, mask)
+        marked = None if mask is None else ulysses.mark_sequence(mask.clone(), dim=-2)
+        loss = sp_step(model, ulysses.autosp(group), ulysses.mark_sequence(ids.clone()), labels, marked)
+        out[form] = compare(model, *ref, loss, group)
+    return out
 
 
 def two_models(group, world):
@@ -199,6 +250,7 @@ def world_body(rank, group, world):
         "shared mask, 2 layers": shared_mask(group, 2),
         "shared mask, 3 layers": shared_mask(group, 3),
         "two models": two_models(group, world),
+        "mask forms": mask_forms(group),
         "errors": errors_alike(group, rank),
     }
     if world == 2:
@@ -216,8 +268,9 @@ def world(request, tmp_path_factory):
 def test_loss_and_gradients_equal_single_rank(world, case):
     _, results = world
     for r in results:
-        loss_error, grad_error = r[case]
+        loss_error, grad_error, *moved = r[case]
         assert loss_error <= RTOL and grad_error <= RTOL, (case, loss_error, grad_error)
+        assert moved in ([], [{2}]), moved  # kv heads moved by Llama's all-to-alls
 
 
 def test_a_mask_shared_by_all_layers_is_rebuilt_once_per_step(world):
@@ -229,6 +282,14 @@ def test_a_mask_shared_by_all_layers_is_rebuilt_once_per_step(world):
         # Collectives a step spends on the mask (with it minus without it): as many with three
         # layers as with two, and more than none.
         assert c2 == c3 > 0, (c2, c3)
+
+
+def test_mask_forms_positional_3d_2d_per_head_and_broadcast_keys(world):
+    _, results = world
+    for r in results:
+        assert len(r["mask forms"]) == 4
+        for form, (loss_error, grad_error) in r["mask forms"].items():
+            assert loss_error <= RTOL and grad_error <= RTOL, (form, loss_error, grad_error)
 
 
 def test_two_models_with_different_head_counts_alternate(world):
