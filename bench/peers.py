@@ -26,7 +26,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -226,7 +225,10 @@ def measure_time(system, P, rank, S, hq, hkv, repeats):
         layer(q, k, v).sum().backward()
 
     step()  # warm-up, then the peak RSS one step adds (the high-water mark reset first)
-    rss = lambda key: int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith(key)))  # noqa: E731
+    def rss(key: str) -> int:
+        with open("/proc/self/status") as status:
+            return int(next(line.split()[1] for line in status if line.startswith(key)))
+
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = rss("VmRSS:")
@@ -343,6 +345,7 @@ def worker(rank, P, store_dir, task, args, out_dir):
 def run_world(P, task, args, limit_s=90):
     """Runs `task` on P fresh processes; returns rank 0's result, or ("crash"/"hang", detail)."""
     import glob
+
     import torch.multiprocessing as mp
 
     # One world runs at a time, so a JIT-build lock left by a killed world (DeepSpeed builds its

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Formats the C++ sources with the repository's .clang-format (Google style, 100 columns).
-# `scripts/format.sh --check` changes nothing and fails if any file needs formatting (CI).
+# Formats the C++ sources with the repository's .clang-format (Google style, 100 columns) and
+# lints the Python with ruff (pyproject.toml's [tool.ruff]; safe fixes applied).
+# `scripts/format.sh --check` changes nothing and fails if any file needs either (CI).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 files=$(git ls-files '*.cpp' '*.h')
 if [ "${1:-}" = "--check" ]; then
   .venv/bin/clang-format --dry-run --Werror $files && echo "format: all C++ files are formatted"
+  .venv/bin/ruff check --quiet python tests bench examples && echo "format: the Python is ruff-clean"
 else
   .venv/bin/clang-format -i $files
+  .venv/bin/ruff check --fix python tests bench examples
 fi

@@ -15,7 +15,7 @@ them from the other ranks).
 from __future__ import annotations
 
 import datetime
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from torch import nn
 
 from . import _C
 from . import ops as O
+
 
 @torch.compiler.assume_constant_result
 def _local_kv_map(q_heads: int, kv_heads: int, sp: int, rank: int) -> list[int]:

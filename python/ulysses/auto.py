@@ -35,8 +35,9 @@ from __future__ import annotations
 import inspect
 import math
 import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -55,6 +56,7 @@ _LOSSES = {F.cross_entropy: inspect.signature(F.cross_entropy),
            F.nll_loss: inspect.signature(F.nll_loss)}
 # Shape-only queries of a sharded tensor answer for the full sequence, as the model expects.
 _SHAPE_QUERIES = {"size", "numel"}
+_SYM_QUERIES = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default}
 _RESHAPES = {"view", "reshape"}
 # Ops that mix values along a dim while keeping its size: name -> (position of that dim
 # argument, default). On the sharded dim they would see this rank's tokens only.
@@ -96,7 +98,7 @@ class Shard:
 
 
 def autosp(group=None, *, inner: str | Callable | None = None, debug: bool = False,
-           timeout=None) -> "AutoSP":
+           timeout=None) -> AutoSP:
     """A ``torch.compile`` backend making the model sequence-parallel over ``group``.
 
     ``inner``: the backend that compiles the rewritten graph (None: run it eagerly; e.g.
@@ -248,7 +250,7 @@ class _Rewriter:
             self._attention(node, args, full)
         elif node.target in _LOSSES:
             self._loss(node, args, full)
-        elif node.op == "call_method" and node.target in _SHAPE_QUERIES:
+        elif (node.op == "call_method" and node.target in _SHAPE_QUERIES) or node.target in _SYM_QUERIES:
             self.new[node] = full  # The model asks for the full sequence's shape.
         elif node.op == "call_method" and node.target in ("mean", "sum") and _reduces_all(node):
             self._global_sum(node, args, full)

@@ -22,18 +22,17 @@ ids (RoPE and packed documents need them). Masks are honoured, not dropped:
 from __future__ import annotations
 
 import datetime
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from . import _C
 from . import ops as O
-from .ops import all_reduce_gradients  # noqa: F401  (part of this module's API)
 from .attention import DistributedAttention
+from .ops import all_reduce_gradients  # noqa: F401  (part of this module's API)
 
 IMPLEMENTATION = "ulysses"
 IGNORE_INDEX = -100

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import datetime
 import functools
-from typing import Sequence, Union
+from collections.abc import Sequence
+from typing import Union
 
 import torch
 import torch.distributed as dist

@@ -70,8 +70,9 @@ def plain_gqa(group, inner):
 
 
 def llama(group, mark_positions):
-    import ulysses
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    import ulysses
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -185,6 +186,22 @@ def two_models(group, world):
     return errors
 
 
+def changing_lengths(group):
+    """S changes between steps (Dynamo recompiles with a dynamic sequence dim): each exact."""
+    import ulysses
+
+    torch.manual_seed(0)
+    model = PlainGQA(VOCAB)
+    backend = ulysses.autosp(group)
+    errors = []
+    for length in (13, 15, 11, 13):
+        ids, labels, attention_mask = batch(length=length)
+        ref = reference(model, ids, labels, attention_mask)
+        loss = sp_step(model, backend, ulysses.mark_sequence(ids.clone()), labels, attention_mask)
+        errors.append(compare(model, *ref, loss, group))
+    return errors
+
+
 def errors_alike(group, rank):
     """The error text each rank raises for setups AutoSP must refuse."""
     import ulysses
@@ -251,6 +268,7 @@ def world_body(rank, group, world):
         "shared mask, 3 layers": shared_mask(group, 3),
         "two models": two_models(group, world),
         "mask forms": mask_forms(group),
+        "changing lengths": changing_lengths(group),
         "errors": errors_alike(group, rank),
     }
     if world == 2:
@@ -292,10 +310,12 @@ def test_mask_forms_positional_3d_2d_per_head_and_broadcast_keys(world):
             assert loss_error <= RTOL and grad_error <= RTOL, (form, loss_error, grad_error)
 
 
-def test_two_models_with_different_head_counts_alternate(world):
+@pytest.mark.parametrize("case", ["two models", "changing lengths"])
+def test_models_and_lengths_change_between_steps(world, case):
     _, results = world
     for r in results:
-        for loss_error, grad_error in r["two models"]:
+        assert len(r[case]) == 4
+        for loss_error, grad_error in r[case]:
             assert loss_error <= RTOL and grad_error <= RTOL
 
 
@@ -318,3 +338,23 @@ def test_sp_size_one_leaves_the_graph_unchanged(world):
         pytest.skip("checked once, in the 2-rank world")
     loss_error, grad_error, unchanged = results[0]["sp 1"]
     assert unchanged and loss_error <= RTOL and grad_error <= RTOL
+
+
+if __name__ == "__main__":  # Prints the numbers the tests assert on.
+    import tempfile
+
+    for P in (2, 3):
+        with tempfile.TemporaryDirectory() as tmp:
+            results = run_processes(P, world_body, P, tmp_dir=tmp)
+        r = results[0]
+        print(f"P={P}, S={S}, B={B}: relative error vs the uncompiled single-rank model (rank 0)")
+        for case in ("plain", "plain aot_eager", "llama", "llama, position ids marked"):
+            print(f"  {case:32s} loss {r[case][0]:.1e}  worst gradient {r[case][1]:.1e}")
+        for form, (le, ge) in r["mask forms"].items():
+            print(f"  mask: {form:26s} loss {le:.1e}  worst gradient {ge:.1e}")
+        worst = max(max(e) for e in r["two models"])
+        print(f"  two models alternating, 4 steps  worst {worst:.1e}")
+        for layers in (2, 3):
+            le, ge, rebuilds, spent = r[f"shared mask, {layers} layers"]
+            print(f"  shared mask, {layers} layers: rebuild_mask nodes {rebuilds}, collectives spent "
+                  f"on the mask per step {spent}, worst error {max(le, ge):.1e}")

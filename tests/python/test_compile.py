@@ -45,9 +45,10 @@ def _worker(rank, world, store_path, S, result_path):
     sys.path.insert(0, HERE)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
-    from conftest import seq_lens as even_lens, shard
-
     from torch.distributed.device_mesh import init_device_mesh
+
+    from conftest import seq_lens as even_lens
+    from conftest import shard
 
     lens = even_lens(S, world)
     torch.manual_seed(0)

@@ -7,7 +7,6 @@ import copy
 
 import pytest
 import torch
-
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 import ulysses.hf as uhf
