@@ -27,7 +27,7 @@ at::Tensor math_attention(const LocalAttentionArgs& a) {
                     "); got ", a.kv_map.size());
   const auto compute = a.q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const double scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(static_cast<double>(a.q.size(-1)));
-  at::Tensor map = at::tensor(a.kv_map, at::kLong);
+  at::Tensor map = at::tensor(a.kv_map, a.k.options().dtype(at::kLong));
   at::Tensor k = a.k.index_select(1, map).to(compute);
   at::Tensor v = a.v.index_select(1, map).to(compute);
   at::Tensor s = at::matmul(a.q.to(compute), k.transpose(-1, -2)) * scale;  // [B, H, S, S]

@@ -1,5 +1,6 @@
 #include "ulysses/group.h"
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
@@ -309,6 +310,21 @@ ErrorKind classify(const c10::Error& e) {
 }
 }  // namespace
 
+namespace {
+// Note [Metadata device]: the agreement rounds move a few int64s. They go as CPU tensors when
+// the process group has a CPU backend (Gloo, or "cpu:gloo,cuda:nccl"), else on the current
+// device of the group's accelerator (an NCCL-only group takes CUDA tensors alone).
+at::Device metadata_device(const c10d::ProcessGroup* pg) {
+  if (pg == nullptr || const_cast<c10d::ProcessGroup*>(pg)->hasBackendForDeviceType(at::kCPU)) {
+    return at::kCPU;
+  }
+  const std::vector<c10::Device> types = pg->getDeviceTypes();
+  TORCH_CHECK_VALUE(!types.empty(), "Group: process group '", pg->getGroupName(),
+                    "' has no backend for any device");
+  return c10::impl::getDeviceGuardImpl(types.front().type())->getDevice();
+}
+}  // namespace
+
 std::vector<std::vector<int64_t>> Group::agree(
     const std::function<std::vector<int64_t>()>& local_check) const {
   int64_t kind = kNoError;
@@ -337,7 +353,8 @@ std::vector<std::vector<int64_t>> Group::agree(
   p[1] = static_cast<int64_t>(message.size());
   p[2] = static_cast<int64_t>(meta.size());
   std::copy(meta.begin(), meta.end(), p + 3);
-  at::Tensor all = all_gather(mine);
+  const at::Device device = metadata_device(pg_.get());
+  at::Tensor all = all_gather(mine.to(device)).cpu();
   auto acc = all.accessor<int64_t, 2>();
   int failing = -1;
   int64_t longest = 0;
@@ -361,7 +378,7 @@ std::vector<std::vector<int64_t>> Group::agree(
   // Round 2 (failures only; every rank knows the longest message): the failing rank's text.
   at::Tensor text = at::zeros({longest}, at::kByte);
   std::copy(message.begin(), message.end(), text.data_ptr<uint8_t>());
-  at::Tensor texts = all_gather(text);
+  at::Tensor texts = all_gather(text.to(device)).cpu();
   const auto* chars = reinterpret_cast<const char*>(texts[failing].data_ptr<uint8_t>());
   std::string failed(chars, chars + acc[failing][1]);
   std::ostringstream msg;

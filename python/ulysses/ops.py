@@ -64,7 +64,7 @@ def _dims(layout: str) -> tuple[int, int]:
 
 @torch.library.register_fake("ulysses::sequence_lengths")
 def _(x, dim, group, timeout_ms):
-    return x.new_empty((_rank_size(group)[1],), dtype=torch.long)
+    return torch.empty((_rank_size(group)[1],), dtype=torch.long, device="cpu")  # as the kernel
 
 
 def sequence_lengths(x: torch.Tensor, dim: int, group: GroupLike = None, timeout=None) -> list[int]:
