@@ -1,4 +1,5 @@
-// `ulysses bench attention`: the fused local attention kernel against the math reference.
+// `ulysses bench attention`: the fused local attention kernel against torch's own CPU attention
+// (at::scaled_dot_product_attention, GQA through enable_gqa) and the math reference.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <unistd.h>
@@ -30,6 +31,12 @@ void step(const LocalAttention& attention, Inputs& in, const std::vector<int64_t
   for (at::Tensor* t : {&in.q, &in.k, &in.v}) t->mutable_grad().reset();
   at::Tensor o = attention({in.q, in.k, in.v, kv_map, c10::nullopt, c10::nullopt, causal, 0.0});
   (o.to(at::kFloat) * in.w).sum().backward();
+}
+
+// torch's SDPA on the same BHSD inputs: its CPU flash path (the anchor of the kernel's speed).
+at::Tensor sdpa_attention(const LocalAttentionArgs& a) {
+  return at::scaled_dot_product_attention(a.q, a.k, a.v, c10::nullopt, 0.0, a.causal, c10::nullopt,
+                                          /*enable_gqa=*/a.q.size(1) != a.k.size(1));
 }
 
 double matmul_gflops(int64_t n) {
@@ -114,6 +121,8 @@ bench::Record measure(const AttentionBench& o, const Runtime& runtime, int64_t S
   r.add("head_dim", o.D).add("dtype", o.dtype_name).add("causal", causal);
   const auto f = bench::time_ms([&] { step(fused, in, o.kv_map, causal); }, 1, o.repeats);
   r.add("fused", f);
+  const auto t = bench::time_ms([&] { step(sdpa_attention, in, o.kv_map, causal); }, 1, o.repeats);
+  r.add("sdpa", t).add("sdpa_over_fused", t.median / f.median);
   if (run_math) {
     const auto m =
         bench::time_ms([&] { step(math_attention, in, o.kv_map, causal); }, 1, o.repeats);
@@ -124,7 +133,7 @@ bench::Record measure(const AttentionBench& o, const Runtime& runtime, int64_t S
   r.add("fused_pct_of_matmul", 100.0 * gflops / mm);
   if (o.memory) {
     const int64_t fp = peak_of(o, runtime, "fused", S, causal);
-    r.add("fused_peak_bytes", fp);
+    r.add("fused_peak_bytes", fp).add("sdpa_peak_bytes", peak_of(o, runtime, "sdpa", S, causal));
     if (run_math) {
       const int64_t mp = peak_of(o, runtime, "math", S, causal);
       r.add("math_peak_bytes", mp);
@@ -147,11 +156,13 @@ void print_causal_speedups(const std::vector<bench::Record>& records) {
   }
 }
 
-const std::vector<std::string> kColumns{
-    "seq_len",          "causal",          "fused_ms",
-    "fused_spread",     "math_ms",         "math_spread",
-    "math_over_fused",  "fused_gflops",    "fused_pct_of_matmul",
-    "fused_peak_bytes", "math_peak_bytes", "fused_over_math_peak"};
+const std::vector<std::string> kColumns{"seq_len",          "causal",
+                                        "fused_ms",         "fused_spread",
+                                        "sdpa_ms",          "sdpa_over_fused",
+                                        "math_ms",          "math_over_fused",
+                                        "fused_gflops",     "fused_pct_of_matmul",
+                                        "fused_peak_bytes", "sdpa_peak_bytes",
+                                        "math_peak_bytes",  "fused_over_math_peak"};
 
 }  // namespace
 
@@ -159,10 +170,11 @@ int bench_attention_main(const Argv& argv, const Runtime& runtime) {
   const AttentionBench o = parse(argv);
   at::set_num_threads(o.threads);
   if (!o.measure_peak.empty()) {  // Child of --memory: one case, one implementation.
-    const LocalAttention impl = o.measure_peak == "math" ? LocalAttention(math_attention)
-                                                         : [&](const LocalAttentionArgs& a) {
-                                                             return flash_attention(a, o.blocks);
-                                                           };
+    const LocalAttention impl = o.measure_peak == "math"   ? LocalAttention(math_attention)
+                                : o.measure_peak == "sdpa" ? LocalAttention(sdpa_attention)
+                                                           : [&](const LocalAttentionArgs& a) {
+                                                               return flash_attention(a, o.blocks);
+                                                             };
     Inputs in;
     const int64_t bytes = bench::peak_extra_bytes(
         [&] { in = make_inputs(o.B, o.Hq, o.Hkv, o.seq_lens.at(0), o.D, o.dtype); },

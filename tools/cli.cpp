@@ -36,7 +36,7 @@ const Usage kUsages[] = {
      "        [--dtype float32|bfloat16] [--causal 0|1|both] [--threads 2] [--repeats 3]\n"
      "        [--memory] [--no-math] [--math-limit-gb G] [--block-q 64] [--block-k 0]\n"
      "        [--json FILE]",
-     "fused local attention kernel vs the math reference (time, GFLOP/s, peak memory)"},
+     "fused local attention kernel vs torch's SDPA and the math reference (time, memory)"},
     {"bench a2a",
      "[--nproc 2] [--seq-lens 2048,16384] [--head-dim 64] [--layout BSHD|SBHD|BHSD]\n"
      "        [--repeats 5] [--json FILE] [--timeout 120]",
