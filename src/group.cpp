@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <list>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -16,23 +17,24 @@
 namespace ulysses {
 namespace detail {
 
-// Freed buffers by exact byte size, reused by later buffers of the same size (training steps
-// repeat their shapes). Bounded by GroupOptions::buffer_cache_bytes; thread-safe.
+// Freed buffers, reused by later requests of the same byte size (training steps repeat their
+// shapes). Holds at most GroupOptions::buffer_cache_bytes, evicting the least recently freed
+// buffers first, so sizes a step no longer uses (another sequence length) make room for the
+// ones it does. Thread-safe.
 class BufferCache {
  public:
   explicit BufferCache(int64_t limit) : limit_(limit) {}
   ~BufferCache() {
-    for (auto& kv : free_)
-      for (void* p : kv.second) std::free(p);
+    for (const Entry& e : free_) std::free(e.p);
   }
   void* take(size_t bytes) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      auto it = free_.find(bytes);
-      if (it != free_.end() && !it->second.empty()) {
-        void* p = it->second.back();
-        it->second.pop_back();
-        cached_ -= bytes;
+      for (auto it = free_.begin(); it != free_.end(); ++it) {  // Newest first.
+        if (it->bytes != bytes) continue;
+        void* p = it->p;
+        free_.erase(it);
+        cached_ -= static_cast<int64_t>(bytes);
         return p;
       }
     }
@@ -41,19 +43,36 @@ class BufferCache {
     return p;
   }
   void give_back(void* p, size_t bytes) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (cached_ + static_cast<int64_t>(bytes) > limit_) {
+    if (static_cast<int64_t>(bytes) > limit_) {
       std::free(p);
       return;
     }
-    free_[bytes].push_back(p);
-    cached_ += bytes;
+    std::vector<void*> evicted;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      free_.push_front({bytes, p});
+      cached_ += static_cast<int64_t>(bytes);
+      while (cached_ > limit_) {
+        evicted.push_back(free_.back().p);
+        cached_ -= static_cast<int64_t>(free_.back().bytes);
+        free_.pop_back();
+      }
+    }
+    for (void* q : evicted) std::free(q);  // Outside the lock: returning pages takes time.
+  }
+  int64_t cached() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cached_;
   }
 
  private:
+  struct Entry {
+    size_t bytes;
+    void* p;
+  };
   std::mutex mu_;
-  std::map<size_t, std::vector<void*>> free_;  // Guarded by mu_.
-  int64_t cached_ = 0;                         // Bytes in free_; <= limit_.
+  std::list<Entry> free_;  // Most recently freed first; guarded by mu_.
+  int64_t cached_ = 0;     // Bytes in free_; <= limit_ outside give_back.
   const int64_t limit_;
 };
 
@@ -221,6 +240,7 @@ Group Group::with_options(const GroupOptions& options) const {
 
 std::string Group::name() const { return pg_ ? pg_->getGroupName() : std::string(); }
 int64_t Group::collective_count() const { return runtime_->collectives.load(); }
+int64_t Group::cached_buffer_bytes() const { return runtime_->buffers->cached(); }
 double Group::collective_seconds() const { return runtime_->collective_ns.load() * 1e-9; }
 
 at::Tensor Group::new_buffer(at::IntArrayRef shape, const at::TensorOptions& options) const {

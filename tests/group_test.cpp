@@ -26,6 +26,29 @@ TEST(Group, AllGatherAndAllReduce) {
   });
 }
 
+TEST(Group, BufferCacheReusesSizesAndEvictsTheLeastRecentlyFreed) {
+  GroupOptions options;
+  options.buffer_cache_bytes = 3 << 20;
+  const Group g = Group::solo(options);
+  const auto mib = [&](int64_t quarters) {  // A float buffer of quarters / 4 MiB.
+    return g.new_buffer({quarters << 16}, at::kFloat);
+  };
+  { at::Tensor a = mib(4), b = mib(8); }  // 1 MiB freed, then 2 MiB: 3 MiB cached.
+  EXPECT_EQ(g.cached_buffer_bytes(), 3 << 20);
+  { at::Tensor c = mib(4); }  // Taken from the cache and given back.
+  EXPECT_EQ(g.cached_buffer_bytes(), 3 << 20);
+  {
+    at::Tensor d = mib(6);  // A new size (another sequence length): 1.5 MiB.
+    EXPECT_EQ(g.cached_buffer_bytes(), 3 << 20);
+  }
+  // It is kept; the least recently freed buffer (2 MiB) makes room for it.
+  EXPECT_EQ(g.cached_buffer_bytes(), 5 << 19);
+  { at::Tensor e = mib(6); }  // Reused.
+  EXPECT_EQ(g.cached_buffer_bytes(), 5 << 19);
+  { at::Tensor f = mib(16); }  // Larger than the whole cache: returned, nothing evicted.
+  EXPECT_EQ(g.cached_buffer_bytes(), 5 << 19);
+}
+
 TEST(Group, AgreeReturnsEveryRanksMetadata) {
   expect_ranks_succeed(3, [](Group& g) {
     auto meta = g.agree([&] { return std::vector<int64_t>{g.rank(), 10 * g.rank()}; });
