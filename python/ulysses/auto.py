@@ -128,8 +128,7 @@ class AutoSP:
         compiled: dict[tuple, Callable] = {}
 
         def run(*args):
-            key = tuple((tuple(a.shape), a.dtype, a.requires_grad, getattr(a, _MARK, None))
-                        if isinstance(a, torch.Tensor) else a for a in args)
+            key = tuple(_signature(a) for a in args)
             if key not in compiled:
                 compiled[key] = self._compile(self.rewrite(gm, args), args)
             return compiled[key](*args)
@@ -160,6 +159,16 @@ class AutoSP:
                   new.print_readable(print_output=False), flush=True)
         self.graphs.append(new)
         return new
+
+
+def _signature(a: Any) -> Any:
+    """What a specialisation depends on: shapes, dtypes, marks, and the value of 0-d CPU
+    tensors (Dynamo passes Python floats it made dynamic, e.g. a module's attention scale, as
+    such tensors; the rewrite reads them)."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    value = a.item() if a.dim() == 0 and a.device.type == "cpu" and not a.requires_grad else None
+    return tuple(a.shape), a.dtype, a.requires_grad, getattr(a, _MARK, None), value
 
 
 def _is_pointwise(node: fx.Node) -> bool:
@@ -195,6 +204,7 @@ class _Rewriter:
         self.shard: dict[fx.Node, Shard | None] = {}
         self.rebuilt_masks: dict[tuple, fx.Node] = {}
         self.cuts: dict[tuple, fx.Node] = {}
+        self.scalars: dict[fx.Node, torch.Tensor] = {}  # 0-d inputs, whose .item() is read
         self.trace = ""  # Stack trace of the node being rewritten, for the nodes inserted for it.
         lengths = {a.shape[getattr(a, _MARK)] for a in args
                    if isinstance(a, torch.Tensor) and hasattr(a, _MARK)}
@@ -234,14 +244,23 @@ class _Rewriter:
         fake = self._fake(value)
         self._record(new, fake)
         self.new[node] = new
+        if isinstance(value, torch.Tensor) and _signature(value)[-1] is not None:
+            self.scalars[new] = value
         dim = getattr(value, _MARK, None) if isinstance(value, torch.Tensor) else None
         if dim is not None:
             self.new[node] = self._narrow(new, Shard(dim))
 
     def _call(self, node: fx.Node) -> None:
         self.trace = node.meta.get("stack_trace", "")
-        full = self._execute(node, *map_arg((node.args, node.kwargs), lambda n: self._full(n)))
         args = map_arg((node.args, node.kwargs), lambda n: self.new[n])
+        if node.op == "call_method" and node.target == "item" and args[0][0] in self.scalars:
+            self.new[node] = self.scalars[args[0][0]].item()  # A dynamic Python scalar's value.
+            return
+        try:
+            full = self._execute(node, *map_arg((node.args, node.kwargs), lambda n: self._full(n)))
+        except Exception as e:  # noqa: BLE001 - e.g. .item() of a computed tensor.
+            raise AutoSPError(_where(node, "cannot be evaluated from shapes alone "
+                                     f"({type(e).__name__}: {str(e).splitlines()[0]})")) from None
         if not any(self._is_sharded(n) for n in _nodes(args)):
             self._copy(node, args, full)
             return

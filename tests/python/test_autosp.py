@@ -69,16 +69,19 @@ def plain_gqa(group, inner):
     return compare(model, *ref, loss, group)
 
 
-def llama(group, mark_positions):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama(group, mark_positions, arch="llama"):
+    """A tiny transformers model (sdpa attention) from a config; "mistral" (8/2 heads of 4: another
+    attention scale) compiled after a Llama makes Dynamo pass the scale as a dynamic scalar."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
 
     import ulysses
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         use_cache=False)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  max_position_embeddings=64, use_cache=False)
+    config = (LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **common) if arch == "llama"
+              else MistralConfig(num_attention_heads=8, num_key_value_heads=2, sliding_window=None, **common))
     torch.manual_seed(0)
-    model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").float()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
     ids, _, attention_mask = batch()
     labels = ids.masked_fill(attention_mask == 0, -100)  # transformers shifts them itself
     kwargs = dict(input_ids=ids, attention_mask=attention_mask, labels=labels)
@@ -264,6 +267,7 @@ def world_body(rank, group, world):
         "plain aot_eager": plain_gqa(group, "aot_eager"),
         "llama": llama(group, False),
         "llama, position ids marked": llama(group, True),
+        "mistral after llama": llama(group, False, "mistral"),
         "shared mask, 2 layers": shared_mask(group, 2),
         "shared mask, 3 layers": shared_mask(group, 3),
         "two models": two_models(group, world),
@@ -282,7 +286,8 @@ def world(request, tmp_path_factory):
     return P, run_processes(P, world_body, P, tmp_dir=str(tmp_path_factory.mktemp(f"autosp{P}")))
 
 
-@pytest.mark.parametrize("case", ["plain", "plain aot_eager", "llama", "llama, position ids marked"])
+@pytest.mark.parametrize("case", ["plain", "plain aot_eager", "llama", "llama, position ids marked",
+                                  "mistral after llama"])
 def test_loss_and_gradients_equal_single_rank(world, case):
     _, results = world
     for r in results:
@@ -348,7 +353,7 @@ if __name__ == "__main__":  # Prints the numbers the tests assert on.
             results = run_processes(P, world_body, P, tmp_dir=tmp)
         r = results[0]
         print(f"P={P}, S={S}, B={B}: relative error vs the uncompiled single-rank model (rank 0)")
-        for case in ("plain", "plain aot_eager", "llama", "llama, position ids marked"):
+        for case in ("plain", "plain aot_eager", "llama", "llama, position ids marked", "mistral after llama"):
             print(f"  {case:32s} loss {r[case][0]:.1e}  worst gradient {r[case][1]:.1e}")
         for form, (le, ge) in r["mask forms"].items():
             print(f"  mask: {form:26s} loss {le:.1e}  worst gradient {ge:.1e}")
