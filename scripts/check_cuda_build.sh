@@ -9,11 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/debian.sh
-packages=(g++ cmake ninja-build libgtest-dev libgmock-dev)
-python3 -c "import ensurepip, venv" 2>/dev/null || packages+=(python3-venv)
-python3 -c "import os, sysconfig; assert os.path.exists(sysconfig.get_paths()['include'] + '/Python.h')" \
-  2>/dev/null || packages+=(python3-dev)
-ensure_debian_packages "${packages[@]}"
+ensure_build_packages
 # The toolkit: CUDA_HOME, or where nvcc lives (/usr/local/cuda on these machines).
 cuda_home=${CUDA_HOME:-/usr/local/cuda}
 nvcc=$cuda_home/bin/nvcc

@@ -12,3 +12,13 @@ ensure_debian_packages() {
   DEBIAN_FRONTEND=noninteractive $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 }
+
+# The packages the C++ build and its tests need; a Debian python3 (rather than one that ships
+# them) also needs its venv module and headers packaged.
+ensure_build_packages() {
+  local packages=(g++ cmake ninja-build libgtest-dev libgmock-dev)
+  python3 -c "import ensurepip, venv" 2>/dev/null || packages+=(python3-venv)
+  python3 -c "import os, sysconfig; assert os.path.exists(sysconfig.get_paths()['include'] + '/Python.h')" \
+    2>/dev/null || packages+=(python3-dev)
+  ensure_debian_packages "${packages[@]}"
+}

@@ -4,12 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/debian.sh
-packages=(g++ cmake ninja-build libgtest-dev libgmock-dev)
-# A Debian python3 (rather than one that ships them) needs its venv module and headers packaged.
-python3 -c "import ensurepip, venv" 2>/dev/null || packages+=(python3-venv)
-python3 -c "import os, sysconfig; assert os.path.exists(sysconfig.get_paths()['include'] + '/Python.h')" \
-  2>/dev/null || packages+=(python3-dev)
-ensure_debian_packages "${packages[@]}"
+ensure_build_packages
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   python3 -m venv .venv
