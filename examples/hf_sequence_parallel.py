@@ -66,7 +66,8 @@ def main() -> None:
     t0 = time.perf_counter()
     for step in range(1, a.steps + 1):
         shard = uhf.shard_batch(copy_task(a.batch, a.seq_len, a.vocab, gen), dist.group.WORLD)
-        logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+        logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
+                       ulysses_seq_lens=shard["seq_lens"]).logits
         loss, global_loss = uhf.sequence_parallel_loss(logits, shard["shift_labels"], dist.group.WORLD)
         optimizer.zero_grad()
         loss.backward()

@@ -120,7 +120,9 @@ def shard_batch(batch: Mapping[str, torch.Tensor], group=None, *,
     is lost at a shard boundary. S need not
     divide by the group size (the first S % P ranks take one token more). Returns the sharded
     ``input_ids``, ``attention_mask`` (if given), global ``position_ids``, ``shift_labels`` (pass
-    them to :func:`sequence_parallel_loss`, not to the model) and ``seq_lens``.
+    them to :func:`sequence_parallel_loss`, not to the model) and ``seq_lens`` (pass them to the
+    model as ``ulysses_seq_lens=``: each attention layer then skips the small collective that
+    learns every rank's token count).
     """
     name = O.group_name(group)
     pg = torch._C._distributed_c10d._resolve_process_group(name)

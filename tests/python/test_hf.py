@@ -54,10 +54,11 @@ def reference(model, batch):
     return out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def sharded_step(model, batch, group):
+def sharded_step(model, batch, group, give_seq_lens=True):
     sb = uhf.shard_batch(batch, group)
+    extra = {"ulysses_seq_lens": sb["seq_lens"]} if give_seq_lens else {}
     out = model(input_ids=sb["input_ids"], attention_mask=sb.get("attention_mask"),
-                position_ids=sb["position_ids"])
+                position_ids=sb["position_ids"], **extra)
     loss, global_loss = uhf.sequence_parallel_loss(out.logits, sb["shift_labels"], group)
     loss.backward()
     uhf.all_reduce_gradients(model, group)
@@ -96,11 +97,31 @@ def test_qwen3_mqa_kv_replicated_over_three_ranks():
     want = reference(copy.deepcopy(base), batch)
     models = [copy.deepcopy(base) for _ in range(3)]
 
-    def body(rank, group):
-        return sharded_step(uhf.sequence_parallel(models[rank], group), batch, group)
+    def body(rank, group):  # Without ulysses_seq_lens: each layer learns them (one collective).
+        return sharded_step(uhf.sequence_parallel(models[rank], group), batch, group, False)
 
     for got in run_ranks(3, body):
         assert_matches(got, want)
+
+
+def test_given_seq_lens_save_one_collective_per_layer():
+    import ulysses
+
+    base = make_model("llama")
+    models = [copy.deepcopy(base) for _ in range(2)]
+    batch = make_batch("padded")
+
+    def body(rank, group):
+        model = uhf.sequence_parallel(models[rank], group)
+        counts = []
+        for given in (True, False):
+            before = ulysses._C.collective_count(group)
+            sharded_step(model, batch, group, given)
+            counts.append(ulysses._C.collective_count(group) - before)
+        return counts
+
+    for with_lens, without in run_ranks(2, body):
+        assert without - with_lens == COMMON["num_hidden_layers"], (with_lens, without)
 
 
 def test_two_models_with_different_head_counts_train_alternately():
