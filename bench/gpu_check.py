@@ -83,7 +83,7 @@ def correctness(rank, P, group, device):
     return rows
 
 
-def bus_bandwidth(rank, P, group, device):
+def bus_bandwidth(rank, P, group, timer, device):
     """GB/s of ours and of a bare all_to_all_single moving the same bytes (NCCL only)."""
     import ulysses
 
@@ -106,14 +106,14 @@ def bus_bandwidth(rank, P, group, device):
 
         row = {"elements": S_r * H * D}
         for label, fn in (("ours", ours), ("bare", bare)):
-            ms = cuda_ms(fn, group)
+            ms = cuda_ms(fn, timer)
             moved = 2 * x.numel() * x.element_size() * (P - 1) / P  # bytes per rank, both ways
             row[f"{label}_ms"], row[f"{label}_GBps"] = ms, moved / ms / 1e6
         rows.append(row)
     return rows
 
 
-def layer(rank, P, group, device):
+def layer(rank, P, group, timer, device):
     import ulysses
 
     rows = []
@@ -130,44 +130,42 @@ def layer(rank, P, group, device):
         def step(attn=attn, qkv=(q, k, v), lens=[S_r] * P):
             attn(*qkv, seq_lens=lens).sum().backward()
 
-        ms = cuda_ms(step, group, repeats=3)
+        ms = cuda_ms(step, timer, repeats=3)
         peak = torch.cuda.max_memory_allocated(device) - base
         rows.append({"seq_len": S, "ms": ms, "peak_extra_MiB": peak / 2**20})
     return rows
 
 
-def cuda_ms(fn, group, repeats=5):
+def cuda_ms(fn, timer, repeats=5):
+    """Median CUDA-event milliseconds of ``fn``, the slowest rank's (over the Gloo group
+    ``timer``)."""
     fn()
     torch.cuda.synchronize()
     samples = []
     for _ in range(repeats):
-        dist.barrier(group)
+        dist.barrier(timer)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         torch.cuda.synchronize()
         t = torch.tensor([start.elapsed_time(end)], device="cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=timer)
         samples.append(t.item())
     return sorted(samples)[len(samples) // 2]
 
 
-cpu_group = None
-
-
 def worker(rank, P, nccl, store, out):
-    global cpu_group
     torch.cuda.set_device(rank if nccl else 0)
     device = torch.device("cuda", torch.cuda.current_device())
     backend = "cpu:gloo,cuda:nccl" if nccl else "gloo"
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=P)
     group = dist.group.WORLD
-    cpu_group = dist.new_group(backend="gloo")
+    timer = dist.new_group(backend="gloo")  # CPU timings are gathered over Gloo
     result = {"correctness": correctness(rank, P, group, device)}
     if nccl:
-        result["a2a"] = bus_bandwidth(rank, P, group, device)
-    result["layer"] = layer(rank, P, group, device) if nccl or P == 1 else []
+        result["a2a"] = bus_bandwidth(rank, P, group, timer, device)
+    result["layer"] = layer(rank, P, group, timer, device) if nccl or P == 1 else []
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)

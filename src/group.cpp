@@ -334,8 +334,8 @@ namespace {
 // Note [Metadata device]: the agreement rounds move a few int64s. They go as CPU tensors when
 // the process group has a CPU backend (Gloo, or "cpu:gloo,cuda:nccl"), else on the current
 // device of the group's accelerator (an NCCL-only group takes CUDA tensors alone).
-at::Device metadata_device(const c10d::ProcessGroup* pg) {
-  if (pg == nullptr || const_cast<c10d::ProcessGroup*>(pg)->hasBackendForDeviceType(at::kCPU)) {
+at::Device metadata_device(c10d::ProcessGroup* pg) {
+  if (pg == nullptr || pg->hasBackendForDeviceType(at::kCPU)) {
     return at::kCPU;
   }
   const std::vector<c10::Device> types = pg->getDeviceTypes();

@@ -113,7 +113,7 @@ class DistributedAttention(nn.Module):
             mesh, dim = group
             group = mesh.get_group(dim)
         self.group_name = O.group_name(group)
-        pg = torch._C._distributed_c10d._resolve_process_group(self.group_name)
+        pg = O.process_group(self.group_name)
         self.rank, self.sp_size = pg.rank(), pg.size()
         self.layout = layout.upper()
         try:

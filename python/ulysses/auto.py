@@ -47,7 +47,7 @@ from torch.fx.node import map_arg
 
 from . import _C
 from . import ops as O
-from .attention import _agreed_call_values, local_attention
+from .attention import _agreed_call_values, _local_kv_map, local_attention
 
 _MARK = "_ulysses_autosp_dim"
 _SDPA = torch._C._nn.scaled_dot_product_attention
@@ -309,8 +309,12 @@ class _Rewriter:
         new = self.graph.create_node(node.op, node.target, args[0], args[1], name=node.name)
         new.meta = _meta(node)
         self.new[node] = new
+        probe_args = probe_args or args
+        if not any(self._is_sharded(n) for n in _nodes(probe_args)):
+            self._record(new, full)  # Over full inputs alone the probe run is the full run.
+            return
         try:
-            probe = self._execute(node, *map_arg(probe_args or args, lambda n: self.probe[n]))
+            probe = self._execute(node, *map_arg(probe_args, lambda n: self.probe[n]))
         except Exception as e:  # noqa: BLE001 - any failure means the op mixes shards.
             raise AutoSPError(_where(node, "cannot run on this rank's tokens alone "
                                      f"({type(e).__name__}: {str(e).splitlines()[0]})")) from None
@@ -413,13 +417,13 @@ class _Rewriter:
         causal, scale = bool(call.get("is_causal", False)), call.get("scale")
         group, t, lens = self.owner.group, self.owner.timeout_ms, self.seq_lens
         probes = [self.probe[n] for n in (q, k, v)]
-        names, values = _agreed_call_values(*probes, self.probe[mask] if mask else None, None,
-                                            causal, None)
+        names, values = _agreed_call_values(*probes, None if mask is None else self.probe[mask],
+                                            None, causal, None)
         heads = self._insert(O._ops.scatter_heads, ([q, k, v], ["q", "kv", "kv"], hq, hkv, lens,
                                                     "BHSD", group, t, names, values))
         qh, kh, vh = (self._insert(operator.getitem, (heads, i)) for i in range(3))
         rebuilt = self._rebuilt_mask(node, mask, hq, hkv) if mask is not None else None
-        kv_map = O._plan(hq, hkv, self.owner.size)["kv_map"][self.owner.rank]
+        kv_map = _local_kv_map(hq, hkv, self.owner.size, self.owner.rank)
         o = self._insert(local_attention, (qh, kh, vh, kv_map, rebuilt, None, causal, scale))
         gathered = self._insert(O._ops.gather_heads, ([o], ["q"], hq, hkv, lens, "BHSD", group, t))
         out = self.new[node] = self._insert(operator.getitem, (gathered, 0))

@@ -125,7 +125,7 @@ def shard_batch(batch: Mapping[str, torch.Tensor], group=None, *,
     learns every rank's token count).
     """
     name = O.group_name(group)
-    pg = torch._C._distributed_c10d._resolve_process_group(name)
+    pg = O.process_group(name)
     rank, P = pg.rank(), pg.size()
     input_ids = batch["input_ids"]
     B, S = input_ids.shape
@@ -157,7 +157,7 @@ def sequence_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, gro
     backpropagate on this rank, the global mean, detached)``; sum gradients over the group with
     :func:`all_reduce_gradients`."""
     name = O.group_name(group)
-    pg = torch._C._distributed_c10d._resolve_process_group(name)
+    pg = O.process_group(name)
     local_sum = F.cross_entropy(logits.float().flatten(0, 1), shift_labels.flatten(),
                                 ignore_index=ignore_index, reduction="sum")
     stats = torch.stack([local_sum.detach(), (shift_labels != ignore_index).sum().to(local_sum.dtype)])

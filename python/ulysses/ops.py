@@ -44,8 +44,13 @@ def timeout_ms(timeout: datetime.timedelta | float | None) -> int:
     return max(1, int(round(seconds * 1000)))
 
 
+def process_group(name: str) -> dist.ProcessGroup:
+    """The live c10d process group registered under ``name``."""
+    return torch._C._distributed_c10d._resolve_process_group(name)
+
+
 def _rank_size(name: str) -> tuple[int, int]:
-    pg = torch._C._distributed_c10d._resolve_process_group(name)
+    pg = process_group(name)
     return pg.rank(), pg.size()
 
 
@@ -298,7 +303,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: S
 @torch.library.custom_op("ulysses::sum_over_group", mutates_args=())
 def _sum_over_group(x: torch.Tensor, group: str) -> torch.Tensor:
     out = x.contiguous().clone()
-    torch._C._distributed_c10d._resolve_process_group(group).allreduce([out]).wait()
+    process_group(group).allreduce([out]).wait()
     return out
 
 
@@ -328,7 +333,7 @@ def all_reduce_gradients(model: torch.nn.Module, group=None) -> None:
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    pg = torch._C._distributed_c10d._resolve_process_group(group_name(group))
+    pg = process_group(group_name(group))
     pg.allreduce([flat]).wait()
     offset = 0
     for g in grads:
