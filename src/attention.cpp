@@ -18,6 +18,36 @@ at::Tensor document_mask(const at::Tensor& positions) {
   return doc.unsqueeze(-1).eq(doc.unsqueeze(-2)).unsqueeze(1);
 }
 
+c10::optional<at::Tensor> structure_mask(const LocalAttentionArgs& a) {
+  TORCH_CHECK_VALUE(!(a.rows && a.positions),
+                    "attention: give either position ids or global rows, not both");
+  const int64_t Sq = a.q.size(-2), Sk = a.k.size(-2);
+  const auto opts = a.q.options().dtype(at::kBool);
+  c10::optional<at::Tensor> allowed;
+  auto restrict = [&](const at::Tensor& m) { allowed = allowed ? allowed->logical_and(m) : m; };
+  if (a.rows) {
+    const GlobalRows& r = *a.rows;
+    TORCH_CHECK_VALUE(r.q_index.numel() == Sq && r.k_index.numel() == Sk,
+                      "attention: global rows must index the ", Sq, " queries and ", Sk,
+                      " keys; got ", r.q_index.sizes(), " and ", r.k_index.sizes());
+    TORCH_CHECK_VALUE(r.q_docs.defined() == r.k_docs.defined(),
+                      "attention: give document ids for both queries and keys, or neither");
+    if (a.causal) {
+      restrict(r.k_index.view({1, Sk})
+                   .le(r.q_index.view({Sq, 1}))
+                   .view({1, 1, Sq, Sk})
+                   .to(opts.device()));
+    }
+    if (r.q_docs.defined()) {
+      restrict(r.q_docs.view({-1, 1, Sq, 1}).eq(r.k_docs.view({-1, 1, 1, Sk})).to(opts.device()));
+    }
+    return allowed;
+  }
+  if (a.causal) restrict(at::ones({Sq, Sk}, opts).tril().view({1, 1, Sq, Sk}));
+  if (a.positions) restrict(document_mask(*a.positions).to(opts.device()));
+  return allowed;
+}
+
 at::Tensor math_attention(const LocalAttentionArgs& a) {
   TORCH_CHECK_VALUE(a.q.dim() == 4 && a.k.dim() == 4 && a.v.dim() == 4,
                     "math_attention: q, k, v must be 4-D BHSD; got ", a.q.sizes(), ", ",
@@ -40,8 +70,7 @@ at::Tensor math_attention(const LocalAttentionArgs& a) {
       s = s + a.mask->to(compute);
     }
   }
-  if (a.causal) allowed = allowed.logical_and(at::ones({Sq, Sk}, allowed.options()).tril());
-  if (a.positions) allowed = allowed.logical_and(document_mask(*a.positions));
+  if (auto rule = structure_mask(a)) allowed = allowed.logical_and(*rule);
   s = s.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
   // Softmax that yields 0 (not NaN) for rows with no allowed key, gradients included.
   at::Tensor row_max = std::get<0>(s.max(-1, true)).detach();

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -28,13 +29,13 @@ at::Tensor sdpa_attention(const LocalAttentionArgs& a) {
   const at::Tensor& q = a.q;
   const c10::optional<double> scale =
       a.scale > 0 ? c10::optional<double>(a.scale) : c10::optional<double>();
-  c10::optional<at::Tensor> mask = a.mask;
-  if (a.positions) mask = restrict_mask(mask, document_mask(*a.positions));
-  if (a.causal && mask) {  // SDPA takes a mask or is_causal, not both.
-    at::Tensor tril = at::ones({q.size(2), k.size(2)}, q.options().dtype(at::kBool)).tril();
-    return at::scaled_dot_product_attention(q, k, v, restrict_mask(mask, tril), 0.0, false, scale);
+  // SDPA takes a mask or is_causal, not both: the rules become a mask unless causal is alone.
+  if (!a.mask && !a.positions && !a.rows) {
+    return at::scaled_dot_product_attention(q, k, v, {}, 0.0, a.causal, scale);
   }
-  return at::scaled_dot_product_attention(q, k, v, mask, 0.0, a.causal, scale);
+  c10::optional<at::Tensor> mask = a.mask;
+  if (auto rule = structure_mask(a)) mask = restrict_mask(mask, *rule);
+  return at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scale);
 }
 
 }  // namespace
@@ -85,6 +86,46 @@ DistributedAttention::DistributedAttention(Group group, AttentionOptions options
   }
 }
 
+DistributedAttention::DistributedAttention(Group ulysses, Group ring, AttentionOptions options)
+    : DistributedAttention(std::move(ulysses), std::move(options)) {
+  ring_ = std::move(ring);
+}
+
+RingLayout DistributedAttention::agree_ring(const AllToAllPlan& plan, const at::Tensor& q,
+                                            const at::Tensor& k, const at::Tensor& v,
+                                            const AttentionInputs& in) const {
+  // Every ring rank must run the same ring: agree on the call, and learn each ring rank's
+  // token count (the zigzag layout fixes them once S is known). Before any data moves.
+  const std::vector<std::vector<int64_t>> meta = ring_.agree([&] {
+    TORCH_CHECK_VALUE(!in.mask, "DistributedAttention: masks are not supported with a ring group (",
+                      group_.size(), " x ", ring_.size(),
+                      "); give causal and position ids of packed documents instead");
+    std::vector<int64_t> m{plan.seq.seq_len()};
+    for (const at::Tensor* t : {&q, &k, &v}) {
+      std::vector<int64_t> shape = t->sizes().vec();
+      shape[seq_dim(options_.layout)] = 0;
+      m.insert(m.end(), shape.begin(), shape.end());
+    }
+    m.push_back(static_cast<int64_t>(q.scalar_type()));
+    m.push_back(in.positions ? in.positions->dim() : -1);
+    m.push_back(options_.causal ? 1 : 0);
+    return m;
+  });
+  int64_t S = 0;
+  for (const auto& m : meta) S += m[0];
+  const RingLayout layout = RingLayout::make(S, group_.size(), ring_.size());
+  for (int r = 0; r < ring_.size(); ++r) {
+    TORCH_CHECK_VALUE(std::equal(meta[r].begin() + 1, meta[r].end(), meta[0].begin() + 1),
+                      "DistributedAttention: ring ranks 0 and ", r,
+                      " disagree on the call (shapes of q, k, v, dtype, position ids or causal)");
+    TORCH_CHECK_VALUE(meta[r][0] == layout.ring_length(r), "DistributedAttention: ring rank ", r,
+                      "'s Ulysses group holds ", meta[r][0], " tokens; the zigzag layout of ", S,
+                      " tokens gives it ", layout.ring_length(r),
+                      " (shard inputs with RingLayout::shard / ulysses.shard_sequence)");
+  }
+  return layout;
+}
+
 at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& k,
                                          const at::Tensor& v, const AttentionInputs& in) {
   const Layout L = options_.layout;
@@ -131,6 +172,8 @@ at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& 
         q.requires_grad() || k.requires_grad() || v.requires_grad() ? 1 : 0},
        {"causal", options_.causal ? 1 : 0},
        {"whether a StepContext is used", in.context ? 1 : 0}});
+  c10::optional<RingLayout> ring_layout;
+  if (ring_.size() > 1) ring_layout = agree_ring(plan, q, k, v, in);
   const std::vector<Heads> kinds{Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue};
   std::vector<at::Tensor> qkv;
   if (options_.fuse_qkv) {
@@ -155,7 +198,16 @@ at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& 
     args.positions = in.context ? in.context->gathered_positions(*in.positions, plan.seq)
                                 : all_gather_sequence(*in.positions, -1, plan.seq, group_);
   }
-  at::Tensor o = options_.local(args).permute(from_bhsd(L));
+  at::Tensor o;
+  if (ring_layout) {
+    at::Tensor docs;
+    if (args.positions) docs = ring_document_ids(*args.positions, *ring_layout, ring_);
+    args.positions.reset();
+    o = ring_attention(args, *ring_layout, docs, ring_);
+  } else {
+    o = options_.local(args);
+  }
+  o = o.permute(from_bhsd(L));
   return gather_heads(o, Heads::kQuery, plan, group_);
 }
 

@@ -6,6 +6,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -94,32 +95,39 @@ struct Problem {
   at::Tensor q, k, v;           // Float, last dim contiguous, BHSD.
   at::Tensor bias;              // Additive float mask expanded to [B, Hq, Sq, Sk], or {}.
   at::Tensor allowed;           // Bool mask expanded to [B, Hq, Sq, Sk], or {}.
-  at::Tensor doc;               // [B, Sk] document ids (stride 0 over B allowed), or {}.
+  at::Tensor q_index, k_index;  // [Sq], [Sk] contiguous int64 global rows (causal rule).
+  at::Tensor q_doc, k_doc;      // [B, Sq], [B, Sk] document ids (stride 0 over B allowed), or {}.
   std::vector<int64_t> kv_map;  // Local kv head of each query head.
   bool causal = false;
   float scale = 1.0f;
   int64_t bq = 64, bk = 128;
   int64_t B = 0, Hq = 0, Hkv = 0, Sq = 0, Sk = 0, D = 0, Dv = 0;
 
-  // Skips a tile with no allowed (query, key) pair: above the causal diagonal, or in disjoint
-  // documents (document ids never decrease along the sequence).
+  const int64_t* qi() const { return q_index.data_ptr<int64_t>(); }
+  const int64_t* ki() const { return k_index.data_ptr<int64_t>(); }
+
+  // Skips a tile with no allowed (query, key) pair: every key after every query, or in disjoint
+  // documents (indices increase and document ids never decrease along the rows).
   bool skip(int64_t b, int64_t i0, int64_t rows, int64_t j0, int64_t cols) const {
-    if (causal && j0 > i0 + rows - 1) return true;
-    if (!doc.defined()) return false;
-    const int64_t* d = doc.data_ptr<int64_t>() + b * doc.stride(0);
-    const int64_t ds = doc.stride(1);
-    return d[(j0 + cols - 1) * ds] < d[i0 * ds] || d[j0 * ds] > d[(i0 + rows - 1) * ds];
+    if (causal && ki()[j0] > qi()[i0 + rows - 1]) return true;
+    if (!q_doc.defined()) return false;
+    const int64_t* dq = q_doc.data_ptr<int64_t>() + b * q_doc.stride(0);
+    const int64_t* dk = k_doc.data_ptr<int64_t>() + b * k_doc.stride(0);
+    const int64_t sq = q_doc.stride(1), sk = k_doc.stride(1);
+    return dk[(j0 + cols - 1) * sk] < dq[i0 * sq] || dk[j0 * sk] > dq[(i0 + rows - 1) * sq];
   }
 
   // Adds the bias and sets disallowed entries of tile s (rows x cols, leading dim lds) to -inf.
   void mask_tile(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols, float* s,
                  int64_t lds) const {
-    const bool diagonal = causal && j0 + cols - 1 > i0;
-    const int64_t* d = doc.defined() ? doc.data_ptr<int64_t>() + b * doc.stride(0) : nullptr;
-    const int64_t ds = doc.defined() ? doc.stride(1) : 0;
+    const int64_t* kidx = ki() + j0;
+    const bool diagonal = causal && kidx[cols - 1] > qi()[i0];
+    const int64_t* dq = q_doc.defined() ? q_doc.data_ptr<int64_t>() + b * q_doc.stride(0) : nullptr;
+    const int64_t* dk = q_doc.defined() ? k_doc.data_ptr<int64_t>() + b * k_doc.stride(0) : nullptr;
+    const int64_t sq = dq ? q_doc.stride(1) : 0, sk = dq ? k_doc.stride(1) : 0;
     const bool mixed_docs =
-        d && !(d[i0 * ds] == d[(i0 + rows - 1) * ds] && d[j0 * ds] == d[(j0 + cols - 1) * ds] &&
-               d[i0 * ds] == d[j0 * ds]);
+        dq && !(dq[i0 * sq] == dq[(i0 + rows - 1) * sq] &&
+                dk[j0 * sk] == dk[(j0 + cols - 1) * sk] && dq[i0 * sq] == dk[j0 * sk]);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = i0 + r;
       float* row = s + r * lds;
@@ -140,13 +148,14 @@ struct Problem {
         for (int64_t c = 0; c < cols; ++c)
           if (!ap[c * st]) row[c] = kNegInf;
       }
-      if (diagonal) {
-        for (int64_t c = std::max<int64_t>(0, i - j0 + 1); c < cols; ++c) row[c] = kNegInf;
+      if (diagonal) {  // Keys after query i: from the first index above q_index[i] on.
+        const int64_t first = std::upper_bound(kidx, kidx + cols, qi()[i]) - kidx;
+        for (int64_t c = first; c < cols; ++c) row[c] = kNegInf;
       }
       if (mixed_docs) {
-        const int64_t di = d[i * ds];
+        const int64_t di = dq[i * sq];
         for (int64_t c = 0; c < cols; ++c)
-          if (d[(j0 + c) * ds] != di) row[c] = kNegInf;
+          if (dk[(j0 + c) * sk] != di) row[c] = kNegInf;
       }
     }
   }
@@ -170,7 +179,9 @@ std::pair<at::Tensor, at::Tensor> forward(const Problem& p) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(m.begin(), m.end(), kNegInf);
       std::fill(l.begin(), l.end(), 0.0f);
-      const int64_t j_end = p.causal ? std::min(p.Sk, i0 + rows) : p.Sk;
+      // Keys up to the last one the tile's last query may see (all when not causal).
+      const int64_t j_end =
+          p.causal ? std::upper_bound(p.ki(), p.ki() + p.Sk, p.qi()[i0 + rows - 1]) - p.ki() : p.Sk;
       for (int64_t j0 = 0; j0 < j_end; j0 += p.bk) {
         const int64_t cols = std::min(p.bk, j_end - j0);
         if (p.skip(b, i0, rows, j0, cols)) continue;
@@ -351,14 +362,37 @@ Problem make_problem(const LocalAttentionArgs& a, const FlashOptions& options) {
       p.bias = a.mask->detach().to(at::kFloat).expand(full);
     }
   }
+  TORCH_CHECK_VALUE(!(a.rows && a.positions),
+                    "flash_attention: give either position ids or global rows, not both");
+  auto rows_of = [](const at::Tensor& t, int64_t n, const char* what) {
+    TORCH_CHECK_VALUE(t.numel() == n && !t.is_floating_point(), "flash_attention: ", what,
+                      " must hold ", n, " integer indices; got ", t.sizes(), " ", t.scalar_type());
+    return t.to(at::kLong).contiguous().view({n});
+  };
+  auto docs_of = [&](const at::Tensor& t, int64_t n, const char* what) {
+    at::Tensor d = t.dim() == 1 ? t.unsqueeze(0) : t;
+    TORCH_CHECK_VALUE(d.dim() == 2 && d.size(1) == n && (d.size(0) == 1 || d.size(0) == p.B),
+                      "flash_attention: ", what, " must be [B or 1, ", n, "]; got ", t.sizes());
+    return d.to(at::kLong).expand({p.B, n});
+  };
+  if (a.rows) {
+    p.q_index = rows_of(a.rows->q_index, p.Sq, "rows.q_index");
+    p.k_index = rows_of(a.rows->k_index, p.Sk, "rows.k_index");
+    TORCH_CHECK_VALUE(a.rows->q_docs.defined() == a.rows->k_docs.defined(),
+                      "flash_attention: give document ids for both queries and keys, or neither");
+    if (a.rows->q_docs.defined()) {
+      p.q_doc = docs_of(a.rows->q_docs, p.Sq, "rows.q_docs");
+      p.k_doc = docs_of(a.rows->k_docs, p.Sk, "rows.k_docs");
+    }
+  } else {
+    p.q_index = at::arange(p.Sq, at::kLong);
+    p.k_index = p.Sq == p.Sk ? p.q_index : at::arange(p.Sk, at::kLong);
+  }
   if (a.positions) {
-    at::Tensor doc = document_ids(*a.positions);
-    if (doc.dim() == 1) doc = doc.unsqueeze(0);
-    TORCH_CHECK_VALUE(doc.size(-1) == p.Sk && p.Sq == p.Sk,
-                      "flash_attention: positions must "
-                      "cover the ",
-                      p.Sk, " keys (with Sq == Sk); got ", a.positions->sizes());
-    p.doc = doc.expand({p.B, p.Sk});
+    TORCH_CHECK_VALUE(a.positions->size(-1) == p.Sk && p.Sq == p.Sk,
+                      "flash_attention: positions must cover the ", p.Sk,
+                      " keys (with Sq == Sk); got ", a.positions->sizes());
+    p.q_doc = p.k_doc = docs_of(document_ids(*a.positions), p.Sk, "positions");
   }
 
   return p;

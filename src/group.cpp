@@ -82,6 +82,8 @@ struct GroupRuntime {
       : buffers(std::make_shared<BufferCache>(cache_bytes)) {}
   std::atomic<int64_t> collectives{0};    // Collectives issued.
   std::atomic<int64_t> collective_ns{0};  // Wall time spent inside them.
+  std::atomic<int64_t> p2p_messages{0};   // Point-to-point sends posted.
+  std::atomic<int64_t> p2p_bytes{0};      // Their bytes.
   std::shared_ptr<BufferCache> buffers;   // Shared with the deleters of tensors it lent.
 };
 
@@ -242,6 +244,60 @@ std::string Group::name() const { return pg_ ? pg_->getGroupName() : std::string
 int64_t Group::collective_count() const { return runtime_->collectives.load(); }
 int64_t Group::cached_buffer_bytes() const { return runtime_->buffers->cached(); }
 double Group::collective_seconds() const { return runtime_->collective_ns.load() * 1e-9; }
+
+int64_t Group::p2p_messages_sent() const { return runtime_->p2p_messages.load(); }
+int64_t Group::p2p_bytes_sent() const { return runtime_->p2p_bytes.load(); }
+
+Exchange Group::send_recv(const at::Tensor& send, int to, const at::Tensor& recv, int from,
+                          int tag) const {
+  TORCH_CHECK_VALUE(
+      pg_ && to >= 0 && to < size_ && from >= 0 && from < size_ && to != rank_ && from != rank_,
+      "Group::send_recv: peers must be other ranks of a multi-rank group; got to=", to,
+      ", from=", from, " on rank ", rank_, " of ", size_);
+  Exchange ex;
+  ex.group_ = std::make_shared<const Group>(*this);
+  ex.number_ = runtime_->p2p_messages.load() + 1;
+  // Receive first: a peer's send can then land directly.
+  if (recv.defined()) {
+    TORCH_INTERNAL_ASSERT(recv.is_contiguous());
+    std::vector<at::Tensor> r{recv};
+    ex.work_.push_back(pg_->recv(r, from, tag));
+  }
+  if (send.defined()) {
+    TORCH_INTERNAL_ASSERT(send.is_contiguous());
+    std::vector<at::Tensor> t{send};
+    ex.work_.push_back(pg_->send(t, to, tag));
+    ++runtime_->p2p_messages;
+    runtime_->p2p_bytes += static_cast<int64_t>(send.nbytes());
+  }
+  return ex;
+}
+
+Exchange& Exchange::operator=(Exchange&& other) noexcept {
+  if (this != &other) {
+    try {
+      wait();
+    } catch (...) {  // Destroying a failed exchange: its error was, or will be, raised elsewhere.
+    }
+    group_ = std::move(other.group_);
+    work_ = std::move(other.work_);
+    number_ = other.number_;
+  }
+  return *this;
+}
+
+Exchange::~Exchange() {
+  try {
+    wait();
+  } catch (...) {
+  }
+}
+
+void Exchange::wait() {
+  std::vector<c10::intrusive_ptr<c10d::Work>> work = std::move(work_);
+  work_.clear();
+  for (const auto& w : work) ulysses::wait(*group_, "send_recv", w, number_);
+}
 
 at::Tensor Group::new_buffer(at::IntArrayRef shape, const at::TensorOptions& options) const {
   if (!options.device().is_cpu()) return at::empty(shape, options);

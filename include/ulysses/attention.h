@@ -16,6 +16,17 @@
 
 namespace ulysses {
 
+// Where the rows of q and k lie in one global sequence, when k is not q's own block (ring
+// attention passes key blocks between ranks): the causal rule is k_index[j] <= q_index[i] and
+// the document rule q_docs[b, i] == k_docs[b, j]. Indices increase and document ids never
+// decrease along the rows, so the fused kernel still skips whole tiles.
+struct GlobalRows {
+  at::Tensor q_index;  // [Sq] int64 global token index of each query row.
+  at::Tensor k_index;  // [Sk] int64 likewise for the keys.
+  at::Tensor q_docs;   // [B or 1, Sq] int64 document ids, or undefined: no document rule.
+  at::Tensor k_docs;   // [B or 1, Sk] int64, defined exactly when q_docs is.
+};
+
 // Inputs of a local attention, in BHSD: q [B, Hq_r, S, D], k [B, Hkv_r, S, D],
 // v [B, Hkv_r, S, Dv] (any strides). Output: [B, Hq_r, S, Dv].
 struct LocalAttentionArgs {
@@ -25,6 +36,9 @@ struct LocalAttentionArgs {
   c10::optional<at::Tensor> positions;  // [B, S] or [S] int64 global position ids (packing).
   bool causal = false;
   double scale = 0.0;  // Softmax scale; 0 means 1/sqrt(D).
+  // Global rows for the causal and document rules (then `positions` must be unset); k may
+  // then have another length than q.
+  c10::optional<GlobalRows> rows;
 };
 
 // A local attention implementation.
@@ -42,5 +56,9 @@ at::Tensor document_ids(const at::Tensor& positions);
 // and key j lie in one document (doc(b,i) == doc(b,j)). For implementations that take a mask;
 // the fused kernel evaluates the same rule per tile instead.
 at::Tensor document_mask(const at::Tensor& positions);
+
+// The causal and document rules of `args` (causal, positions, rows) for q [.., Sq, D] and
+// k [.., Sk, D] as one bool mask [B or 1, 1, Sq, Sk], or none when no rule applies.
+c10::optional<at::Tensor> structure_mask(const LocalAttentionArgs& args);
 
 }  // namespace ulysses

@@ -20,6 +20,7 @@
 #include "ulysses/attention.h"
 #include "ulysses/group.h"
 #include "ulysses/partition.h"
+#include "ulysses/ring_attention.h"
 
 namespace ulysses {
 
@@ -81,6 +82,11 @@ struct AttentionInputs {
 class DistributedAttention {
  public:
   DistributedAttention(Group group, AttentionOptions options = {});
+  // Hybrid Ulysses x ring attention (see ring_attention.h): the all-to-alls run over `ulysses`
+  // (U ranks), key/value blocks circulate over `ring` (R ranks, each holding the same heads).
+  // Inputs are this rank's shard of the zigzag RingLayout (RingLayout::shard). Masks are not
+  // accepted with R > 1: causal and packed documents (position ids) are evaluated per tile.
+  DistributedAttention(Group ulysses, Group ring, AttentionOptions options = {});
 
   // o = attention(q, k, v) on this rank's sequence shard; shapes in options().layout:
   // q [B, S_r, Hq, D], k [B, S_r, Hkv, D], v [B, S_r, Hkv, Dv] -> o [B, S_r, Hq, Dv] (BSHD).
@@ -95,9 +101,14 @@ class DistributedAttention {
   const c10::optional<HeadPartition>& partition() const { return partition_; }
   const AttentionOptions& options() const { return options_; }
   const Group& group() const { return group_; }
+  const Group& ring() const { return ring_; }
 
  private:
+  // The ring ranks' agreement on a call (raising alike on every rank), and its layout.
+  RingLayout agree_ring(const AllToAllPlan& plan, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, const AttentionInputs& in) const;
   Group group_;
+  Group ring_ = Group::solo();
   AttentionOptions options_;
   c10::optional<HeadPartition> partition_;  // Fixed once known; every call must match it.
 };

@@ -46,6 +46,29 @@ namespace detail {
 struct GroupRuntime;
 }
 
+class Group;
+
+// Point-to-point transfers in flight, from Group::send_recv. Move-only; wait before reading the
+// receive buffer or reusing the send buffer (a handle that dies unwaited waits in its
+// destructor, so buffers never go while the backend still uses them).
+class Exchange {
+ public:
+  Exchange() = default;
+  Exchange(Exchange&&) noexcept = default;
+  Exchange& operator=(Exchange&& other) noexcept;
+  Exchange(const Exchange&) = delete;
+  Exchange& operator=(const Exchange&) = delete;
+  ~Exchange();
+  // Waits for every transfer, each at most the group's timeout; then the handle is empty.
+  void wait();
+
+ private:
+  friend class Group;
+  std::shared_ptr<const Group> group_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> work_;
+  int64_t number_ = 0;  // The exchange's number among the group's point-to-point transfers.
+};
+
 // A handle to one process group: cheap to copy (copies share the connection and counters).
 class Group {
  public:
@@ -79,6 +102,13 @@ class Group {
   // buffer costs ~10x copying into a reused one. Other devices use their caching allocator.
   at::Tensor new_buffer(at::IntArrayRef shape, const at::TensorOptions& options) const;
 
+  // Posts, without waiting, a send of `send` (contiguous) to rank `to` and a receive into
+  // `recv` (contiguous) from rank `from`, with message tag `tag` (transfers of one tag between
+  // two ranks arrive in order). Ring attention passes key/value blocks this way, computing on
+  // one block while the next moves. Either tensor may be undefined (no send, or no receive).
+  Exchange send_recv(const at::Tensor& send, int to, const at::Tensor& recv, int from,
+                     int tag) const;
+
   // Every rank's `input` (same shape on every rank), stacked: [P, *input.shape].
   at::Tensor all_gather(const at::Tensor& input) const;
   // In-place sum of `tensor` over the group.
@@ -109,6 +139,9 @@ class Group {
   int64_t collective_count() const;
   // Wall-clock seconds spent inside collectives issued through this process group.
   double collective_seconds() const;
+  // Point-to-point messages and bytes sent by this rank through this process group.
+  int64_t p2p_messages_sent() const;
+  int64_t p2p_bytes_sent() const;
   // Bytes of freed buffers the group's cache holds now (see GroupOptions::buffer_cache_bytes).
   int64_t cached_buffer_bytes() const;
 

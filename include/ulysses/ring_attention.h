@@ -1,0 +1,110 @@
+// Ring attention and the hybrid Ulysses x ring layout.
+//
+// SP = U x R ranks; SP rank p = r * U + u. The U consecutive ranks of a Ulysses group swap
+// sequence for heads with all-to-alls; the R ranks of a ring group (stride U, same u, so the
+// same heads) pass key/value blocks around: at step t ring rank r attends to the block of ring
+// rank (r - t) mod R while the next block moves, and merges the partial results by their row
+// log-sum-exp. Backward passes the blocks again with their dk/dv accumulators, which end at
+// their owners after R transfers.
+//
+// Zigzag layout: the S tokens are cut evenly into 2R chunks; ring rank r holds chunks r and
+// 2R-1-r, so under a causal mask every ring rank has the same work. A ring rank's tokens are
+// split evenly over its U Ulysses ranks. R = 1 is the plain contiguous Ulysses layout.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "ulysses/attention.h"
+#include "ulysses/group.h"
+#include "ulysses/partition.h"
+
+namespace ulysses {
+
+// Where every token of a sequence lives under the zigzag hybrid layout. A value.
+class RingLayout {
+ public:
+  // The layout of `seq_len` (>= 0) tokens over `ulysses` x `ring` ranks (each >= 1).
+  static RingLayout make(int64_t seq_len, int64_t ulysses, int64_t ring);
+
+  int64_t seq_len() const { return chunks_.seq_len(); }
+  int64_t ulysses() const { return ulysses_; }
+  int64_t ring() const { return ring_; }
+  int64_t sp_size() const { return ulysses_ * ring_; }
+  // Tokens of ring rank r (all its Ulysses ranks together), and their global indices in
+  // increasing order: chunk r, then chunk 2R-1-r.
+  int64_t ring_length(int64_t r) const;
+  at::Tensor ring_index(int64_t r) const;
+  // Global indices of SP rank p's tokens (its input shard), increasing.
+  at::Tensor shard_index(int64_t p) const;
+  // SP rank p's shard of `full` along `dim`, and the full tensor from every rank's shard.
+  at::Tensor shard(const at::Tensor& full, int64_t dim, int64_t p) const;
+  at::Tensor unshard(const std::vector<at::Tensor>& shards, int64_t dim) const;
+
+ private:
+  RingLayout(SequencePartition chunks, int64_t ulysses, int64_t ring)
+      : chunks_(std::move(chunks)), ulysses_(ulysses), ring_(ring) {}
+  SequencePartition chunks_;  // The 2R zigzag chunks.
+  int64_t ulysses_ = 1, ring_ = 1;
+};
+
+// Exact merge of two partial attentions of the same queries over disjoint key sets:
+// (out_a, lse_a) and (out_b, lse_b) with out [.., S, Dv] and lse [.., S] (fp32; a row with no
+// allowed key has lse = +inf, as flash_attention_forward returns it) give the attention over
+// both key sets. Differentiable in all four inputs.
+std::tuple<at::Tensor, at::Tensor> merge_attention(const at::Tensor& out_a, const at::Tensor& lse_a,
+                                                   const at::Tensor& out_b,
+                                                   const at::Tensor& lse_b);
+
+// Attention of this ring rank's queries over the keys of every ring rank: `args` holds q, k, v
+// of ring rank `ring.rank()`'s tokens in `layout`'s order (BHSD, this rank's heads; the same
+// kv heads on every ring rank), kv_map, causal and scale; no mask, positions or rows. `docs`
+// ([B or 1, S] global document ids of packed sequences, see document_ids) or undefined.
+// Differentiable in q, k, v. CPU tensors (the fused kernel gives the log-sum-exp).
+at::Tensor ring_attention(const LocalAttentionArgs& args, const RingLayout& layout,
+                          const at::Tensor& docs, const Group& ring);
+
+// The two passes of ring_attention without autograd (for the dispatcher op): out in q's
+// dtype and lse [B, Hq, Sq] (fp32); and {dq, dk, dv} given grad_out and the forward's out, lse.
+std::tuple<at::Tensor, at::Tensor> ring_attention_forward(const LocalAttentionArgs& args,
+                                                          const RingLayout& layout,
+                                                          const at::Tensor& docs,
+                                                          const Group& ring);
+std::vector<at::Tensor> ring_attention_backward(const at::Tensor& grad_out,
+                                                const LocalAttentionArgs& args,
+                                                const RingLayout& layout, const at::Tensor& docs,
+                                                const Group& ring, const at::Tensor& out,
+                                                const at::Tensor& lse);
+
+// Global document ids [B or 1, S] of packed sequences from this ring rank's position ids
+// ([B, L] or [L], its tokens in `layout`'s order): one all-gather over the ring group.
+at::Tensor ring_document_ids(const at::Tensor& positions, const RingLayout& layout,
+                             const Group& ring);
+
+// The cost of one attention layer under a U x R split, per rank (see plan_sp_mesh).
+struct MeshCost {
+  int64_t ulysses = 1, ring = 1;
+  int64_t a2a_bytes = 0;       // Sent through all-to-alls, forward + backward.
+  int64_t ring_bytes = 0;      // Sent to the ring neighbour, forward + backward.
+  int64_t ring_messages = 0;   // Ring sends, forward + backward: (R-1) + (R-1) + R, or 0.
+  int64_t peak_bytes = 0;      // Attention activations held at the peak (inputs, a2a results,
+                               // kernel output and lse, ring blocks in flight).
+  int64_t kv_replicas = 1;     // Copies of each kv head inside a Ulysses group (U > Hkv).
+  std::string describe() const;
+};
+
+// What a layer needs: heads, sequence, head dim, batch, element size.
+struct LayerShape {
+  int64_t q_heads = 0, kv_heads = 0, seq_len = 0, head_dim = 64, batch = 1, elem_bytes = 4;
+};
+
+// Every valid U x R split of `sp` ranks (U <= Hq, U divides sp), with its cost; the first is
+// the recommendation: the fewest bytes moved per layer, ties to the smaller peak memory. Moved
+// bytes are what ranks on one network wait for; with this kind of CPU the compute is the same
+// for every split, so the bytes decide.
+std::vector<MeshCost> plan_sp_mesh(int64_t sp, const LayerShape& shape);
+
+}  // namespace ulysses

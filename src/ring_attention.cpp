@@ -1,0 +1,363 @@
+#include "ulysses/ring_attention.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <limits>
+#include <sstream>
+
+#include "detail/autograd.h"
+#include "ulysses/mask.h"
+#include "ulysses/flash_attention.h"
+
+namespace ulysses {
+namespace {
+// For tokens concatenated in ring-rank order (every ring rank's, or every SP rank's, shards in
+// rank order: the same thing), the position of each global token.
+at::Tensor global_order(const RingLayout& layout) {
+  std::vector<at::Tensor> index;
+  for (int64_t r = 0; r < layout.ring(); ++r) index.push_back(layout.ring_index(r));
+  at::Tensor where = at::empty({layout.seq_len()}, at::kLong);
+  where.index_put_({at::cat(index)}, at::arange(layout.seq_len(), at::kLong));
+  return where;
+}
+}  // namespace
+
+RingLayout RingLayout::make(int64_t seq_len, int64_t ulysses, int64_t ring) {
+  TORCH_CHECK_VALUE(ulysses >= 1 && ring >= 1, "RingLayout: Ulysses and ring sizes must be >= 1; got ",
+                    ulysses, " x ", ring);
+  return RingLayout(SequencePartition::even(seq_len, 2 * ring), ulysses, ring);
+}
+
+int64_t RingLayout::ring_length(int64_t r) const {
+  TORCH_CHECK_INDEX(r >= 0 && r < ring_, "RingLayout: ring rank ", r, " out of range [0, ", ring_,
+                    ")");
+  return chunks_.length(r) + chunks_.length(2 * ring_ - 1 - r);
+}
+
+at::Tensor RingLayout::ring_index(int64_t r) const {
+  ring_length(r);  // Checks r.
+  const Range a = chunks_.range(r), b = chunks_.range(2 * ring_ - 1 - r);
+  return at::cat({at::arange(a.begin, a.end, at::kLong), at::arange(b.begin, b.end, at::kLong)});
+}
+
+at::Tensor RingLayout::shard_index(int64_t p) const {
+  TORCH_CHECK_INDEX(p >= 0 && p < sp_size(), "RingLayout: SP rank ", p, " out of range [0, ",
+                    sp_size(), ")");
+  const int64_t r = p / ulysses_, u = p % ulysses_;
+  const Range mine = SequencePartition::even(ring_length(r), ulysses_).range(u);
+  return ring_index(r).slice(0, mine.begin, mine.end);
+}
+
+at::Tensor RingLayout::shard(const at::Tensor& full, int64_t dim, int64_t p) const {
+  TORCH_CHECK_VALUE(full.size(dim) == seq_len(), "RingLayout::shard: dim ", dim, " of ",
+                    full.sizes(), " must hold the ", seq_len(), " tokens of the layout");
+  return full.index_select(dim, shard_index(p).to(full.device()));
+}
+
+at::Tensor RingLayout::unshard(const std::vector<at::Tensor>& shards, int64_t dim) const {
+  TORCH_CHECK_VALUE(static_cast<int64_t>(shards.size()) == sp_size(), "RingLayout::unshard: want ",
+                    sp_size(), " shards; got ", shards.size());
+  at::Tensor stacked = at::cat(shards, dim);
+  return stacked.index_select(dim, global_order(*this).to(stacked.device()));
+}
+
+std::tuple<at::Tensor, at::Tensor> merge_attention(const at::Tensor& out_a, const at::Tensor& lse_a,
+                                                   const at::Tensor& out_b,
+                                                   const at::Tensor& lse_b) {
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  // Empty rows (+inf) weigh nothing; a shift by the larger lse keeps exp() in range and cancels
+  // exactly (detached: the result does not depend on it).
+  at::Tensor a = lse_a.masked_fill(lse_a.isposinf(), -kInf);
+  at::Tensor b = lse_b.masked_fill(lse_b.isposinf(), -kInf);
+  at::Tensor m = at::maximum(a, b).detach();
+  m = m.masked_fill(m.isneginf(), 0);
+  at::Tensor wa = (a - m).exp(), wb = (b - m).exp();
+  at::Tensor sum = wa + wb;
+  at::Tensor empty = sum.eq(0);
+  at::Tensor safe = sum.masked_fill(empty, 1);
+  at::Tensor out = out_a * (wa / safe).unsqueeze(-1) + out_b * (wb / safe).unsqueeze(-1);
+  at::Tensor lse = (m + safe.log()).masked_fill(empty, kInf);
+  return {out, lse};
+}
+
+namespace {
+
+constexpr int kTagKv = 1;   // Key/value blocks.
+constexpr int kTagDkv = 2;  // Their gradient accumulators.
+
+// What both passes of one ring attention read; tensors detached.
+struct Ring {
+  LocalAttentionArgs args;  // This rank's q, k, v and options.
+  RingLayout layout = RingLayout::make(0, 1, 1);
+  at::Tensor docs;  // [B or 1, S] or undefined.
+  Group group = Group::solo();
+  int64_t B = 0, Hkv = 0, D = 0, Dv = 0;
+
+  int rank() const { return group.rank(); }
+  int next() const { return (group.rank() + 1) % group.size(); }
+  int prev() const { return (group.rank() + group.size() - 1) % group.size(); }
+  int source(int step) const { return (group.rank() - step % group.size() + group.size()) % group.size(); }
+
+  // A packed [k | v] (or [dk | dv]) block of ring rank `src`, in `dtype`.
+  at::Tensor new_block(int src, at::ScalarType dtype) const {
+    return group.new_buffer({B * Hkv * layout.ring_length(src) * (D + Dv)},
+                            args.q.options().dtype(dtype));
+  }
+  at::Tensor pack(const at::Tensor& k, const at::Tensor& v, int src, at::ScalarType dtype) const {
+    at::Tensor block = new_block(src, dtype);
+    const int64_t nk = k.numel();
+    block.slice(0, 0, nk).view(k.sizes()).copy_(k);
+    block.slice(0, nk).view(v.sizes()).copy_(v);
+    return block;
+  }
+  std::pair<at::Tensor, at::Tensor> unpack(const at::Tensor& block, int src) const {
+    const int64_t L = layout.ring_length(src), nk = B * Hkv * L * D;
+    return {block.slice(0, 0, nk).view({B, Hkv, L, D}), block.slice(0, nk).view({B, Hkv, L, Dv})};
+  }
+
+  // The local attention of our queries over ring rank `src`'s keys.
+  LocalAttentionArgs block_args(const at::Tensor& k, const at::Tensor& v, int src) const {
+    LocalAttentionArgs a = args;
+    a.k = k, a.v = v;
+    GlobalRows rows;
+    rows.q_index = layout.ring_index(rank());
+    rows.k_index = layout.ring_index(src);
+    if (docs.defined()) {
+      rows.q_docs = docs.index_select(-1, rows.q_index);
+      rows.k_docs = docs.index_select(-1, rows.k_index);
+    }
+    a.rows = rows;
+    return a;
+  }
+};
+
+// Forward: out [B, Hq, Sq, Dv] (fp32) and lse [B, Hq, Sq] (+inf for rows with no key).
+std::pair<at::Tensor, at::Tensor> ring_forward(const Ring& ring) {
+  const int R = ring.group.size();
+  at::Tensor block = ring.pack(ring.args.k, ring.args.v, ring.rank(), ring.args.k.scalar_type());
+  at::Tensor out, lse;
+  for (int t = 0; t < R; ++t) {
+    const int src = ring.source(t);
+    Exchange moving;
+    at::Tensor incoming;
+    if (t + 1 < R) {  // The next block moves while this one is computed on.
+      incoming = ring.new_block(ring.source(t + 1), block.scalar_type());
+      moving = ring.group.send_recv(block, ring.next(), incoming, ring.prev(), kTagKv);
+    }
+    auto [k, v] = ring.unpack(block, src);
+    auto [o_t, lse_t] = flash_attention_forward(ring.block_args(k, v, src));
+    if (t == 0) {
+      out = o_t.to(at::kFloat), lse = lse_t;
+    } else {
+      std::tie(out, lse) = merge_attention(out, lse, o_t.to(at::kFloat), lse_t);
+    }
+    moving.wait();
+    block = incoming;
+  }
+  return {out, lse};
+}
+
+// Backward: {dq, dk, dv} for grad_out, given the forward's merged out and lse.
+std::vector<at::Tensor> ring_backward(const Ring& ring, const at::Tensor& grad_out,
+                                      const at::Tensor& out, const at::Tensor& lse) {
+  const int R = ring.group.size();
+  const auto& a = ring.args;
+  at::Tensor block = ring.pack(a.k, a.v, ring.rank(), a.k.scalar_type());
+  at::Tensor dq = at::zeros(a.q.sizes(), a.q.options().dtype(at::kFloat));
+  Exchange sent_grads;  // The accumulator sent on at the previous step.
+  at::Tensor grads;     // Its buffer, alive until that send completes.
+  for (int t = 0; t < R; ++t) {
+    const int src = ring.source(t);
+    Exchange moving, arriving;
+    at::Tensor incoming, partial;
+    if (t + 1 < R) {
+      incoming = ring.new_block(ring.source(t + 1), block.scalar_type());
+      moving = ring.group.send_recv(block, ring.next(), incoming, ring.prev(), kTagKv);
+    }
+    if (t > 0) {  // Block src's accumulator, from the rank that held src's block before us.
+      partial = ring.new_block(src, at::kFloat);
+      arriving = ring.group.send_recv({}, ring.next(), partial, ring.prev(), kTagDkv);
+    }
+    auto [k, v] = ring.unpack(block, src);
+    auto g = flash_attention_backward(grad_out, ring.block_args(k, v, src), out, lse, false);
+    dq.add_(g[0]);
+    at::Tensor mine = ring.pack(g[1], g[2], src, at::kFloat);
+    if (t > 0) {
+      arriving.wait();
+      mine.add_(partial);
+    }
+    sent_grads.wait();
+    grads = mine;
+    if (R > 1) sent_grads = ring.group.send_recv(grads, ring.next(), {}, ring.prev(), kTagDkv);
+    moving.wait();
+    if (t + 1 < R) block = incoming;
+  }
+  at::Tensor own = grads;
+  if (R > 1) {  // Our block's accumulator, after every rank's contribution.
+    own = ring.new_block(ring.rank(), at::kFloat);
+    Exchange home = ring.group.send_recv({}, ring.next(), own, ring.prev(), kTagDkv);
+    home.wait();
+    sent_grads.wait();
+  }
+  auto [dk, dv] = ring.unpack(own, ring.rank());
+  return {dq.to(a.q.scalar_type()), dk.to(a.k.scalar_type()), dv.to(a.v.scalar_type())};
+}
+
+}  // namespace
+
+namespace {
+
+Ring make_ring(const LocalAttentionArgs& args, const RingLayout& layout, const at::Tensor& docs,
+               const Group& group) {
+  TORCH_CHECK_VALUE(!args.mask && !args.positions && !args.rows,
+                    "ring_attention: pass packed documents as `docs`; masks, positions and rows "
+                    "are not accepted");
+  TORCH_CHECK_VALUE(layout.ring() == group.size(), "ring_attention: the layout has ",
+                    layout.ring(), " ring ranks but the ring group has ", group.size());
+  TORCH_CHECK_VALUE(args.q.dim() == 4 && args.k.dim() == 4 && args.v.dim() == 4,
+                    "ring_attention: q, k, v must be 4-D BHSD; got ", args.q.sizes(), ", ",
+                    args.k.sizes(), ", ", args.v.sizes());
+  const int64_t L = layout.ring_length(group.rank());
+  TORCH_CHECK_VALUE(args.q.size(2) == L && args.k.size(2) == L && args.v.size(2) == L,
+                    "ring_attention: ring rank ", group.rank(), " holds ", L,
+                    " tokens of the layout; got q ", args.q.sizes(), ", k ", args.k.sizes());
+  TORCH_CHECK_NOT_IMPLEMENTED(args.q.is_cpu(),
+                              "ring_attention: CPU tensors only (the fused CPU kernel returns the "
+                              "log-sum-exp the merge needs); got ",
+                              args.q.device());
+  Ring ring;
+  ring.args = args;
+  ring.args.q = args.q.detach(), ring.args.k = args.k.detach(), ring.args.v = args.v.detach();
+  ring.layout = layout;
+  if (docs.defined()) {
+    ring.docs = (docs.dim() == 1 ? docs.unsqueeze(0) : docs).to(at::kLong);
+    TORCH_CHECK_VALUE(ring.docs.dim() == 2 && ring.docs.size(1) == layout.seq_len(),
+                      "ring_attention: docs must be [B or 1, ", layout.seq_len(), "]; got ",
+                      docs.sizes());
+  }
+  ring.group = group;
+  ring.B = args.q.size(0), ring.Hkv = args.k.size(1), ring.D = args.k.size(3);
+  ring.Dv = args.v.size(3);
+  return ring;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> ring_attention_forward(const LocalAttentionArgs& args,
+                                                          const RingLayout& layout,
+                                                          const at::Tensor& docs,
+                                                          const Group& group) {
+  const Ring ring = make_ring(args, layout, docs, group);
+  at::NoGradGuard no_grad;
+  auto [out, lse] = ring_forward(ring);
+  return {out.to(args.q.scalar_type()), lse};
+}
+
+std::vector<at::Tensor> ring_attention_backward(const at::Tensor& grad_out,
+                                                const LocalAttentionArgs& args,
+                                                const RingLayout& layout, const at::Tensor& docs,
+                                                const Group& group, const at::Tensor& out,
+                                                const at::Tensor& lse) {
+  const Ring ring = make_ring(args, layout, docs, group);
+  at::NoGradGuard no_grad;
+  return ring_backward(ring, grad_out.to(at::kFloat).contiguous(), out.to(at::kFloat), lse);
+}
+
+at::Tensor ring_attention(const LocalAttentionArgs& args, const RingLayout& layout,
+                          const at::Tensor& docs, const Group& group) {
+  auto [out, lse] = ring_attention_forward(args, layout, docs, group);
+  std::vector<at::Tensor> outs{out};
+  LocalAttentionArgs saved = args;  // Detached: the node must not keep the inputs' history.
+  saved.q = args.q.detach(), saved.k = args.k.detach(), saved.v = args.v.detach();
+  at::Tensor out_saved = out.detach();
+  detail::attach_backward({args.q, args.k, args.v}, outs, "RingAttentionBackward",
+                          [saved, layout, docs, group, out_saved, lse](std::vector<at::Tensor>&& g) {
+                            return ring_attention_backward(g[0], saved, layout, docs, group,
+                                                           out_saved, lse);
+                          });
+  return outs[0];
+}
+
+at::Tensor ring_document_ids(const at::Tensor& positions, const RingLayout& layout,
+                             const Group& ring) {
+  std::vector<int64_t> lengths;
+  for (int64_t r = 0; r < layout.ring(); ++r) lengths.push_back(layout.ring_length(r));
+  // Ring ranks' tokens in ring-rank order, then in global order.
+  at::Tensor gathered = all_gather_sequence(positions, -1, SequencePartition::from_lengths(lengths), ring);
+  at::Tensor docs =
+      document_ids(gathered.index_select(-1, global_order(layout).to(gathered.device())));
+  return docs.dim() == 1 ? docs.unsqueeze(0) : docs;
+}
+
+std::string MeshCost::describe() const {
+  std::ostringstream os;
+  os << ulysses << "x" << ring;
+  return os.str();
+}
+
+std::vector<MeshCost> plan_sp_mesh(int64_t sp, const LayerShape& s) {
+  TORCH_CHECK_VALUE(sp >= 1, "plan_sp_mesh: SP size must be >= 1; got ", sp);
+  TORCH_CHECK_VALUE(s.q_heads >= 1 && s.kv_heads >= 1 && s.q_heads % s.kv_heads == 0,
+                    "plan_sp_mesh: q heads (", s.q_heads, ") must be a positive multiple of kv heads (",
+                    s.kv_heads, ")");
+  TORCH_CHECK_VALUE(s.seq_len >= 0 && s.head_dim >= 1 && s.batch >= 1 && s.elem_bytes >= 1,
+                    "plan_sp_mesh: sequence length, head dim, batch and element size must be "
+                    "positive");
+  std::vector<MeshCost> plans;
+  for (int64_t U = 1; U <= sp; ++U) {
+    if (sp % U != 0 || U > s.q_heads) continue;
+    const int64_t R = sp / U;
+    const RingLayout layout = RingLayout::make(s.seq_len, U, R);
+    const HeadPartition heads = HeadPartition::make(s.q_heads, s.kv_heads, U);
+    const int64_t e = s.elem_bytes, D = s.head_dim, B = s.batch;
+    MeshCost c;
+    c.ulysses = U, c.ring = R;
+    c.kv_replicas = U > s.kv_heads ? U / s.kv_heads : 1;
+    // The busiest rank: ring rank 0 holds the longest zigzag share; Ulysses rank 0 the most
+    // heads and tokens of it.
+    for (int64_t p = 0; p < sp; ++p) {
+      const int64_t r = p / U, u = p % U, L = layout.ring_length(r);
+      const int64_t mine = layout.shard_index(p).numel();
+      const int64_t hq = heads.q_range(u).size(), hkv = heads.kv_range(u).size();
+      int64_t a2a = 0;
+      if (U > 1) {
+        int64_t kv_out = 0;
+        for (int64_t w = 0; w < U; ++w)
+          if (w != u) kv_out += heads.kv_range(w).size();
+        // q out; k and v out; the output back (our heads, others' tokens). Backward mirrors.
+        a2a = mine * (s.q_heads - hq) * D + 2 * mine * kv_out * D + (L - mine) * hq * D;
+        a2a *= 2 * e * B;
+      }
+      int64_t ring_bytes = 0, messages = 0;
+      for (int64_t t = 0; t + 1 < R; ++t) {  // Forward and backward pass the kv blocks...
+        const int64_t src = ((r - t) % R + R) % R;
+        ring_bytes += 2 * B * hkv * layout.ring_length(src) * 2 * D * e;
+        messages += 2;
+      }
+      for (int64_t t = 0; t < R && R > 1; ++t) {  // ...and backward their fp32 accumulators.
+        const int64_t src = ((r - t) % R + R) % R;
+        ring_bytes += B * hkv * layout.ring_length(src) * 2 * D * 4;
+        messages += 1;
+      }
+      // Peak: inputs and output shard, the all-to-all results, the kernel's fp32 output and
+      // lse, two kv blocks (one computed on, one arriving).
+      const int64_t longest = layout.ring_length(0);
+      const int64_t peak = B * (mine * (2 * s.q_heads + 2 * s.kv_heads) * D * e +
+                                L * (hq + 2 * hkv) * D * e + L * hq * (D + 1) * 4 +
+                                (R > 1 ? 2 * hkv * longest * 2 * D * e : 0));
+      if (a2a + ring_bytes > c.a2a_bytes + c.ring_bytes) {
+        c.a2a_bytes = a2a, c.ring_bytes = ring_bytes, c.ring_messages = messages;
+      }
+      c.peak_bytes = std::max(c.peak_bytes, peak);
+    }
+    plans.push_back(c);
+  }
+  std::stable_sort(plans.begin(), plans.end(), [](const MeshCost& x, const MeshCost& y) {
+    const int64_t bx = x.a2a_bytes + x.ring_bytes, by = y.a2a_bytes + y.ring_bytes;
+    return bx != by ? bx < by : x.peak_bytes < y.peak_bytes;
+  });
+  return plans;
+}
+
+}  // namespace ulysses
