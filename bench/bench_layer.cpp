@@ -9,6 +9,7 @@
 #include "bench_util.h"
 #include "commands.h"
 #include "ulysses/distributed_attention.h"
+#include "ulysses/ring_attention.h"
 
 namespace ulysses::cli {
 
@@ -20,6 +21,8 @@ int bench_layer_main(const Argv& argv, const Runtime& runtime) {
                 Hkv = args.integer("--kv-heads", 2, 1, kMaxHeads),
                 D = args.integer("--head-dim", 64, 1);
   const int repeats = static_cast<int>(args.integer("--repeats", 3, 1, 100000));
+  // Ring sizes R to compare side by side (SP = U x R with U = P / R).
+  const auto rings = args.integers("--ring", "1", 1, kMaxRanks);
   const std::string json = args.str("--json", "");
   const GroupOptions group_opts = group_options(args);
   args.finish();
@@ -32,40 +35,57 @@ int bench_layer_main(const Argv& argv, const Runtime& runtime) {
   at::set_num_threads(std::max<int>(1, static_cast<int>(std::thread::hardware_concurrency()) / P));
   AttentionOptions options;
   options.causal = true;
-  DistributedAttention attention(g, options);
   std::vector<bench::Record> records;
-  for (int64_t S : seq_lens) {
-    const int64_t s = SequencePartition::even(S, P).length(g.rank());
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(3 + g.rank());
-    at::Tensor q, k, v;
-    auto prepare = [&] {
-      q = at::randn({1, s, Hq, D}, gen).requires_grad_();
-      k = at::randn({1, s, Hkv, D}, gen).requires_grad_();
-      v = at::randn({1, s, Hkv, D}, gen).requires_grad_();
-    };
-    auto step = [&] {
-      for (at::Tensor* t : {&q, &k, &v}) t->mutable_grad().reset();
-      attention(q, k, v).sum().backward();
-    };
-    g.barrier();
-    const int64_t peak = bench::peak_extra_bytes(prepare, step);
-    const bench::Stats layer = bench::time_slowest_rank(g, step, 0, repeats);
-    at::Tensor peaks = g.all_gather(at::tensor({peak}, at::kLong));
-    bench::Record r;
-    r.add("seq_len", S).add("batch", 1).add("q_heads", Hq).add("kv_heads", Hkv);
-    r.add("head_dim", D).add("sp", P).add("layout", "BSHD").add("dtype", "float32");
-    r.add("causal", true).add("layer", layer);
-    r.add("peak_bytes", peaks.max().item<int64_t>());
-    records.push_back(r);
-    if (g.rank() == 0)
-      bench::print_table({r}, {"seq_len", "sp", "layer_ms", "layer_spread", "peak_bytes"});
+  for (int64_t R : rings) {
+    TORCH_CHECK_VALUE(P % R == 0, "bench layer: --ring ", R, " must divide the ", P, " ranks");
   }
+  for (int64_t S : seq_lens)
+    for (int64_t R : rings) {
+      const Mesh mesh = Mesh::create(g, P, runtime.split, static_cast<int>(R));
+      DistributedAttention attention(mesh.ulysses, mesh.ring, options);
+      const RingLayout layout = RingLayout::make(S, P / R, R);
+      const int64_t s = layout.shard_index(g.rank()).numel();
+      LayerShape shape;
+      shape.q_heads = Hq, shape.kv_heads = Hkv, shape.seq_len = S, shape.head_dim = D;
+      shape.elem_bytes = 4;
+      const auto plans = plan_sp_mesh(P, shape);
+      int64_t planned_bytes = -1;
+      for (const MeshCost& c : plans)
+        if (c.ring == R) planned_bytes = c.a2a_bytes + c.ring_bytes;
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(3 + g.rank());
+      at::Tensor q, k, v;
+      auto prepare = [&] {
+        q = at::randn({1, s, Hq, D}, gen).requires_grad_();
+        k = at::randn({1, s, Hkv, D}, gen).requires_grad_();
+        v = at::randn({1, s, Hkv, D}, gen).requires_grad_();
+      };
+      auto step = [&] {
+        for (at::Tensor* t : {&q, &k, &v}) t->mutable_grad().reset();
+        attention(q, k, v).sum().backward();
+      };
+      g.barrier();
+      const int64_t peak = bench::peak_extra_bytes(prepare, step);
+      const bench::Stats layer = bench::time_slowest_rank(g, step, 0, repeats);
+      at::Tensor peaks = g.all_gather(at::tensor({peak}, at::kLong));
+      bench::Record r;
+      r.add("seq_len", S).add("batch", 1).add("q_heads", Hq).add("kv_heads", Hkv);
+      r.add("head_dim", D).add("sp", P).add("layout", "BSHD").add("dtype", "float32");
+      r.add("ulysses", P / R).add("ring", R).add("causal", true).add("layer", layer);
+      r.add("peak_bytes", peaks.max().item<int64_t>());
+      r.add("planned_bytes", planned_bytes);
+      r.add("planner_choice", plans.front().ring == R ? "yes" : "");
+      records.push_back(r);
+      if (g.rank() == 0)
+        bench::print_table({r}, {"seq_len", "ulysses", "ring", "layer_ms", "layer_spread",
+                                 "peak_bytes", "planned_bytes", "planner_choice"});
+    }
   if (g.rank() == 0) {
     std::cout << "\nsummary: DistributedAttention fwd+bwd, P=" << P << ", Hq=" << Hq
               << " Hkv=" << Hkv << " D=" << D << ", causal, " << at::get_num_threads()
               << " threads/rank (ms: slowest rank, median of " << repeats
               << "; peak_bytes: max over ranks of peak RSS added by one step)\n";
-    bench::print_table(records, {"seq_len", "sp", "layer_ms", "layer_spread", "peak_bytes"});
+    bench::print_table(records, {"seq_len", "ulysses", "ring", "layer_ms", "layer_spread",
+                                 "peak_bytes", "planned_bytes", "planner_choice"});
     if (!json.empty()) bench::write_json(json, records);
   }
   return 0;

@@ -479,10 +479,12 @@ std::vector<std::vector<int>> Mesh::dp_partition(int world_size, int sp_size) {
   return groups;
 }
 
-Mesh Mesh::create(const Group& world, int sp_size, const Split& split) {
+Mesh Mesh::create(const Group& world, int sp_size, const Split& split, int ring_size) {
   TORCH_CHECK_VALUE(sp_size >= 1 && world.size() % sp_size == 0, "Mesh::create: world size (",
                     world.size(), ") must be a multiple of the sequence-parallel size (", sp_size,
                     ")");
+  TORCH_CHECK_VALUE(ring_size >= 1 && sp_size % ring_size == 0, "Mesh::create: the ring size (",
+                    ring_size, ") must divide the sequence-parallel size (", sp_size, ")");
   const int n = world.size();
   auto make = [&](const std::vector<std::vector<int>>& partition) {
     if (partition.size() == 1) return world;
@@ -491,7 +493,20 @@ Mesh Mesh::create(const Group& world, int sp_size, const Split& split) {
   };
   Group sp = make(sp_partition(n, sp_size));
   Group dp = make(dp_partition(n, sp_size));
-  return Mesh{world, sp, dp};
+  if (ring_size == 1) return Mesh{world, sp, dp, sp, Group::solo(world.options())};
+  const int U = sp_size / ring_size;
+  std::vector<std::vector<int>> ulysses, ring;
+  for (int base = 0; base < n; base += sp_size) {
+    for (int r = 0; r < ring_size; ++r) {
+      ulysses.emplace_back();
+      for (int u = 0; u < U; ++u) ulysses.back().push_back(base + r * U + u);
+    }
+    for (int u = 0; u < U; ++u) {
+      ring.emplace_back();
+      for (int r = 0; r < ring_size; ++r) ring.back().push_back(base + r * U + u);
+    }
+  }
+  return Mesh{world, sp, dp, make(ulysses), make(ring)};
 }
 
 }  // namespace ulysses

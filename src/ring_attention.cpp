@@ -7,8 +7,8 @@
 #include <sstream>
 
 #include "detail/autograd.h"
-#include "ulysses/mask.h"
 #include "ulysses/flash_attention.h"
+#include "ulysses/mask.h"
 
 namespace ulysses {
 namespace {
@@ -24,8 +24,8 @@ at::Tensor global_order(const RingLayout& layout) {
 }  // namespace
 
 RingLayout RingLayout::make(int64_t seq_len, int64_t ulysses, int64_t ring) {
-  TORCH_CHECK_VALUE(ulysses >= 1 && ring >= 1, "RingLayout: Ulysses and ring sizes must be >= 1; got ",
-                    ulysses, " x ", ring);
+  TORCH_CHECK_VALUE(ulysses >= 1 && ring >= 1,
+                    "RingLayout: Ulysses and ring sizes must be >= 1; got ", ulysses, " x ", ring);
   return RingLayout(SequencePartition::even(seq_len, 2 * ring), ulysses, ring);
 }
 
@@ -97,7 +97,9 @@ struct Ring {
   int rank() const { return group.rank(); }
   int next() const { return (group.rank() + 1) % group.size(); }
   int prev() const { return (group.rank() + group.size() - 1) % group.size(); }
-  int source(int step) const { return (group.rank() - step % group.size() + group.size()) % group.size(); }
+  int source(int step) const {
+    return (group.rank() - step % group.size() + group.size()) % group.size();
+  }
 
   // A packed [k | v] (or [dk | dv]) block of ring rank `src`, in `dtype`.
   at::Tensor new_block(int src, at::ScalarType dtype) const {
@@ -213,8 +215,8 @@ Ring make_ring(const LocalAttentionArgs& args, const RingLayout& layout, const a
   TORCH_CHECK_VALUE(!args.mask && !args.positions && !args.rows,
                     "ring_attention: pass packed documents as `docs`; masks, positions and rows "
                     "are not accepted");
-  TORCH_CHECK_VALUE(layout.ring() == group.size(), "ring_attention: the layout has ",
-                    layout.ring(), " ring ranks but the ring group has ", group.size());
+  TORCH_CHECK_VALUE(layout.ring() == group.size(), "ring_attention: the layout has ", layout.ring(),
+                    " ring ranks but the ring group has ", group.size());
   TORCH_CHECK_VALUE(args.q.dim() == 4 && args.k.dim() == 4 && args.v.dim() == 4,
                     "ring_attention: q, k, v must be 4-D BHSD; got ", args.q.sizes(), ", ",
                     args.k.sizes(), ", ", args.v.sizes());
@@ -271,11 +273,11 @@ at::Tensor ring_attention(const LocalAttentionArgs& args, const RingLayout& layo
   LocalAttentionArgs saved = args;  // Detached: the node must not keep the inputs' history.
   saved.q = args.q.detach(), saved.k = args.k.detach(), saved.v = args.v.detach();
   at::Tensor out_saved = out.detach();
-  detail::attach_backward({args.q, args.k, args.v}, outs, "RingAttentionBackward",
-                          [saved, layout, docs, group, out_saved, lse](std::vector<at::Tensor>&& g) {
-                            return ring_attention_backward(g[0], saved, layout, docs, group,
-                                                           out_saved, lse);
-                          });
+  detail::attach_backward(
+      {args.q, args.k, args.v}, outs, "RingAttentionBackward",
+      [saved, layout, docs, group, out_saved, lse](std::vector<at::Tensor>&& g) {
+        return ring_attention_backward(g[0], saved, layout, docs, group, out_saved, lse);
+      });
   return outs[0];
 }
 
@@ -284,7 +286,8 @@ at::Tensor ring_document_ids(const at::Tensor& positions, const RingLayout& layo
   std::vector<int64_t> lengths;
   for (int64_t r = 0; r < layout.ring(); ++r) lengths.push_back(layout.ring_length(r));
   // Ring ranks' tokens in ring-rank order, then in global order.
-  at::Tensor gathered = all_gather_sequence(positions, -1, SequencePartition::from_lengths(lengths), ring);
+  at::Tensor gathered =
+      all_gather_sequence(positions, -1, SequencePartition::from_lengths(lengths), ring);
   at::Tensor docs =
       document_ids(gathered.index_select(-1, global_order(layout).to(gathered.device())));
   return docs.dim() == 1 ? docs.unsqueeze(0) : docs;
@@ -299,8 +302,8 @@ std::string MeshCost::describe() const {
 std::vector<MeshCost> plan_sp_mesh(int64_t sp, const LayerShape& s) {
   TORCH_CHECK_VALUE(sp >= 1, "plan_sp_mesh: SP size must be >= 1; got ", sp);
   TORCH_CHECK_VALUE(s.q_heads >= 1 && s.kv_heads >= 1 && s.q_heads % s.kv_heads == 0,
-                    "plan_sp_mesh: q heads (", s.q_heads, ") must be a positive multiple of kv heads (",
-                    s.kv_heads, ")");
+                    "plan_sp_mesh: q heads (", s.q_heads,
+                    ") must be a positive multiple of kv heads (", s.kv_heads, ")");
   TORCH_CHECK_VALUE(s.seq_len >= 0 && s.head_dim >= 1 && s.batch >= 1 && s.elem_bytes >= 1,
                     "plan_sp_mesh: sequence length, head dim, batch and element size must be "
                     "positive");
@@ -343,9 +346,9 @@ std::vector<MeshCost> plan_sp_mesh(int64_t sp, const LayerShape& s) {
       // Peak: inputs and output shard, the all-to-all results, the kernel's fp32 output and
       // lse, two kv blocks (one computed on, one arriving).
       const int64_t longest = layout.ring_length(0);
-      const int64_t peak = B * (mine * (2 * s.q_heads + 2 * s.kv_heads) * D * e +
-                                L * (hq + 2 * hkv) * D * e + L * hq * (D + 1) * 4 +
-                                (R > 1 ? 2 * hkv * longest * 2 * D * e : 0));
+      const int64_t peak =
+          B * (mine * (2 * s.q_heads + 2 * s.kv_heads) * D * e + L * (hq + 2 * hkv) * D * e +
+               L * hq * (D + 1) * 4 + (R > 1 ? 2 * hkv * longest * 2 * D * e : 0));
       if (a2a + ring_bytes > c.a2a_bytes + c.ring_bytes) {
         c.a2a_bytes = a2a, c.ring_bytes = ring_bytes, c.ring_messages = messages;
       }

@@ -166,8 +166,10 @@ void check_case(const Case& c) {
     const RingLayout layout = RingLayout::make(c.S, c.U, c.R);
     const int p = world.rank();
     // BSHD.
-    at::Tensor Q = seeded_randn({c.B, c.S, c.hq, c.D}, 1), K = seeded_randn({c.B, c.S, c.hkv, c.D}, 2);
-    at::Tensor V = seeded_randn({c.B, c.S, c.hkv, c.D}, 3), W = seeded_randn({c.B, c.S, c.hq, c.D}, 4);
+    at::Tensor Q = seeded_randn({c.B, c.S, c.hq, c.D}, 1),
+               K = seeded_randn({c.B, c.S, c.hkv, c.D}, 2);
+    at::Tensor V = seeded_randn({c.B, c.S, c.hkv, c.D}, 3),
+               W = seeded_randn({c.B, c.S, c.hq, c.D}, 4);
     auto shard = [&](const at::Tensor& X) { return layout.shard(X, 1, p); };
     at::Tensor q = shard(Q).requires_grad_(), k = shard(K).requires_grad_();
     at::Tensor v = shard(V).requires_grad_();
@@ -205,9 +207,9 @@ std::vector<Case> cases() {
   const std::vector<std::pair<int, int>> meshes{{1, 2}, {2, 1}, {2, 2}, {1, 4},
                                                 {4, 1}, {3, 1}, {1, 3}};
   for (auto [U, R] : meshes) {
-    out.push_back({U, R, 4, 2, 13});                 // GQA, S not divisible by the SP size.
-    out.push_back({U, R, 4, 2, 13, true});           // Causal.
-    out.push_back({U, R, 6, 3, 14, true, true});     // Causal packed documents.
+    out.push_back({U, R, 4, 2, 13});              // GQA, S not divisible by the SP size.
+    out.push_back({U, R, 4, 2, 13, true});        // Causal.
+    out.push_back({U, R, 6, 3, 14, true, true});  // Causal packed documents.
   }
   out.push_back({2, 2, 8, 1, 11, true});         // MQA: Hkv < U x R, kv replicated over U.
   out.push_back({2, 2, 6, 2, 10, false, true});  // Packed, bidirectional.

@@ -19,14 +19,17 @@ struct Usage {
 
 const Usage kUsages[] = {
     {"train",
-     "[--nproc 4] [--sp P] [--dp D] [--seq-len 256] [--batch 8] [--steps 400]\n"
+     "[--nproc 4] [--sp P] [--dp D] [--ring R] [--seq-len 256] [--batch 8] [--steps 400]\n"
      "        [--dim 128] [--layers 2] [--q-heads 8] [--kv-heads 2] [--ffn-dim 0] [--lr 5e-3]\n"
      "        [--warmup 50] [--lr-decay-steps STEPS] [--weight-decay 0.01] [--clip 1.0]\n"
      "        [--pairs 16] [--shuffle] [--data FILE] [--eval-every 100] [--eval-sequences 64]\n"
      "        [--log-every 25] [--seed 0] [--check] [--save DIR] [--resume DIR] [--timeout 120]",
      "sequence-parallel training of a GQA transformer on local ranks (or under torchrun)"},
-    {"plan", "--q-heads N [--kv-heads N] --sp P [--seq-len S] [--json]",
-     "print the head (and sequence) partition of every rank"},
+    {"plan",
+     "--q-heads N [--kv-heads N] --sp P [--seq-len S] [--head-dim 128] [--batch 1]\n"
+     "        [--elem-bytes 2] [--json]",
+     "print the head (and sequence) partition of every rank and the recommended\n"
+     "        Ulysses x ring split with its memory and bytes moved per layer"},
     {"demo",
      "[--nproc 4] [--q-heads 8] [--kv-heads 2] [--seq-len 1024] [--head-dim 64]\n"
      "        [--timeout 120]",
@@ -43,8 +46,8 @@ const Usage kUsages[] = {
      "all-to-all around attention: ours vs a bare collective vs the reference chain"},
     {"bench layer",
      "[--nproc 2] [--seq-lens 2048,4096,8192] [--q-heads 8] [--kv-heads 2] [--head-dim 64]\n"
-     "        [--repeats 3] [--json FILE] [--timeout 120]",
-     "DistributedAttention forward+backward per rank: time and peak memory"},
+     "        [--ring 1,2] [--repeats 3] [--json FILE] [--timeout 120]",
+     "DistributedAttention forward+backward per rank: time and peak memory (per ring size)"},
     {"bench gemm", "[--shapes M,N,K,...] [--threads 1] [--repeats 20]",
      "the kernel's GEMM (sgemm_ inside libtorch_cpu) vs torch.matmul on the same shapes"},
     {"launch", "-n N [--port 0] [--addr 127.0.0.1] -- <command> [args...]",

@@ -5,6 +5,7 @@
 #include "args.h"
 #include "commands.h"
 #include "ulysses/partition.h"
+#include "ulysses/ring_attention.h"
 
 namespace ulysses::cli {
 namespace {
@@ -22,6 +23,47 @@ std::string range_json(const Range& r) {
   return "[" + std::to_string(r.begin) + ", " + std::to_string(r.end) + "]";
 }
 
+std::string mib(int64_t bytes) {
+  std::ostringstream os;
+  os.setf(std::ios::fixed);
+  os.precision(1);
+  os << bytes / 1048576.0;
+  return os.str();
+}
+
+// The U x R splits of sp ranks, best first (see plan_sp_mesh). In JSON: the tail of an object.
+void print_meshes(const std::vector<MeshCost>& meshes, const LayerShape& s, int64_t sp, bool json) {
+  if (json) {
+    std::cout << "\"meshes\": "
+              << json_list(meshes,
+                           [](const MeshCost& c) {
+                             std::ostringstream os;
+                             os << "{\"ulysses\": " << c.ulysses << ", \"ring\": " << c.ring
+                                << ", \"a2a_bytes\": " << c.a2a_bytes
+                                << ", \"ring_bytes\": " << c.ring_bytes
+                                << ", \"ring_messages\": " << c.ring_messages
+                                << ", \"peak_bytes\": " << c.peak_bytes
+                                << ", \"kv_replicas\": " << c.kv_replicas << "}";
+                             return os.str();
+                           })
+              << ", \"recommended\": \"" << meshes.front().describe() << "\"}\n";
+    return;
+  }
+  std::cout << "sp " << sp << " = Ulysses U x ring R, per rank and attention layer (forward + "
+            << "backward) at seq_len " << s.seq_len << ", head_dim " << s.head_dim << ", batch "
+            << s.batch << ", " << s.elem_bytes << "-byte elements:\n";
+  std::printf("%-7s %-10s %-9s %-9s %-11s %-9s %s\n", "U x R", "kv copies", "a2a MiB", "ring MiB",
+              "ring sends", "total MiB", "peak MiB");
+  for (const MeshCost& c : meshes) {
+    std::printf("%-7s %-10ld %-9s %-9s %-11ld %-9s %s\n", c.describe().c_str(),
+                static_cast<long>(c.kv_replicas), mib(c.a2a_bytes).c_str(),
+                mib(c.ring_bytes).c_str(), static_cast<long>(c.ring_messages),
+                mib(c.a2a_bytes + c.ring_bytes).c_str(), mib(c.peak_bytes).c_str());
+  }
+  std::cout << "recommended: " << meshes.front().describe()
+            << " (fewest bytes moved; ties to the smaller peak)\n";
+}
+
 }  // namespace
 
 int plan_main(const Argv& argv) {
@@ -30,9 +72,20 @@ int plan_main(const Argv& argv) {
   const int64_t hkv = args.integer("--kv-heads", hq, 1, kMaxHeads);
   const int64_t sp = args.required_integer("--sp", 1, kMaxRanks);
   const int64_t seq_len = args.integer("--seq-len", -1, 0);
+  LayerShape shape;
+  shape.q_heads = hq, shape.kv_heads = hkv;
+  shape.seq_len = seq_len >= 0 ? seq_len : 32768;
+  shape.head_dim = args.integer("--head-dim", 128, 1, int64_t{1} << 16);
+  shape.batch = args.integer("--batch", 1, 1, int64_t{1} << 20);
+  shape.elem_bytes = args.integer("--elem-bytes", 2, 1, 8);
   const bool json = args.has("--json");
   args.finish();
 
+  const std::vector<MeshCost> meshes = plan_sp_mesh(sp, shape);
+  if (hq < sp) {  // Only hybrid splits exist: no partition of every head over sp ranks.
+    print_meshes(meshes, shape, sp, json);
+    return 0;
+  }
   const HeadPartition heads = HeadPartition::make(hq, hkv, sp);
   std::vector<int64_t> ranks;
   for (int64_t r = 0; r < sp; ++r) ranks.push_back(r);
@@ -49,7 +102,8 @@ int plan_main(const Argv& argv) {
               << json_list(ranks, [&](int64_t r) { return json_list(heads.kv_map(r), num); });
     if (!seq.empty()) std::cout << ", \"seq_lens\": " << json_list(seq, num);
     std::cout << ", \"total_q_heads\": " << hq << ", \"total_kv_heads\": " << hkv
-              << ", \"sp\": " << sp << "}\n";
+              << ", \"sp\": " << sp << ", ";
+    print_meshes(meshes, shape, sp, json);
     return 0;
   }
   std::cout << heads << "\n";
@@ -68,6 +122,8 @@ int plan_main(const Argv& argv) {
   }
   if (heads.replicates_kv())
     std::cout << "kv heads are replicated (Hkv < P); their gradients are summed over replicas\n";
+  std::cout << "\n";
+  print_meshes(meshes, shape, sp, json);
   return 0;
 }
 

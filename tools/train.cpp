@@ -30,6 +30,7 @@ struct TrainOptions {
   int nproc = 4;                // --nproc: local ranks to start, in [1, kMaxRanks].
   int sp = 0;                   // --sp: sequence-parallel size; 0: the world divided by dp.
   int dp = 0;                   // --dp: data-parallel size; 0: the world divided by sp.
+  int ring = 1;                 // --ring: ring ranks R in each SP group (SP = Ulysses x R).
   int64_t seq_len = 256;        // --seq-len: tokens per sequence S, >= 1.
   int64_t batch = 8;            // --batch: sequences per DP rank and step, >= 1.
   int64_t steps = 400;          // --steps: optimiser steps in all, >= 0.
@@ -80,6 +81,20 @@ class Data {
   std::unique_ptr<TextData> text_;
 };
 
+// The sequence split: Ulysses' contiguous shards, or the hybrid zigzag layout.
+std::string describe(const RingLayout& layout) {
+  std::ostringstream os;
+  if (layout.ring() == 1) {
+    os << SequencePartition::even(layout.seq_len(), layout.ulysses());
+  } else {
+    os << "ulysses " << layout.ulysses() << " x ring " << layout.ring()
+       << ", zigzag tokens per ring rank [";
+    for (int64_t r = 0; r < layout.ring(); ++r) os << (r ? ", " : "") << layout.ring_length(r);
+    os << "]";
+  }
+  return os.str();
+}
+
 std::string config_line(const TrainOptions& o) {
   const ModelConfig& m = o.model;
   std::ostringstream os;
@@ -92,7 +107,7 @@ std::string config_line(const TrainOptions& o) {
 
 // One sharded forward and backward; gradients reduced over the world. Returns the loss.
 ShardedLoss forward_backward(Transformer& model, const TokenBatch& shard, const Mesh& mesh) {
-  StepContext context(mesh.sp);
+  StepContext context(mesh.ulysses);
   at::Tensor logits = model->forward(shard.input_ids, shard.position_ids, &context);
   ShardedLoss loss = sharded_cross_entropy(logits, shard.labels, mesh.world);
   loss.loss.backward();
@@ -102,7 +117,7 @@ ShardedLoss forward_backward(Transformer& model, const TokenBatch& shard, const 
 
 // --check: step 1's loss and every gradient against one rank running the whole global batch.
 int run_check(Transformer& model, const TrainOptions& o, const Data& data, const Mesh& mesh,
-              const SequencePartition& seq) {
+              const RingLayout& seq) {
   const int dp = mesh.dp.size();
   const TokenBatch local = data.batch(0, 0, mesh.dp.rank() * o.batch, o.batch);
   model->zero_grad();
@@ -131,8 +146,8 @@ int run_check(Transformer& model, const TrainOptions& o, const Data& data, const
   const bool pass = max_err <= 1e-4;
   if (mesh.world.rank() == 0) {
     std::cout << std::setprecision(6) << "check: world " << mesh.world.size() << " (sp "
-              << mesh.sp.size() << " x dp " << dp << "), seq_len " << o.seq_len << " " << seq
-              << "\n"
+              << mesh.sp.size() << " x dp " << dp << "), seq_len " << o.seq_len << " "
+              << describe(seq) << "\n"
               << "check: loss " << ours.global_loss << " vs single-rank " << ref.global_loss << "\n"
               << "check: max relative error over loss and " << model->parameters().size()
               << " gradients: " << std::scientific << max_err << " (rank 0 worst: " << worst_name
@@ -144,7 +159,7 @@ int run_check(Transformer& model, const TrainOptions& o, const Data& data, const
 
 // Held-out accuracy on the scored targets (the retrieval answers; every next byte for text).
 double evaluate(Transformer& model, const TrainOptions& o, const Data& data, const Mesh& mesh,
-                const SequencePartition& seq, int64_t step) {
+                const RingLayout& seq, int64_t step) {
   torch::NoGradGuard no_grad;
   const int64_t per_replica = std::max<int64_t>(1, o.eval_sequences / mesh.dp.size());
   at::Tensor counts = at::zeros({2}, at::kDouble);
@@ -152,7 +167,7 @@ double evaluate(Transformer& model, const TrainOptions& o, const Data& data, con
     const int64_t n = std::min(o.batch, per_replica - i);
     TokenBatch shard =
         shard_batch(data.batch(1, step, mesh.dp.rank() * per_replica + i, n), seq, mesh.sp.rank());
-    StepContext context(mesh.sp);
+    StepContext context(mesh.ulysses);
     at::Tensor pred = model->forward(shard.input_ids, shard.position_ids, &context).argmax(-1);
     at::Tensor scored = shard.labels.ne(kIgnoreIndex);
     counts[0] += pred.eq(shard.labels).logical_and(scored).sum().item<double>();
@@ -269,6 +284,7 @@ TrainOptions parse(const Argv& argv) {
   o.nproc = static_cast<int>(args.integer("--nproc", o.nproc, 1, kMaxRanks));
   o.sp = static_cast<int>(args.integer("--sp", 0, 1, kMaxRanks));
   o.dp = static_cast<int>(args.integer("--dp", 0, 1, kMaxRanks));
+  o.ring = static_cast<int>(args.integer("--ring", 1, 1, kMaxRanks));
   o.seq_len = args.integer("--seq-len", o.seq_len, 1);
   o.batch = args.integer("--batch", o.batch, 1);
   o.steps = args.integer("--steps", o.steps, 0);
@@ -420,13 +436,13 @@ int train_main(const Argv& argv, const Runtime& runtime) {
       1, std::atoi(std::getenv("LOCAL_WORLD_SIZE") ? std::getenv("LOCAL_WORLD_SIZE") : "1"));
   at::set_num_threads(std::max<int>(1, std::thread::hardware_concurrency() / local_ranks));
   Group world = runtime.join_world(o.group);
-  Mesh mesh = Mesh::create(world, sp_size_of(o, world.size()), runtime.split);
+  Mesh mesh = Mesh::create(world, sp_size_of(o, world.size()), runtime.split, o.ring);
   const bool lead = world.rank() == 0;
   const Data data(o);
   o.model.vocab = data.vocab();
-  const auto seq = SequencePartition::even(o.seq_len, mesh.sp.size());
+  const RingLayout seq = RingLayout::make(o.seq_len, mesh.ulysses.size(), mesh.ring.size());
 
-  Transformer model(o.model, mesh.sp, o.seed);
+  Transformer model(o.model, mesh.ulysses, o.seed, mesh.ring);
   int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
   torch::optim::AdamW optimizer(model->parameters(),
@@ -434,8 +450,8 @@ int train_main(const Argv& argv, const Runtime& runtime) {
   if (lead) {
     std::cout << "model: " << config_line(o) << ", " << params << " parameters\n"
               << "mesh: world " << world.size() << " = sp " << mesh.sp.size() << " x dp "
-              << mesh.dp.size() << "; " << seq << "; " << at::get_num_threads() << " threads/rank"
-              << std::endl;
+              << mesh.dp.size() << "; " << describe(seq) << "; " << at::get_num_threads()
+              << " threads/rank" << std::endl;
   }
   if (o.check) return run_check(model, o, data, mesh, seq);
 

@@ -24,8 +24,8 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& positions, double
   return at::cat({x1 * cos - x2 * sin, x1 * sin + x2 * cos}, -1);
 }
 
-BlockImpl::BlockImpl(const ModelConfig& c, const Group& sp_group)
-    : config_(c), attention_(sp_group, [&] {
+BlockImpl::BlockImpl(const ModelConfig& c, const Group& sp_group, const Group& ring_group)
+    : config_(c), attention_(sp_group, ring_group, [&] {
         AttentionOptions o;
         o.q_heads = c.q_heads;
         o.kv_heads = c.kv_heads;
@@ -65,13 +65,14 @@ at::Tensor BlockImpl::forward(const at::Tensor& x, const at::Tensor& positions,
   return y + w2_(torch::silu(w1_(m)) * w3_(m));
 }
 
-TransformerImpl::TransformerImpl(const ModelConfig& c, const Group& sp_group, uint64_t seed)
+TransformerImpl::TransformerImpl(const ModelConfig& c, const Group& sp_group, uint64_t seed,
+                                 const Group& ring_group)
     : config_(c) {
   TORCH_CHECK_VALUE(c.dim % c.q_heads == 0 && c.head_dim() % 2 == 0, "Transformer: dim (", c.dim,
                     ") must split into ", c.q_heads, " heads of an even size");
   embed_ = register_module("embed", torch::nn::Embedding(c.vocab, c.dim));
   blocks_ = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < c.layers; ++i) blocks_->push_back(Block(c, sp_group));
+  for (int64_t i = 0; i < c.layers; ++i) blocks_->push_back(Block(c, sp_group, ring_group));
   norm_ = register_module("norm", RMSNorm(c.dim, c.norm_eps));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   torch::NoGradGuard no_grad;

@@ -45,7 +45,8 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& positions, double
 
 class BlockImpl : public torch::nn::Module {
  public:
-  BlockImpl(const ModelConfig& config, const Group& sp_group);
+  // sp_group: the Ulysses group; ring_group: the ring group of a hybrid layout (solo: none).
+  BlockImpl(const ModelConfig& config, const Group& sp_group, const Group& ring_group);
   // x: [B, S_r, dim]; positions: [B, S_r] global position ids.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& positions, StepContext* context);
 
@@ -62,7 +63,9 @@ class TransformerImpl : public torch::nn::Module {
  public:
   // Parameters are drawn from N(0, 0.02) with a generator seeded by `seed` (norms start at 1),
   // so every rank builds the same model without touching global RNG state.
-  TransformerImpl(const ModelConfig& config, const Group& sp_group, uint64_t seed);
+  // With a ring group (R > 1), sp_group is the Ulysses group and inputs follow RingLayout.
+  TransformerImpl(const ModelConfig& config, const Group& sp_group, uint64_t seed,
+                  const Group& ring_group = Group::solo());
   // tokens, positions: [B, S_r] (int64) -> logits [B, S_r, vocab].
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& positions,
                      StepContext* context = nullptr);

@@ -4,12 +4,14 @@
 
 namespace ulysses {
 
-TokenBatch shard_batch(const TokenBatch& global, const SequencePartition& seq, int64_t rank,
+namespace {
+// The tokens `index` of the global batch, with next-token targets made before the cut.
+TokenBatch take_tokens(const TokenBatch& global, int64_t seq_len, const at::Tensor& index,
                        int64_t ignore_index) {
   const at::Tensor& ids = global.input_ids;
   TORCH_CHECK_VALUE(ids.dim() == 2, "shard_batch: input_ids must be [B, S]; got ", ids.sizes());
   const int64_t B = ids.size(0), S = ids.size(1);
-  TORCH_CHECK_VALUE(seq.seq_len() == S, "shard_batch: sequence partition covers ", seq.seq_len(),
+  TORCH_CHECK_VALUE(seq_len == S, "shard_batch: the sequence split covers ", seq_len,
                     " tokens but the batch has ", S);
   at::Tensor labels = global.labels.defined() ? global.labels : ids;
   TORCH_CHECK_VALUE(labels.sizes() == ids.sizes(), "shard_batch: labels must be ", ids.sizes(),
@@ -19,10 +21,20 @@ TokenBatch shard_batch(const TokenBatch& global, const SequencePartition& seq, i
   at::Tensor positions = global.position_ids.defined()
                              ? global.position_ids.expand({B, S})
                              : at::arange(S, ids.options()).unsqueeze(0).expand({B, S});
+  const at::Tensor i = index.to(ids.device());
+  return {ids.index_select(1, i), targets.index_select(1, i), positions.index_select(1, i)};
+}
+}  // namespace
+
+TokenBatch shard_batch(const TokenBatch& global, const SequencePartition& seq, int64_t rank,
+                       int64_t ignore_index) {
   const Range r = seq.range(rank);
-  return {ids.narrow(1, r.begin, r.size()).contiguous(),
-          targets.narrow(1, r.begin, r.size()).contiguous(),
-          positions.narrow(1, r.begin, r.size()).contiguous()};
+  return take_tokens(global, seq.seq_len(), at::arange(r.begin, r.end, at::kLong), ignore_index);
+}
+
+TokenBatch shard_batch(const TokenBatch& global, const RingLayout& layout, int64_t rank,
+                       int64_t ignore_index) {
+  return take_tokens(global, layout.seq_len(), layout.shard_index(rank), ignore_index);
 }
 
 ShardedLoss sharded_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,

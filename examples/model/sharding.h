@@ -13,6 +13,7 @@
 
 #include "ulysses/group.h"
 #include "ulysses/partition.h"
+#include "ulysses/ring_attention.h"
 
 namespace ulysses {
 
@@ -28,6 +29,9 @@ struct TokenBatch {
 // Shifts labels to next-token targets on the global batch, then cuts out `rank`'s shard of
 // the sequence partition `seq`. The shard's labels are the targets.
 TokenBatch shard_batch(const TokenBatch& global, const SequencePartition& seq, int64_t rank,
+                       int64_t ignore_index = kIgnoreIndex);
+// The same for SP rank `rank` of a hybrid Ulysses x ring layout (its zigzag tokens).
+TokenBatch shard_batch(const TokenBatch& global, const RingLayout& layout, int64_t rank,
                        int64_t ignore_index = kIgnoreIndex);
 
 // This rank's share of the exact global mean cross entropy, and the global values.

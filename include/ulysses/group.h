@@ -164,12 +164,17 @@ struct Mesh {
   // The SP and DP partitions of `world_size` ranks for SP groups of `sp_size` ranks.
   static std::vector<std::vector<int>> sp_partition(int world_size, int sp_size);
   static std::vector<std::vector<int>> dp_partition(int world_size, int sp_size);
-  // Builds both sub-groups of this rank through `split`. world.size() must be a multiple of
-  // sp_size; a sub-group equal to the world (or of one rank) is made without calling `split`.
-  static Mesh create(const Group& world, int sp_size, const Split& split);
+  // Builds the sub-groups of this rank through `split`. world.size() must be a multiple of
+  // sp_size, and sp_size of ring_size; a sub-group equal to the world (or of one rank) is made
+  // without calling `split`. With ring_size R > 1 each SP group splits further into Ulysses
+  // groups of U = sp_size / R consecutive ranks and ring groups of R ranks at stride U (see
+  // ring_attention.h); with R = 1, ulysses is the SP group and ring a solo group.
+  static Mesh create(const Group& world, int sp_size, const Split& split, int ring_size = 1);
   Group world;
   Group sp;
   Group dp;
+  Group ulysses;
+  Group ring;
 };
 
 }  // namespace ulysses

@@ -87,12 +87,12 @@ at::Tensor ring_document_ids(const at::Tensor& positions, const RingLayout& layo
 // The cost of one attention layer under a U x R split, per rank (see plan_sp_mesh).
 struct MeshCost {
   int64_t ulysses = 1, ring = 1;
-  int64_t a2a_bytes = 0;       // Sent through all-to-alls, forward + backward.
-  int64_t ring_bytes = 0;      // Sent to the ring neighbour, forward + backward.
-  int64_t ring_messages = 0;   // Ring sends, forward + backward: (R-1) + (R-1) + R, or 0.
-  int64_t peak_bytes = 0;      // Attention activations held at the peak (inputs, a2a results,
-                               // kernel output and lse, ring blocks in flight).
-  int64_t kv_replicas = 1;     // Copies of each kv head inside a Ulysses group (U > Hkv).
+  int64_t a2a_bytes = 0;      // Sent through all-to-alls, forward + backward.
+  int64_t ring_bytes = 0;     // Sent to the ring neighbour, forward + backward.
+  int64_t ring_messages = 0;  // Ring sends, forward + backward: (R-1) + (R-1) + R, or 0.
+  int64_t peak_bytes = 0;     // Attention activations held at the peak (inputs, a2a results,
+                              // kernel output and lse, ring blocks in flight).
+  int64_t kv_replicas = 1;    // Copies of each kv head inside a Ulysses group (U > Hkv).
   std::string describe() const;
 };
 
