@@ -13,6 +13,7 @@
 #include "ulysses/group.h"
 #include "ulysses/mask.h"
 #include "ulysses/partition.h"
+#include "ulysses/ring_attention.h"
 
 namespace py = pybind11;
 
@@ -104,6 +105,47 @@ PYBIND11_MODULE(_C, m) {
       py::arg("seq_len"), py::arg("sp"),
       "Every rank's token count when `seq_len` tokens are split evenly over `sp` ranks (the "
       "first `seq_len % sp` ranks hold one more).");
+  m.def(
+      "ring_shard_index",
+      [](int64_t seq_len, int64_t ulysses, int64_t ring, int64_t sp_rank) {
+        at::Tensor index = RingLayout::make(seq_len, ulysses, ring).shard_index(sp_rank);
+        return std::vector<int64_t>(index.data_ptr<int64_t>(),
+                                    index.data_ptr<int64_t>() + index.numel());
+      },
+      py::arg("seq_len"), py::arg("ulysses"), py::arg("ring"), py::arg("sp_rank"),
+      "Global token indices (increasing) held by SP rank `sp_rank` (= ring rank * ulysses + "
+      "Ulysses rank) in the zigzag hybrid layout of `seq_len` tokens.");
+  m.def(
+      "ring_lengths",
+      [](int64_t seq_len, int64_t ulysses, int64_t ring) {
+        const RingLayout layout = RingLayout::make(seq_len, ulysses, ring);
+        std::vector<int64_t> out;
+        for (int64_t r = 0; r < ring; ++r) out.push_back(layout.ring_length(r));
+        return out;
+      },
+      py::arg("seq_len"), py::arg("ulysses"), py::arg("ring"),
+      "Tokens of every ring rank (all its Ulysses ranks together) in the zigzag layout.");
+  m.def(
+      "plan_sp_mesh",
+      [](int64_t sp, int64_t q_heads, int64_t kv_heads, int64_t seq_len, int64_t head_dim,
+         int64_t batch, int64_t elem_bytes) {
+        LayerShape s;
+        s.q_heads = q_heads, s.kv_heads = kv_heads, s.seq_len = seq_len, s.head_dim = head_dim;
+        s.batch = batch, s.elem_bytes = elem_bytes;
+        std::vector<py::dict> out;
+        for (const MeshCost& c : plan_sp_mesh(sp, s)) {
+          py::dict d;
+          d["ulysses"] = c.ulysses, d["ring"] = c.ring, d["a2a_bytes"] = c.a2a_bytes;
+          d["ring_bytes"] = c.ring_bytes, d["ring_messages"] = c.ring_messages;
+          d["peak_bytes"] = c.peak_bytes, d["kv_replicas"] = c.kv_replicas;
+          out.push_back(d);
+        }
+        return out;
+      },
+      py::arg("sp"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("seq_len"),
+      py::arg("head_dim") = 128, py::arg("batch") = 1, py::arg("elem_bytes") = 2,
+      "Every Ulysses x ring split of `sp` ranks with its per-rank cost per layer, recommended "
+      "first (see ulysses plan).");
   m.def(
       "rebuilt_mask_shape",
       [](const std::vector<int64_t>& sizes, int64_t q_heads, int64_t kv_heads,

@@ -16,6 +16,7 @@
 #include "ulysses/group.h"
 #include "ulysses/mask.h"
 #include "ulysses/partition.h"
+#include "ulysses/ring_attention.h"
 
 namespace ulysses {
 namespace {
@@ -200,6 +201,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attention_backw
   return {g[0].contiguous(), g[1].contiguous(), g[2].contiguous(), g[3].contiguous()};
 }
 
+LocalAttentionArgs ring_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             c10::IntArrayRef kv_map, bool causal, double scale) {
+  return local_args(q, k, v, kv_map, c10::nullopt, c10::nullopt, causal, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor> ring_attention_op(const at::Tensor& q, const at::Tensor& k,
+                                                     const at::Tensor& v, c10::IntArrayRef kv_map,
+                                                     const c10::optional<at::Tensor>& docs,
+                                                     bool causal, double scale, int64_t seq_len,
+                                                     int64_t ulysses, const std::string& ring_group,
+                                                     int64_t timeout_ms) {
+  const Group ring = group_of(ring_group, timeout_ms);
+  const RingLayout layout = RingLayout::make(seq_len, ulysses, ring.size());
+  auto [out, lse] = ring_attention_forward(ring_args(q, k, v, kv_map, causal, scale), layout,
+                                           docs.value_or(at::Tensor()), ring);
+  return {out.contiguous(), lse.contiguous()};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_backward_op(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, c10::IntArrayRef kv_map,
+    const c10::optional<at::Tensor>& docs, bool causal, double scale, int64_t seq_len,
+    int64_t ulysses, const std::string& ring_group, int64_t timeout_ms) {
+  const Group ring = group_of(ring_group, timeout_ms);
+  const RingLayout layout = RingLayout::make(seq_len, ulysses, ring.size());
+  auto g = ring_attention_backward(grad_out, ring_args(q, k, v, kv_map, causal, scale), layout,
+                                   docs.value_or(at::Tensor()), ring, out, lse);
+  return {g[0].contiguous(), g[1].contiguous(), g[2].contiguous()};
+}
+
+at::Tensor ring_document_ids_op(const at::Tensor& positions, int64_t seq_len, int64_t ulysses,
+                                const std::string& ring_group, int64_t timeout_ms) {
+  const Group ring = group_of(ring_group, timeout_ms);
+  return ring_document_ids(positions, RingLayout::make(seq_len, ulysses, ring.size()), ring);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ulysses, m) {
@@ -232,6 +269,18 @@ TORCH_LIBRARY(ulysses, m) {
       "flash_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, int[] kv_map, Tensor? mask, Tensor? positions, bool causal, float scale, "
       "bool mask_grad) -> (Tensor, Tensor, Tensor, Tensor)");
+  // Ring attention over `ring_group` for this ring rank's tokens of RingLayout(seq_len,
+  // ulysses, ring size); docs: [B or 1, seq_len] global document ids.
+  m.def(
+      "ring_attention(Tensor q, Tensor k, Tensor v, int[] kv_map, Tensor? docs, bool causal, "
+      "float scale, int seq_len, int ulysses, str ring_group, int timeout_ms) -> (Tensor, Tensor)");
+  m.def(
+      "ring_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor lse, int[] kv_map, Tensor? docs, bool causal, float scale, int seq_len, "
+      "int ulysses, str ring_group, int timeout_ms) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "ring_document_ids(Tensor positions, int seq_len, int ulysses, str ring_group, "
+      "int timeout_ms) -> Tensor");
 }
 
 // Collectives: one kernel for every device (the ProcessGroup dispatches by device).
@@ -243,12 +292,15 @@ TORCH_LIBRARY_IMPL(ulysses, CompositeExplicitAutograd, m) {
   m.impl("reduce_scatter_sequence", &reduce_scatter_sequence_op);
   m.impl("rebuild_mask", &rebuild_mask_op);
   m.impl("rebuild_mask_backward", &rebuild_mask_backward_op);
+  m.impl("ring_document_ids", &ring_document_ids_op);
 }
 
 // The fused kernel is CPU code (CUDA tensors use SDPA in python/ulysses/attention.py).
 TORCH_LIBRARY_IMPL(ulysses, CPU, m) {
   m.impl("flash_attention", &flash_attention_op);
   m.impl("flash_attention_backward", &flash_attention_backward_op);
+  m.impl("ring_attention", &ring_attention_op);
+  m.impl("ring_attention_backward", &ring_attention_backward_op);
 }
 
 }  // namespace ulysses

@@ -19,6 +19,7 @@ from .ops import (
     reduce_scatter_sequence,
     scatter_heads,
     sequence_lengths,
+    shard_sequence,
     sum_over_group,
 )
 
@@ -42,6 +43,14 @@ def plan(q_heads: int, kv_heads: int | None = None, sp: int = 1, seq_len: int | 
     return _C.plan(q_heads, q_heads if kv_heads is None else kv_heads, sp, seq_len)
 
 
+def plan_sp_mesh(sp: int, q_heads: int, kv_heads: int, seq_len: int, head_dim: int = 128,
+                 batch: int = 1, elem_bytes: int = 2) -> list[dict]:
+    """Every Ulysses x ring split ``U x R = sp`` with its per-rank cost of one attention layer
+    (forward + backward): ``a2a_bytes``, ``ring_bytes``, ``ring_messages``, ``peak_bytes``,
+    ``kv_replicas``. The first entry is the recommendation (fewest bytes moved)."""
+    return _C.plan_sp_mesh(sp, q_heads, kv_heads, seq_len, head_dim, batch, elem_bytes)
+
+
 __all__ = [
     "DistributedAttention",
     "StepContext",
@@ -52,9 +61,11 @@ __all__ = [
     "gather_heads",
     "mark_sequence",
     "plan",
+    "plan_sp_mesh",
     "rebuild_mask",
     "reduce_scatter_sequence",
     "scatter_heads",
     "sequence_lengths",
+    "shard_sequence",
     "sum_over_group",
 ]

@@ -99,11 +99,16 @@ class DistributedAttention(nn.Module):
         causal: causal attention (within each packed document when position ids are given).
         scale: softmax scale (None: 1/sqrt(D)).
         timeout: longest wait for any collective (timedelta or seconds; default 120 s).
+        ring_group: for hybrid Ulysses x ring attention, the ring group (same forms as
+            ``group``, which is then the Ulysses group): key/value blocks circulate over its R
+            ranks. Inputs follow the zigzag layout (``ulysses.shard_sequence`` with
+            ``ring=R``). Masks are not accepted with a ring; causal and packed documents
+            (``position_ids``) are. Eager mode, CPU tensors.
     """
 
     def __init__(self, group=None, *, q_heads: int | None = None, kv_heads: int | None = None,
                  layout: str = "BSHD", causal: bool = False, scale: float | None = None,
-                 timeout: datetime.timedelta | float | None = None) -> None:
+                 timeout: datetime.timedelta | float | None = None, ring_group=None) -> None:
         super().__init__()
         for name, value in (("q_heads", q_heads), ("kv_heads", kv_heads)):
             if value is not None and value < 1:
@@ -113,6 +118,11 @@ class DistributedAttention(nn.Module):
             mesh, dim = group
             group = mesh.get_group(dim)
         self.group_name = O.group_name(group)
+        if isinstance(ring_group, tuple):
+            mesh, dim = ring_group
+            ring_group = mesh.get_group(dim)
+        self.ring_name = O.group_name(ring_group) if ring_group is not None else None
+        self.ring_size = O.process_group(self.ring_name).size() if ring_group is not None else 1
         pg = O.process_group(self.group_name)
         self.rank, self.sp_size = pg.rank(), pg.size()
         self.layout = layout.upper()
@@ -129,7 +139,8 @@ class DistributedAttention(nn.Module):
             _C.plan(q_heads, kv_heads if kv_heads is not None else 1, self.sp_size)
 
     def extra_repr(self) -> str:
-        return (f"group={self.group_name!r}, sp={self.sp_size}, q_heads={self.q_heads}, "
+        ring = f", ring={self.ring_name!r} ({self.ring_size} ranks)" if self.ring_size > 1 else ""
+        return (f"group={self.group_name!r}, sp={self.sp_size}{ring}, q_heads={self.q_heads}, "
                 f"kv_heads={self.kv_heads}, layout={self.layout}, causal={self.causal}")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -177,9 +188,38 @@ class DistributedAttention(nn.Module):
             position_ids = step.get(position_ids, ("positions", tuple(seq_lens)), build) if step else build()
         perm = self._to_bhsd
         kv_map = _local_kv_map(hq, hkv, self.sp_size, self.rank)
+        if self.ring_size > 1:
+            o = self._ring_attention(qh.permute(perm), kh.permute(perm), vh.permute(perm), kv_map,
+                                     mask, position_ids)
+            return O._ops.gather_heads([o.permute(self._from_bhsd)], ["q"], *args, self.layout, group, t)[0]
         o = local_attention(qh.permute(perm), kh.permute(perm), vh.permute(perm), kv_map, mask,
                             position_ids, self.causal, self.scale)
         return O._ops.gather_heads([o.permute(self._from_bhsd)], ["q"], *args, self.layout, group, t)[0]
+
+    def _ring_attention(self, q, k, v, kv_map, mask, positions):
+        """Ring attention of this ring rank's tokens (q, k, v BHSD, my heads) over the ring."""
+        ring, t = self.ring_name, self.timeout_ms
+        problem = ""
+        if mask is not None:
+            problem = (f"DistributedAttention: masks are not supported with a ring group ({self.sp_size} x "
+                       f"{self.ring_size}); give causal and position ids of packed documents instead")
+        elif torch.compiler.is_compiling():
+            problem = "DistributedAttention: hybrid Ulysses x ring attention runs in eager mode only"
+        if problem:  # Raised on every ring rank, through the round the others run next.
+            _C.fail_together(problem, ring, t)
+        # Every ring rank's token count (one small agreement round), hence S and the layout.
+        lengths = O._ops.sequence_lengths(q, 2, ring, t).tolist()
+        S = sum(lengths)
+        expected = _C.ring_lengths(S, self.sp_size, self.ring_size)
+        if lengths != expected:  # Every rank sees the same lengths: raised alike.
+            raise ValueError(f"DistributedAttention: ring ranks hold {lengths} tokens; the zigzag layout of {S} "
+                             f"tokens gives {expected} (shard inputs with ulysses.shard_sequence(..., ring=R))")
+        docs = None
+        if positions is not None:
+            docs = O._ops.ring_document_ids(positions, S, self.sp_size, ring, t)
+        scale = 0.0 if self.scale is None else float(self.scale)
+        out, _ = O._ops.ring_attention(q, k, v, list(kv_map), docs, self.causal, scale, S, self.sp_size, ring, t)
+        return out
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: Sequence[int],

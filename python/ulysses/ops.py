@@ -339,3 +339,44 @@ def all_reduce_gradients(model: torch.nn.Module, group=None) -> None:
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+# ---- ring attention ----------------------------------------------------------------------------
+
+
+@torch.library.register_fake("ulysses::ring_attention")
+def _(q, k, v, kv_map, docs, causal, scale, seq_len, ulysses, ring_group, timeout_ms):
+    B, H, S, _ = q.shape
+    return q.new_empty((B, H, S, v.shape[-1])), q.new_empty((B, H, S), dtype=torch.float32)
+
+
+@torch.library.register_fake("ulysses::ring_attention_backward")
+def _(grad_out, q, k, v, out, lse, kv_map, docs, causal, scale, seq_len, ulysses, ring_group, timeout_ms):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_ring(ctx, inputs, output):
+    q, k, v, kv_map, docs, *meta = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, docs)
+    ctx.kv_map, ctx.meta = list(kv_map), meta
+
+
+def _ring_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, docs = ctx.saved_tensors
+    dq, dk, dv = _ops.ring_attention_backward(grad_out, q, k, v, out, lse, ctx.kv_map, docs, *ctx.meta)
+    return (dq, dk, dv) + (None,) * 8
+
+
+torch.library.register_autograd("ulysses::ring_attention", _ring_backward, setup_context=_setup_ring)
+
+
+def shard_sequence(x: torch.Tensor, dim: int, sp_rank: int, sp_size: int, ring: int = 1) -> torch.Tensor:
+    """SP rank ``sp_rank``'s tokens of the full ``x`` along ``dim`` in the hybrid layout of
+    ``sp_size`` = Ulysses x ``ring`` ranks: the sequence is cut into 2R even chunks, ring rank r
+    holds chunks r and 2R-1-r (zigzag: equal causal work), split evenly over its Ulysses ranks
+    (SP rank = r * U + u). ``ring=1`` is Ulysses' contiguous even split."""
+    if ring < 1 or sp_size % ring:
+        raise ValueError(f"shard_sequence: ring ({ring}) must divide the SP size ({sp_size})")
+    index = _C.ring_shard_index(x.shape[dim], sp_size // ring, ring, sp_rank)
+    return x.index_select(dim, torch.tensor(index, dtype=torch.long, device=x.device))

@@ -1,0 +1,100 @@
+"""Hybrid Ulysses x ring attention from Python (ulysses.DistributedAttention with ring_group) on
+thread ranks vs a single-rank reference, forward and backward; its Python helpers."""
+
+from __future__ import annotations
+
+import pytest
+import thread_groups
+import torch
+
+import ulysses
+from conftest import run_ranks, run_ranks_errors
+from reference import reference_attention
+
+
+def hybrid_group_names(U: int, R: int):
+    """For every SP rank p = r * U + u: (its Ulysses group's name, its ring group's name), and
+    the group objects to keep alive."""
+    ulysses_groups = [thread_groups.make_thread_groups(U) for _ in range(R)]
+    ring_groups = [thread_groups.make_thread_groups(R) for _ in range(U)]
+    names = [(ulysses_groups[p // U][0][p % U], ring_groups[p % U][0][p // U]) for p in range(U * R)]
+    return names, (ulysses_groups, ring_groups)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def test_shard_sequence_is_the_zigzag_layout_and_round_trips():
+    x = torch.arange(2 * 13).view(2, 13)
+    shards = [ulysses.shard_sequence(x, 1, p, 4, ring=2) for p in range(4)]
+    # 13 tokens in 4 chunks (4, 3, 3, 3): ring rank 0 holds chunks 0 and 3, ring rank 1 chunks 1 and 2.
+    assert torch.cat(shards[:2], 1)[0].tolist() == [0, 1, 2, 3, 10, 11, 12]
+    assert torch.cat(shards[2:], 1)[0].tolist() == [4, 5, 6, 7, 8, 9]
+    index = torch.cat([ulysses.shard_sequence(torch.arange(13), 0, p, 4, ring=2) for p in range(4)])
+    assert sorted(index.tolist()) == list(range(13))
+    assert ulysses.shard_sequence(x, 1, 1, 2).tolist() == x[:, 7:].tolist()  # ring=1: contiguous
+    with pytest.raises(ValueError, match="must divide"):
+        ulysses.shard_sequence(x, 1, 0, 4, ring=3)
+
+
+def test_plan_sp_mesh_lists_every_split_best_first():
+    plans = ulysses.plan_sp_mesh(16, 32, 8, 32768)
+    assert [(p["ulysses"], p["ring"]) for p in plans][0] == (16, 1)
+    assert sorted(p["ulysses"] for p in plans) == [1, 2, 4, 8, 16]
+    totals = [p["a2a_bytes"] + p["ring_bytes"] for p in plans]
+    assert totals[0] == min(totals)
+    # SP beyond the head count: only hybrid splits exist.
+    assert all(p["ulysses"] <= 4 for p in ulysses.plan_sp_mesh(16, 4, 4, 1024))
+
+
+@pytest.mark.parametrize("U,R,hq,hkv,S,causal,packed", [
+    (2, 2, 6, 2, 13, True, True),   # GQA, uneven S, causal packed documents
+    (1, 2, 4, 4, 9, False, False),  # pure ring
+    (2, 2, 4, 1, 10, True, False),  # MQA: kv replicated over U
+])
+def test_hybrid_matches_single_rank_reference(U, R, hq, hkv, S, causal, packed):
+    B, D, P = 2, 8, U * R
+    gen = torch.Generator().manual_seed(S)
+    Q, K, V = (torch.randn(B, S, h, D, generator=gen) for h in (hq, hkv, hkv))
+    pos = torch.cat([torch.arange(5), torch.arange(S - 5)]).expand(B, S) if packed else None
+    q, k, v = (t.clone().double().requires_grad_() for t in (Q, K, V))
+    ref = reference_attention(q, k, v, None, pos, causal)
+    dO = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    (ref * dO).sum().backward()
+    names, keep = hybrid_group_names(U, R)
+
+    def body(p, _world):
+        uly, ring = names[p]
+        attn = ulysses.DistributedAttention(uly, ring_group=ring, causal=causal)
+        cut = lambda t: ulysses.shard_sequence(t, 1, p, P, ring=R)  # noqa: E731
+        ql, kl, vl = (cut(t).clone().requires_grad_() for t in (Q, K, V))
+        o = attn(ql, kl, vl, position_ids=cut(pos) if packed else None)
+        (o * cut(dO).float()).sum().backward()
+        return o.detach(), ql.grad, kl.grad, vl.grad
+
+    results = run_ranks(P, body)
+    full = lambda i: torch.zeros(B, S, *results[0][i].shape[2:], dtype=results[0][i].dtype)  # noqa: E731
+    for i, want in ((0, ref), (1, q.grad), (2, k.grad), (3, v.grad)):
+        got = full(i)
+        for p in range(P):
+            index = torch.tensor(ulysses._C.ring_shard_index(S, U, R, p))
+            got[:, index] = results[p][i]
+        assert rel(got, want) < 1e-4, f"output/grad {i}"
+    del keep
+
+
+def test_mask_with_a_ring_fails_alike_on_every_rank():
+    names, keep = hybrid_group_names(1, 2)
+
+    def body(p, _world):
+        uly, ring = names[p]
+        attn = ulysses.DistributedAttention(uly, ring_group=ring)
+        x = torch.randn(1, 3, 2, 4)
+        mask = torch.ones(1, 1, 3, 3, dtype=torch.bool) if p == 0 else None  # one rank only
+        attn(x, x, x, mask=mask)
+
+    errors = run_ranks_errors(2, body)
+    assert all("masks are not supported with a ring group" in e for e in errors), errors
+    assert errors[0] == errors[1]
+    del keep
