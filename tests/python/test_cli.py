@@ -57,6 +57,7 @@ def test_launch_stops_the_others_on_failure():
 @pytest.mark.parametrize("args", [
     ["--nproc", "2", "--seq-len", "63", "--pairs", "4", "--timeout", "30"],
     ["--nproc", "4", "--sp", "2", "--dp", "2", "--seq-len", "33", "--pairs", "4"],
+    ["--nproc", "4", "--ring", "2", "--seq-len", "37", "--pairs", "4"],  # Ulysses 2 x ring 2
 ])
 def test_train_check_matches_single_rank(args):
     r = run(ULYSSES, "train", *args, "--check")
