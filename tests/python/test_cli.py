@@ -36,10 +36,16 @@ def test_plan_json_mqa_replicates_kv():
     assert plan["kv_ranges"] == [[0, 1], [0, 1]] and plan["kv_map"] == [[0], [0]]
 
 
-def test_plan_too_few_heads_fails_with_message():
+def test_plan_beyond_the_head_count_recommends_a_ring_split():
     r = run(ULYSSES, "plan", "--q-heads", "1", "--sp", "2")
+    assert r.returncode == 0, r.stderr
+    assert "recommended: 1x2" in r.stdout
+
+
+def test_plan_invalid_heads_fails_with_message():
+    r = run(ULYSSES, "plan", "--q-heads", "3", "--kv-heads", "2", "--sp", "2")
     assert r.returncode == 1
-    assert "query heads (1) must be >= sequence-parallel size (2)" in r.stderr
+    assert "q heads (3) must be a positive multiple of kv heads (2)" in r.stderr
 
 
 def test_demo_4_ranks():
