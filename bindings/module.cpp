@@ -149,13 +149,13 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "rebuilt_mask_shape",
       [](const std::vector<int64_t>& sizes, int64_t q_heads, int64_t kv_heads,
-         const std::vector<int64_t>& seq_lens, int64_t rank) {
+         const std::vector<int64_t>& seq_lens, int64_t rank, int64_t key_len) {
         return rebuilt_mask_shape(
             sizes, HeadPartition::make(q_heads, kv_heads, static_cast<int64_t>(seq_lens.size())),
-            SequencePartition::from_lengths(seq_lens), rank);
+            SequencePartition::from_lengths(seq_lens), rank, key_len);
       },
       py::arg("sizes"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("seq_lens"),
-      py::arg("rank"));
+      py::arg("rank"), py::arg("key_len") = -1);
   m.def(
       "layout_dims",
       [](const std::string& layout) {

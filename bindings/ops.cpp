@@ -149,20 +149,21 @@ at::Tensor reduce_scatter_sequence_op(const at::Tensor& x, int64_t dim, c10::Int
 
 at::Tensor rebuild_mask_op(const at::Tensor& mask, int64_t q_heads, int64_t kv_heads,
                            c10::IntArrayRef seq_lens, const std::string& group_name,
-                           int64_t timeout_ms) {
+                           int64_t timeout_ms, int64_t key_len) {
   const Group group = group_of(group_name, timeout_ms);
   const AllToAllPlan plan = plan_of(q_heads, kv_heads, seq_lens, "BHSD", group);
   at::NoGradGuard no_grad;
-  return fresh(as_4d_mask(rebuild_mask(mask, plan, group)), {mask});
+  return fresh(as_4d_mask(rebuild_mask(mask, plan, group, "mask", key_len)), {mask});
 }
 
 at::Tensor rebuild_mask_backward_op(const at::Tensor& grad, c10::IntArrayRef mask_sizes,
                                     int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_lens,
-                                    const std::string& group_name, int64_t timeout_ms) {
+                                    const std::string& group_name, int64_t timeout_ms,
+                                    int64_t key_len) {
   const Group group = group_of(group_name, timeout_ms);
   const AllToAllPlan plan = plan_of(q_heads, kv_heads, seq_lens, "BHSD", group);
   at::NoGradGuard no_grad;
-  return fresh(rebuild_mask_backward(grad, mask_sizes.vec(), plan, group), {grad});
+  return fresh(rebuild_mask_backward(grad, mask_sizes.vec(), plan, group, key_len), {grad});
 }
 
 LocalAttentionArgs local_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -201,34 +202,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attention_backw
   return {g[0].contiguous(), g[1].contiguous(), g[2].contiguous(), g[3].contiguous()};
 }
 
-LocalAttentionArgs ring_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             c10::IntArrayRef kv_map, bool causal, double scale) {
-  return local_args(q, k, v, kv_map, c10::nullopt, c10::nullopt, causal, scale);
-}
-
 std::tuple<at::Tensor, at::Tensor> ring_attention_op(const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v, c10::IntArrayRef kv_map,
+                                                     const c10::optional<at::Tensor>& mask,
                                                      const c10::optional<at::Tensor>& docs,
                                                      bool causal, double scale, int64_t seq_len,
                                                      int64_t ulysses, const std::string& ring_group,
                                                      int64_t timeout_ms) {
   const Group ring = group_of(ring_group, timeout_ms);
   const RingLayout layout = RingLayout::make(seq_len, ulysses, ring.size());
-  auto [out, lse] = ring_attention_forward(ring_args(q, k, v, kv_map, causal, scale), layout,
-                                           docs.value_or(at::Tensor()), ring);
+  auto [out, lse] = ring_attention_forward(local_args(q, k, v, kv_map, mask, {}, causal, scale),
+                                           layout, docs.value_or(at::Tensor()), ring);
   return {out.contiguous(), lse.contiguous()};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_backward_op(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ring_attention_backward_op(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::IntArrayRef kv_map,
-    const c10::optional<at::Tensor>& docs, bool causal, double scale, int64_t seq_len,
-    int64_t ulysses, const std::string& ring_group, int64_t timeout_ms) {
+    const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& docs, bool causal,
+    double scale, int64_t seq_len, int64_t ulysses, const std::string& ring_group,
+    int64_t timeout_ms, bool mask_grad) {
   const Group ring = group_of(ring_group, timeout_ms);
   const RingLayout layout = RingLayout::make(seq_len, ulysses, ring.size());
-  auto g = ring_attention_backward(grad_out, ring_args(q, k, v, kv_map, causal, scale), layout,
-                                   docs.value_or(at::Tensor()), ring, out, lse);
-  return {g[0].contiguous(), g[1].contiguous(), g[2].contiguous()};
+  auto g = ring_attention_backward(grad_out, local_args(q, k, v, kv_map, mask, {}, causal, scale),
+                                   layout, docs.value_or(at::Tensor()), ring, out, lse, mask_grad);
+  // No mask gradient: an empty tensor (a dispatcher op cannot return an undefined one).
+  if (!g[3].defined()) g[3] = at::empty({0}, q.options());
+  return {g[0].contiguous(), g[1].contiguous(), g[2].contiguous(), g[3].contiguous()};
 }
 
 at::Tensor ring_document_ids_op(const at::Tensor& positions, int64_t seq_len, int64_t ulysses,
@@ -258,10 +258,10 @@ TORCH_LIBRARY(ulysses, m) {
       "-> Tensor");
   m.def(
       "rebuild_mask(Tensor mask, int q_heads, int kv_heads, int[] seq_lens, str group, "
-      "int timeout_ms) -> Tensor");
+      "int timeout_ms, int key_len=-1) -> Tensor");
   m.def(
       "rebuild_mask_backward(Tensor grad, int[] mask_sizes, int q_heads, int kv_heads, "
-      "int[] seq_lens, str group, int timeout_ms) -> Tensor");
+      "int[] seq_lens, str group, int timeout_ms, int key_len=-1) -> Tensor");
   m.def(
       "flash_attention(Tensor q, Tensor k, Tensor v, int[] kv_map, Tensor? mask, "
       "Tensor? positions, bool causal, float scale) -> (Tensor, Tensor)");
@@ -272,12 +272,14 @@ TORCH_LIBRARY(ulysses, m) {
   // Ring attention over `ring_group` for this ring rank's tokens of RingLayout(seq_len,
   // ulysses, ring size); docs: [B or 1, seq_len] global document ids.
   m.def(
-      "ring_attention(Tensor q, Tensor k, Tensor v, int[] kv_map, Tensor? docs, bool causal, "
-      "float scale, int seq_len, int ulysses, str ring_group, int timeout_ms) -> (Tensor, Tensor)");
+      "ring_attention(Tensor q, Tensor k, Tensor v, int[] kv_map, Tensor? mask, Tensor? docs, "
+      "bool causal, float scale, int seq_len, int ulysses, str ring_group, int timeout_ms) -> "
+      "(Tensor, Tensor)");
   m.def(
       "ring_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
-      "Tensor lse, int[] kv_map, Tensor? docs, bool causal, float scale, int seq_len, "
-      "int ulysses, str ring_group, int timeout_ms) -> (Tensor, Tensor, Tensor)");
+      "Tensor lse, int[] kv_map, Tensor? mask, Tensor? docs, bool causal, float scale, "
+      "int seq_len, int ulysses, str ring_group, int timeout_ms, bool mask_grad) -> "
+      "(Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "ring_document_ids(Tensor positions, int seq_len, int ulysses, str ring_group, "
       "int timeout_ms) -> Tensor");

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <limits>
 
 #include "ulysses/attention.h"
@@ -97,9 +98,6 @@ RingLayout DistributedAttention::agree_ring(const AllToAllPlan& plan, const at::
   // Every ring rank must run the same ring: agree on the call, and learn each ring rank's
   // token count (the zigzag layout fixes them once S is known). Before any data moves.
   const std::vector<std::vector<int64_t>> meta = ring_.agree([&] {
-    TORCH_CHECK_VALUE(!in.mask, "DistributedAttention: masks are not supported with a ring group (",
-                      group_.size(), " x ", ring_.size(),
-                      "); give causal and position ids of packed documents instead");
     std::vector<int64_t> m{plan.seq.seq_len()};
     for (const at::Tensor* t : {&q, &k, &v}) {
       std::vector<int64_t> shape = t->sizes().vec();
@@ -109,15 +107,27 @@ RingLayout DistributedAttention::agree_ring(const AllToAllPlan& plan, const at::
     m.push_back(static_cast<int64_t>(q.scalar_type()));
     m.push_back(in.positions ? in.positions->dim() : -1);
     m.push_back(options_.causal ? 1 : 0);
+    const auto mask_sizes = in.mask ? mask_sizes_4d(in.mask->sizes().vec(), "mask")
+                                    : std::array<int64_t, 4>{-1, -1, -1, -1};
+    m.insert(m.end(), mask_sizes.begin(), mask_sizes.end());
     return m;
   });
   int64_t S = 0;
   for (const auto& m : meta) S += m[0];
   const RingLayout layout = RingLayout::make(S, group_.size(), ring_.size());
+  const size_t n = meta[0].size();  // Mask sizes last: [Bm, Hm, Sq, Sk].
   for (int r = 0; r < ring_.size(); ++r) {
-    TORCH_CHECK_VALUE(std::equal(meta[r].begin() + 1, meta[r].end(), meta[0].begin() + 1),
+    const int64_t rows = meta[r][n - 2], keys = meta[r][n - 1];
+    const int64_t shard = layout.shard_index(r * group_.size() + group_.rank()).numel();
+    TORCH_CHECK_VALUE(
+        rows == -1 || ((rows == shard || rows == S || rows == 1) && (keys == S || keys == 1)),
+        "DistributedAttention: with a ring, a mask's query rows must be this rank's ", shard,
+        " tokens, all ", S, " or 1, and its keys all ", S, " (in global order) or 1; ring rank ", r,
+        "'s mask is [", meta[r][n - 4], ", ", meta[r][n - 3], ", ", rows, ", ", keys, "]");
+    TORCH_CHECK_VALUE(std::equal(meta[r].begin() + 1, meta[r].end() - 2, meta[0].begin() + 1),
                       "DistributedAttention: ring ranks 0 and ", r,
-                      " disagree on the call (shapes of q, k, v, dtype, position ids or causal)");
+                      " disagree on the call (shapes of q, k, v, dtype, position ids, mask or "
+                      "causal)");
     TORCH_CHECK_VALUE(meta[r][0] == layout.ring_length(r), "DistributedAttention: ring rank ", r,
                       "'s Ulysses group holds ", meta[r][0], " tokens; the zigzag layout of ", S,
                       " tokens gives it ", layout.ring_length(r),
@@ -173,7 +183,20 @@ at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& 
        {"causal", options_.causal ? 1 : 0},
        {"whether a StepContext is used", in.context ? 1 : 0}});
   c10::optional<RingLayout> ring_layout;
-  if (ring_.size() > 1) ring_layout = agree_ring(plan, q, k, v, in);
+  if (ring_.size() > 1) {
+    // A ring group that refuses the call fails its Ulysses groups too (and through them every
+    // rank of the SP group), with the same text: no rank is left waiting in an all-to-all.
+    std::exception_ptr refused;
+    try {
+      ring_layout = agree_ring(plan, q, k, v, in);
+    } catch (const std::exception&) {
+      refused = std::current_exception();
+    }
+    group_.agree([&] {
+      if (refused) std::rethrow_exception(refused);
+      return std::vector<int64_t>{};
+    });
+  }
   const std::vector<Heads> kinds{Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue};
   std::vector<at::Tensor> qkv;
   if (options_.fuse_qkv) {
@@ -190,7 +213,16 @@ at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& 
   args.kv_map = heads.kv_map(group_.rank());
   args.causal = options_.causal;
   args.scale = options_.scale;
-  if (in.mask) {
+  if (in.mask && ring_layout) {
+    // Hybrid: rows of this ring rank's queries, columns of every key in global order. Full
+    // rows are first cut to this rank's shard, then gathered like sharded ones.
+    at::Tensor m = as_4d_mask(*in.mask);
+    const int64_t S = ring_layout->seq_len(),
+                  sp_rank = ring_.rank() * group_.size() + group_.rank();
+    const at::Tensor mine = ring_layout->shard_index(sp_rank);
+    if (m.size(2) == S && mine.numel() != S) m = m.index_select(2, mine.to(m.device()));
+    args.mask = rebuild_mask(m, plan, group_, "mask", S);
+  } else if (in.mask) {
     args.mask = in.context ? in.context->rebuilt_mask(*in.mask, plan)
                            : rebuild_mask(*in.mask, plan, group_);
   }

@@ -130,7 +130,7 @@ namespace {
 // Every rank's 4-D mask sizes, agreed in one small collective, and the decision they imply.
 MaskDecision agree_mask(const std::vector<int64_t>& mask_sizes, const c10::ScalarType dtype,
                         bool requires_grad, const AllToAllPlan& plan, const Group& group,
-                        const std::string& name) {
+                        const std::string& name, int64_t key_len) {
   auto all = group.agree([&] {
     TORCH_CHECK_TYPE(dtype == at::kBool || c10::isFloatingType(dtype), "rebuild_mask: ", name,
                      " must be bool or floating point; got ", dtype);
@@ -151,7 +151,7 @@ MaskDecision agree_mask(const std::vector<int64_t>& mask_sizes, const c10::Scala
                       m[5] ? " does" : " does not");
     sizes.push_back({m[0], m[1], m[2], m[3]});
   }
-  return decide_mask(sizes, plan.heads.q_heads(), plan.seq, name);
+  return decide_mask(sizes, plan.heads.q_heads(), plan.seq, name, key_len);
 }
 
 // Per-head query-sharded masks move like Q: [Bm, Hq, S_r, Sk] is a BHSD tensor with "head
@@ -165,9 +165,10 @@ AllToAllPlan mask_plan(const AllToAllPlan& plan) {
 }  // namespace
 
 at::Tensor rebuild_mask_backward(const at::Tensor& grad, const std::vector<int64_t>& mask_sizes,
-                                 const AllToAllPlan& plan, const Group& group) {
+                                 const AllToAllPlan& plan, const Group& group, int64_t key_len) {
   if (group.size() == 1) return grad.reshape(mask_sizes);
-  const MaskDecision d = agree_mask(mask_sizes, grad.scalar_type(), false, plan, group, "mask");
+  const MaskDecision d =
+      agree_mask(mask_sizes, grad.scalar_type(), false, plan, group, "mask", key_len);
   const auto s = mask_sizes_4d(mask_sizes, "mask");
   at::Tensor g;
   if (d.heads == MaskHeads::kShared) {
@@ -183,11 +184,11 @@ at::Tensor rebuild_mask_backward(const at::Tensor& grad, const std::vector<int64
 }
 
 at::Tensor rebuild_mask(const at::Tensor& mask, const AllToAllPlan& plan, const Group& group,
-                        const std::string& name) {
+                        const std::string& name, int64_t key_len) {
   if (group.size() == 1) return mask;
   const int me = group.rank();
-  const MaskDecision d =
-      agree_mask(mask.sizes().vec(), mask.scalar_type(), mask.requires_grad(), plan, group, name);
+  const MaskDecision d = agree_mask(mask.sizes().vec(), mask.scalar_type(), mask.requires_grad(),
+                                    plan, group, name, key_len);
   const at::Tensor m4 = as_4d_mask(mask);
   if (d.heads == MaskHeads::kShared) {
     // The agreement above covered the mask's shape and dtype on every rank.

@@ -27,8 +27,8 @@ std::array<int64_t, 4> mask_sizes_4d(const std::vector<int64_t>& s, const std::s
 }
 
 MaskDecision decide_mask(const std::vector<std::array<int64_t, 4>>& sizes, int64_t q_heads,
-                         const SequencePartition& seq, const std::string& name) {
-  const int64_t P = seq.sp_size(), S = seq.seq_len();
+                         const SequencePartition& seq, const std::string& name, int64_t key_len) {
+  const int64_t P = seq.sp_size(), S = seq.seq_len(), keys = key_len < 0 ? S : key_len;
   TORCH_INTERNAL_ASSERT(static_cast<int64_t>(sizes.size()) == P && P > 1);
   auto describe = [&](int64_t r) {
     std::ostringstream os;
@@ -44,12 +44,13 @@ MaskDecision decide_mask(const std::vector<std::array<int64_t, 4>>& sizes, int64
     TORCH_CHECK_VALUE(s[0] == sizes[0][0] && s[1] == sizes[0][1] && s[3] == sizes[0][3],
                       "rebuild_mask: ranks disagree on ", name, "'s shape: ", describe(0), " but ",
                       describe(r));
-    TORCH_CHECK_VALUE(!(s[3] == seq.length(r) && s[3] != S && s[3] != 1),
+    TORCH_CHECK_VALUE(!(s[3] == seq.length(r) && s[3] != keys && s[3] != 1),
                       "rebuild_mask: ", describe(r),
                       ": its key dim is sharded, and a key-sharded mask cannot be rebuilt from "
                       "local pieces; pass a mask over all S keys");
-    TORCH_CHECK_VALUE(s[3] == S || s[3] == 1, "rebuild_mask: ", describe(r),
-                      ": key dim must be S or 1; ", accepted);
+    TORCH_CHECK_VALUE(s[3] == keys || s[3] == 1, "rebuild_mask: ", describe(r),
+                      ": key dim must be ", keys == S ? "S" : std::to_string(keys) + " (all keys)",
+                      " or 1; ", accepted);
     TORCH_CHECK_VALUE(s[1] == 1 || s[1] == q_heads, "rebuild_mask: ", describe(r),
                       ": head dim must be 1 or Hq; ", accepted);
     sharded = sharded && s[2] == seq.length(r);
@@ -67,7 +68,7 @@ MaskDecision decide_mask(const std::vector<std::array<int64_t, 4>>& sizes, int64
 
 std::vector<int64_t> rebuilt_mask_shape(const std::vector<int64_t>& sizes,
                                         const HeadPartition& heads, const SequencePartition& seq,
-                                        int64_t rank) {
+                                        int64_t rank, int64_t key_len) {
   auto s = mask_sizes_4d(sizes, "mask");
   if (seq.sp_size() == 1) return {s[0], s[1], s[2], s[3]};
   std::vector<std::array<int64_t, 4>> all;
@@ -82,7 +83,7 @@ std::vector<int64_t> rebuilt_mask_shape(const std::vector<int64_t>& sizes,
     if (sharded) t[2] = seq.length(r);  // Sharded rows on every rank.
     all.push_back(t);
   }
-  const MaskDecision d = decide_mask(all, heads.q_heads(), seq);
+  const MaskDecision d = decide_mask(all, heads.q_heads(), seq, "mask", key_len);
   const int64_t rows = d.rows == MaskRows::kSharded ? seq.seq_len() : s[2];
   const int64_t h = d.heads == MaskHeads::kShared ? 1 : heads.q_range(rank).size();
   return {s[0], h, rows, s[3]};

@@ -130,8 +130,13 @@ struct Ring {
       rows.k_docs = docs.index_select(-1, rows.k_index);
     }
     a.rows = rows;
+    if (args.mask && keyed_mask()) a.mask = args.mask->index_select(3, rows.k_index);
     return a;
   }
+  // The mask has a column per global key (else one column for all).
+  bool keyed_mask() const { return args.mask->size(3) == layout.seq_len() && layout.seq_len() > 1; }
+  // Whether backward returns the mask's gradient.
+  bool mask_grad = false;
 };
 
 // Forward: out [B, Hq, Sq, Dv] (fp32) and lse [B, Hq, Sq] (+inf for rows with no key).
@@ -160,13 +165,16 @@ std::pair<at::Tensor, at::Tensor> ring_forward(const Ring& ring) {
   return {out, lse};
 }
 
-// Backward: {dq, dk, dv} for grad_out, given the forward's merged out and lse.
+// Backward: {dq, dk, dv, dmask (if ring.mask_grad)} for grad_out, given the forward's merged
+// out and lse.
 std::vector<at::Tensor> ring_backward(const Ring& ring, const at::Tensor& grad_out,
                                       const at::Tensor& out, const at::Tensor& lse) {
   const int R = ring.group.size();
   const auto& a = ring.args;
   at::Tensor block = ring.pack(a.k, a.v, ring.rank(), a.k.scalar_type());
   at::Tensor dq = at::zeros(a.q.sizes(), a.q.options().dtype(at::kFloat));
+  at::Tensor dmask;
+  if (ring.mask_grad) dmask = at::zeros(a.mask->sizes(), a.q.options().dtype(at::kFloat));
   Exchange sent_grads;  // The accumulator sent on at the previous step.
   at::Tensor grads;     // Its buffer, alive until that send completes.
   for (int t = 0; t < R; ++t) {
@@ -182,8 +190,16 @@ std::vector<at::Tensor> ring_backward(const Ring& ring, const at::Tensor& grad_o
       arriving = ring.group.send_recv({}, ring.next(), partial, ring.prev(), kTagDkv);
     }
     auto [k, v] = ring.unpack(block, src);
-    auto g = flash_attention_backward(grad_out, ring.block_args(k, v, src), out, lse, false);
+    const LocalAttentionArgs block_args = ring.block_args(k, v, src);
+    auto g = flash_attention_backward(grad_out, block_args, out, lse, ring.mask_grad);
     dq.add_(g[0]);
+    if (ring.mask_grad) {
+      if (ring.keyed_mask()) {
+        dmask.index_add_(3, block_args.rows->k_index, g[3].to(at::kFloat));
+      } else {
+        dmask.add_(g[3].to(at::kFloat));
+      }
+    }
     at::Tensor mine = ring.pack(g[1], g[2], src, at::kFloat);
     if (t > 0) {
       arriving.wait();
@@ -203,7 +219,8 @@ std::vector<at::Tensor> ring_backward(const Ring& ring, const at::Tensor& grad_o
     sent_grads.wait();
   }
   auto [dk, dv] = ring.unpack(own, ring.rank());
-  return {dq.to(a.q.scalar_type()), dk.to(a.k.scalar_type()), dv.to(a.v.scalar_type())};
+  return {dq.to(a.q.scalar_type()), dk.to(a.k.scalar_type()), dv.to(a.v.scalar_type()),
+          ring.mask_grad ? dmask.to(a.mask->scalar_type()) : at::Tensor()};
 }
 
 }  // namespace
@@ -211,10 +228,10 @@ std::vector<at::Tensor> ring_backward(const Ring& ring, const at::Tensor& grad_o
 namespace {
 
 Ring make_ring(const LocalAttentionArgs& args, const RingLayout& layout, const at::Tensor& docs,
-               const Group& group) {
-  TORCH_CHECK_VALUE(!args.mask && !args.positions && !args.rows,
-                    "ring_attention: pass packed documents as `docs`; masks, positions and rows "
-                    "are not accepted");
+               const Group& group, bool mask_grad) {
+  TORCH_CHECK_VALUE(!args.positions && !args.rows,
+                    "ring_attention: pass packed documents as `docs`; positions and rows are not "
+                    "accepted");
   TORCH_CHECK_VALUE(layout.ring() == group.size(), "ring_attention: the layout has ", layout.ring(),
                     " ring ranks but the ring group has ", group.size());
   TORCH_CHECK_VALUE(args.q.dim() == 4 && args.k.dim() == 4 && args.v.dim() == 4,
@@ -231,6 +248,19 @@ Ring make_ring(const LocalAttentionArgs& args, const RingLayout& layout, const a
   Ring ring;
   ring.args = args;
   ring.args.q = args.q.detach(), ring.args.k = args.k.detach(), ring.args.v = args.v.detach();
+  if (args.mask) {
+    const at::Tensor m = as_4d_mask(args.mask->detach());
+    TORCH_CHECK_VALUE(
+        (m.size(2) == L || m.size(2) == 1) && (m.size(3) == layout.seq_len() || m.size(3) == 1),
+        "ring_attention: the mask must be [B or 1, heads or 1, ", L, " or 1, ", layout.seq_len(),
+        " or 1] (this ring rank's queries, every key in global "
+        "order); got ",
+        args.mask->sizes());
+    TORCH_CHECK_VALUE(!mask_grad || m.is_floating_point(),
+                      "ring_attention: a mask gradient needs a floating-point mask");
+    ring.args.mask = m;
+  }
+  ring.mask_grad = mask_grad;
   ring.layout = layout;
   if (docs.defined()) {
     ring.docs = (docs.dim() == 1 ? docs.unsqueeze(0) : docs).to(at::kLong);
@@ -250,7 +280,7 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_forward(const LocalAttentionAr
                                                           const RingLayout& layout,
                                                           const at::Tensor& docs,
                                                           const Group& group) {
-  const Ring ring = make_ring(args, layout, docs, group);
+  const Ring ring = make_ring(args, layout, docs, group, false);
   at::NoGradGuard no_grad;
   auto [out, lse] = ring_forward(ring);
   return {out.to(args.q.scalar_type()), lse};
@@ -260,8 +290,8 @@ std::vector<at::Tensor> ring_attention_backward(const at::Tensor& grad_out,
                                                 const LocalAttentionArgs& args,
                                                 const RingLayout& layout, const at::Tensor& docs,
                                                 const Group& group, const at::Tensor& out,
-                                                const at::Tensor& lse) {
-  const Ring ring = make_ring(args, layout, docs, group);
+                                                const at::Tensor& lse, bool mask_grad) {
+  const Ring ring = make_ring(args, layout, docs, group, mask_grad);
   at::NoGradGuard no_grad;
   return ring_backward(ring, grad_out.to(at::kFloat).contiguous(), out.to(at::kFloat), lse);
 }
@@ -272,11 +302,18 @@ at::Tensor ring_attention(const LocalAttentionArgs& args, const RingLayout& layo
   std::vector<at::Tensor> outs{out};
   LocalAttentionArgs saved = args;  // Detached: the node must not keep the inputs' history.
   saved.q = args.q.detach(), saved.k = args.k.detach(), saved.v = args.v.detach();
+  if (args.mask) saved.mask = args.mask->detach();
+  const bool mask_grad = args.mask && args.mask->is_floating_point() && args.mask->requires_grad();
+  std::vector<at::Tensor> inputs{args.q, args.k, args.v};
+  if (mask_grad) inputs.push_back(*args.mask);
   at::Tensor out_saved = out.detach();
   detail::attach_backward(
-      {args.q, args.k, args.v}, outs, "RingAttentionBackward",
-      [saved, layout, docs, group, out_saved, lse](std::vector<at::Tensor>&& g) {
-        return ring_attention_backward(g[0], saved, layout, docs, group, out_saved, lse);
+      inputs, outs, "RingAttentionBackward",
+      [saved, layout, docs, group, out_saved, lse, mask_grad](std::vector<at::Tensor>&& g) {
+        auto grads =
+            ring_attention_backward(g[0], saved, layout, docs, group, out_saved, lse, mask_grad);
+        if (!mask_grad) grads.pop_back();
+        return grads;
       });
   return outs[0];
 }

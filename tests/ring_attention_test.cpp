@@ -132,17 +132,50 @@ TEST(MergeAttention, EqualsAttentionOverTheUnionForwardAndBackward) {
   EXPECT_TRUE(o2.equal(at::zeros({1, 2})) && std::isinf(l2.item<float>()));
 }
 
+// Masks: rows sharded (this rank's tokens), full (all S) or broadcast (1); keys in global order.
+enum class Mask {
+  kNone,
+  kBoolSharded,
+  kFloatLearnableSharded,
+  kFloatLearnablePerHeadFull,
+  kKeyPadding
+};
+
 struct Case {
   int U, R;
   int64_t hq, hkv, S;
   bool causal = false, packed = false;
+  Mask mask = Mask::kNone;
   int64_t B = 2, D = 8;
 };
 std::string describe(const Case& c) {
+  static const char* masks[] = {"", "_bool_mask", "_learnable_bias", "_per_head_full_bias",
+                                "_key_padding"};
   std::ostringstream os;
   os << c.U << "x" << c.R << "_q" << c.hq << "_kv" << c.hkv << "_S" << c.S
-     << (c.causal ? "_causal" : "") << (c.packed ? "_packed" : "");
+     << (c.causal ? "_causal" : "") << (c.packed ? "_packed" : "")
+     << masks[static_cast<int>(c.mask)];
   return os.str();
+}
+
+// The full mask of a case ([B or 1, 1 or Hq, S or 1, S]) and whether its rows are sharded.
+std::pair<at::Tensor, bool> full_mask(const Case& c) {
+  switch (c.mask) {
+    case Mask::kNone:
+      return {at::Tensor(), false};
+    case Mask::kBoolSharded:
+      return {seeded_randn({c.B, 1, c.S, c.S}, 5).gt(-0.8), true};
+    case Mask::kFloatLearnableSharded:
+      return {seeded_randn({c.B, 1, c.S, c.S}, 5), true};
+    case Mask::kFloatLearnablePerHeadFull:
+      return {seeded_randn({1, c.hq, c.S, c.S}, 5), false};
+    case Mask::kKeyPadding: {
+      at::Tensor m = at::ones({c.B, 1, 1, c.S}, at::kBool);
+      m.index_put_({0, 0, 0, at::indexing::Slice(c.S - 3)}, false);
+      return {m, false};
+    }
+  }
+  return {};
 }
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
 
@@ -176,6 +209,14 @@ void check_case(const Case& c) {
     at::Tensor pos = packed_positions(c.B, c.S);
     AttentionInputs in;
     if (c.packed) in.positions = shard(pos);
+    auto [M, sharded_rows] = full_mask(c);
+    const bool learnable = M.defined() && M.is_floating_point();
+    at::Tensor m;
+    if (M.defined()) {
+      m = (sharded_rows ? layout.shard(M, 2, p) : M).clone();
+      if (learnable) m.requires_grad_();
+      in.mask = m;
+    }
     AttentionOptions opts;
     opts.causal = c.causal;
     DistributedAttention attention(ulysses, ring, opts);
@@ -189,6 +230,9 @@ void check_case(const Case& c) {
     ref.v = Vr.permute({0, 2, 1, 3});
     ref.kv_map = HeadPartition::make(c.hq, c.hkv, 1).kv_map(0);
     if (c.packed) ref.positions = pos;
+    at::Tensor Mr = M.defined() ? M.clone() : M;
+    if (learnable) Mr.requires_grad_();
+    if (M.defined()) ref.mask = Mr;
     ref.causal = c.causal;
     at::Tensor O = math_attention(ref).permute({0, 2, 1, 3});
     (O * W).sum().backward();
@@ -196,6 +240,13 @@ void check_case(const Case& c) {
     EXPECT_LT(rel_error(q.grad(), shard(Qr.grad())), 1e-4) << "dq " << where(world, q);
     EXPECT_LT(rel_error(k.grad(), shard(Kr.grad())), 1e-4) << "dk " << where(world, k);
     EXPECT_LT(rel_error(v.grad(), shard(Vr.grad())), 1e-4) << "dv " << where(world, v);
+    if (learnable && sharded_rows) {
+      EXPECT_LT(rel_error(m.grad(), layout.shard(Mr.grad(), 2, p)), 1e-4) << "dmask";
+    } else if (learnable) {  // Every rank's share of a full mask's gradient: their sum.
+      at::Tensor sum = m.grad().contiguous();
+      world.all_reduce_sum(sum);
+      EXPECT_LT(rel_error(sum, Mr.grad()), 1e-4) << "dmask (summed over ranks)";
+    }
   });
 }
 
@@ -216,6 +267,13 @@ std::vector<Case> cases() {
   out.push_back({3, 1, 7, 7, 9, true});          // Uneven heads.
   out.push_back({2, 2, 5, 5, 9, true});          // Uneven heads in the Ulysses group of a 2x2.
   out.push_back({1, 4, 2, 2, 5, true});          // Fewer tokens than zigzag chunks.
+  for (auto [U, R] : std::vector<std::pair<int, int>>{{2, 2}, {1, 3}}) {
+    for (Mask m : {Mask::kBoolSharded, Mask::kFloatLearnableSharded,
+                   Mask::kFloatLearnablePerHeadFull, Mask::kKeyPadding}) {
+      out.push_back({U, R, 4, 2, 13, m == Mask::kBoolSharded, false, m});
+    }
+  }
+  out.push_back({2, 2, 4, 2, 14, true, true, Mask::kFloatLearnableSharded});  // All three.
   return out;
 }
 INSTANTIATE_TEST_SUITE_P(Meshes, HybridAttentionCase, ::testing::ValuesIn(cases()),
@@ -247,16 +305,28 @@ TEST(RingAttention, StepsAndBytesMatchThePlanner) {
   });
 }
 
-TEST(RingAttention, MasksAndWrongLayoutsFailAlikeOnEveryRank) {
-  // A mask with a ring group.
+TEST(RingAttention, BadMasksAndWrongLayoutsFailAlikeOnEveryRank) {
+  // One rank's mask covers only its own keys (a key-sharded mask).
   auto errors = run_ranks(2, [](Group& world) {
     DistributedAttention attention(Group::solo(), world);
-    at::Tensor x = at::randn({1, 3, 2, 4});
+    at::Tensor x = at::randn({1, world.rank() == 0 ? 3 : 3, 2, 4});
     AttentionInputs in;
-    in.mask = at::ones({1, 1, 3, 6}, at::kBool);
+    in.mask = at::ones({1, 1, 3, world.rank() == 0 ? 3 : 6}, at::kBool);
     attention(x, x, x, in);
   });
-  expect_ranks_fail_alike(errors, "masks are not supported with a ring group");
+  expect_ranks_fail_alike(errors, "its keys all 6 (in global order) or 1; ring rank 0's mask is");
+  // On 2 x 2 ranks only rank 3's mask is wrong: its ring group refuses the call, and through
+  // the Ulysses groups every rank raises the same error (none waits in an all-to-all).
+  errors = run_ranks(4, [](Group& world) {
+    auto [ulysses, ring] = hybrid_groups(world, 2, 2);
+    DistributedAttention attention(ulysses, ring);
+    const RingLayout layout = RingLayout::make(8, 2, 2);
+    at::Tensor x = layout.shard(at::randn({1, 8, 2, 4}), 1, world.rank());
+    AttentionInputs in;
+    in.mask = at::ones({1, 1, x.size(1), world.rank() == 3 ? 5 : 8}, at::kBool);
+    attention(x, x, x, in);
+  });
+  expect_ranks_fail_alike(errors, "ring rank 1's mask is [1, 1, 2, 5]");
   // A contiguous split where the zigzag layout is expected (rank 0 holds 4 tokens, not 3+... ).
   errors = run_ranks(2, [](Group& world) {
     DistributedAttention attention(Group::solo(), world);

@@ -84,8 +84,10 @@ class DistributedAttention {
   DistributedAttention(Group group, AttentionOptions options = {});
   // Hybrid Ulysses x ring attention (see ring_attention.h): the all-to-alls run over `ulysses`
   // (U ranks), key/value blocks circulate over `ring` (R ranks, each holding the same heads).
-  // Inputs are this rank's shard of the zigzag RingLayout (RingLayout::shard). Masks are not
-  // accepted with R > 1: causal and packed documents (position ids) are evaluated per tile.
+  // Inputs are this rank's shard of the zigzag RingLayout (RingLayout::shard). Causal and packed
+  // documents (position ids) are evaluated per tile; a mask's query rows are this rank's
+  // shard's (or all S, or 1) and its keys all S in global order (or 1), each ring step reading
+  // the columns of the block at hand.
   DistributedAttention(Group ulysses, Group ring, AttentionOptions options = {});
 
   // o = attention(q, k, v) on this rank's sequence shard; shapes in options().layout:

@@ -44,8 +44,11 @@ struct MaskDecision {
 
 // The pure decision for a mask whose 4-D sizes on rank r are `sizes[r]` ([Bm, Hm, Sq, Sk]).
 // Throws c10::ValueError naming `name`, the shapes and the accepted shapes. Requires P > 1.
+// `key_len`: the keys a mask covers; -1 means S (hybrid attention passes the global length,
+// its queries being a ring rank's share of it).
 MaskDecision decide_mask(const std::vector<std::array<int64_t, 4>>& sizes, int64_t q_heads,
-                         const SequencePartition& seq, const std::string& name = "mask");
+                         const SequencePartition& seq, const std::string& name = "mask",
+                         int64_t key_len = -1);
 
 // The 4-D sizes [Bm, Hm, Sq, Sk] of a 2-D [Sq, Sk], 3-D [heads, Sq, Sk] or 4-D mask's sizes.
 // Throws c10::ValueError naming `name` for any other number of dims.
@@ -57,6 +60,6 @@ std::array<int64_t, 4> mask_sizes_4d(const std::vector<int64_t>& sizes, const st
 // read as broadcast (unless every rank holds one token). Throws like decide_mask.
 std::vector<int64_t> rebuilt_mask_shape(const std::vector<int64_t>& sizes,
                                         const HeadPartition& heads, const SequencePartition& seq,
-                                        int64_t rank);
+                                        int64_t rank, int64_t key_len = -1);
 
 }  // namespace ulysses

@@ -61,14 +61,17 @@ std::tuple<at::Tensor, at::Tensor> merge_attention(const at::Tensor& out_a, cons
 
 // Attention of this ring rank's queries over the keys of every ring rank: `args` holds q, k, v
 // of ring rank `ring.rank()`'s tokens in `layout`'s order (BHSD, this rank's heads; the same
-// kv heads on every ring rank), kv_map, causal and scale; no mask, positions or rows. `docs`
-// ([B or 1, S] global document ids of packed sequences, see document_ids) or undefined.
-// Differentiable in q, k, v. CPU tensors (the fused kernel gives the log-sum-exp).
+// kv heads on every ring rank), kv_map, causal, scale and optionally a mask (bool or additive,
+// [B or 1, heads or 1, Sq or 1, S or 1]: this rank's query rows, every key in global order;
+// each step reads the columns of the block at hand); no positions or rows. `docs` ([B or 1, S]
+// global document ids of packed sequences, see document_ids) or undefined. Differentiable in
+// q, k, v and a float mask. CPU tensors (the fused kernel gives the log-sum-exp).
 at::Tensor ring_attention(const LocalAttentionArgs& args, const RingLayout& layout,
                           const at::Tensor& docs, const Group& ring);
 
 // The two passes of ring_attention without autograd (for the dispatcher op): out in q's
-// dtype and lse [B, Hq, Sq] (fp32); and {dq, dk, dv} given grad_out and the forward's out, lse.
+// dtype and lse [B, Hq, Sq] (fp32); and {dq, dk, dv, dmask} given grad_out and the forward's
+// out, lse (dmask, in the mask's shape, only if `mask_grad`).
 std::tuple<at::Tensor, at::Tensor> ring_attention_forward(const LocalAttentionArgs& args,
                                                           const RingLayout& layout,
                                                           const at::Tensor& docs,
@@ -77,7 +80,7 @@ std::vector<at::Tensor> ring_attention_backward(const at::Tensor& grad_out,
                                                 const LocalAttentionArgs& args,
                                                 const RingLayout& layout, const at::Tensor& docs,
                                                 const Group& ring, const at::Tensor& out,
-                                                const at::Tensor& lse);
+                                                const at::Tensor& lse, bool mask_grad = false);
 
 // Global document ids [B or 1, S] of packed sequences from this ring rank's position ids
 // ([B, L] or [L], its tokens in `layout`'s order): one all-gather over the ring group.

@@ -102,8 +102,8 @@ class DistributedAttention(nn.Module):
         ring_group: for hybrid Ulysses x ring attention, the ring group (same forms as
             ``group``, which is then the Ulysses group): key/value blocks circulate over its R
             ranks. Inputs follow the zigzag layout (``ulysses.shard_sequence`` with
-            ``ring=R``). Masks are not accepted with a ring; causal and packed documents
-            (``position_ids``) are. Eager mode, CPU tensors.
+            ``ring=R``); a mask's rows are this shard's (or all S, or 1), its keys all S in
+            global order (or 1). Eager mode, CPU tensors.
     """
 
     def __init__(self, group=None, *, q_heads: int | None = None, kv_heads: int | None = None,
@@ -122,7 +122,8 @@ class DistributedAttention(nn.Module):
             mesh, dim = ring_group
             ring_group = mesh.get_group(dim)
         self.ring_name = O.group_name(ring_group) if ring_group is not None else None
-        self.ring_size = O.process_group(self.ring_name).size() if ring_group is not None else 1
+        ring_pg = O.process_group(self.ring_name) if ring_group is not None else None
+        self.ring_rank, self.ring_size = (ring_pg.rank(), ring_pg.size()) if ring_pg is not None else (0, 1)
         pg = O.process_group(self.group_name)
         self.rank, self.sp_size = pg.rank(), pg.size()
         self.layout = layout.upper()
@@ -179,7 +180,7 @@ class DistributedAttention(nn.Module):
         names, values = _agreed_call_values(q, k, v, mask, position_ids, self.causal, step)
         qh, kh, vh = O._ops.scatter_heads([q, k, v], ["q", "kv", "kv"], *args, self.layout, group,
                                           t, names, values)
-        if mask is not None:
+        if mask is not None and self.ring_size == 1:
             build = lambda: O._ops.rebuild_mask(mask, *args, group, t)  # noqa: E731
             shared = mask.dim() < 3 or mask.shape[-3] == 1
             mask = step.get(mask, ("mask", shared or (hq, hkv), tuple(seq_lens)), build) if step else build()
@@ -190,23 +191,18 @@ class DistributedAttention(nn.Module):
         kv_map = _local_kv_map(hq, hkv, self.sp_size, self.rank)
         if self.ring_size > 1:
             o = self._ring_attention(qh.permute(perm), kh.permute(perm), vh.permute(perm), kv_map,
-                                     mask, position_ids)
+                                     mask, position_ids, args)
             return O._ops.gather_heads([o.permute(self._from_bhsd)], ["q"], *args, self.layout, group, t)[0]
         o = local_attention(qh.permute(perm), kh.permute(perm), vh.permute(perm), kv_map, mask,
                             position_ids, self.causal, self.scale)
         return O._ops.gather_heads([o.permute(self._from_bhsd)], ["q"], *args, self.layout, group, t)[0]
 
-    def _ring_attention(self, q, k, v, kv_map, mask, positions):
-        """Ring attention of this ring rank's tokens (q, k, v BHSD, my heads) over the ring."""
+    def _ring_attention(self, q, k, v, kv_map, mask, positions, args):
+        """Ring attention of this ring rank's tokens (q, k, v BHSD, my heads) over the ring.
+        ``mask``: as given (rows: this shard's, all S or 1; keys: all S in global order or 1)."""
         ring, t = self.ring_name, self.timeout_ms
-        problem = ""
-        if mask is not None:
-            problem = (f"DistributedAttention: masks are not supported with a ring group ({self.sp_size} x "
-                       f"{self.ring_size}); give causal and position ids of packed documents instead")
-        elif torch.compiler.is_compiling():
-            problem = "DistributedAttention: hybrid Ulysses x ring attention runs in eager mode only"
-        if problem:  # Raised on every ring rank, through the round the others run next.
-            _C.fail_together(problem, ring, t)
+        if torch.compiler.is_compiling():  # Raised on every ring rank, through the round the others run next.
+            _C.fail_together("DistributedAttention: hybrid Ulysses x ring attention runs in eager mode only", ring, t)
         # Every ring rank's token count (one small agreement round), hence S and the layout.
         lengths = O._ops.sequence_lengths(q, 2, ring, t).tolist()
         S = sum(lengths)
@@ -214,12 +210,41 @@ class DistributedAttention(nn.Module):
         if lengths != expected:  # Every rank sees the same lengths: raised alike.
             raise ValueError(f"DistributedAttention: ring ranks hold {lengths} tokens; the zigzag layout of {S} "
                              f"tokens gives {expected} (shard inputs with ulysses.shard_sequence(..., ring=R))")
+        if mask is not None:
+            mask = self._ring_mask(mask, S, args)
         docs = None
         if positions is not None:
             docs = O._ops.ring_document_ids(positions, S, self.sp_size, ring, t)
         scale = 0.0 if self.scale is None else float(self.scale)
-        out, _ = O._ops.ring_attention(q, k, v, list(kv_map), docs, self.causal, scale, S, self.sp_size, ring, t)
+        out, _ = O._ops.ring_attention(q, k, v, list(kv_map), mask, docs, self.causal, scale, S, self.sp_size,
+                                       ring, t)
         return out
+
+    def _ring_mask(self, mask, S, args):
+        """The mask's rows for this ring rank's queries and my heads, keys still global. Full
+        rows are cut to this rank's shard first, then gathered over the Ulysses group like
+        sharded rows. A refusal anywhere fails every rank of the SP group alike: the Ulysses
+        group agrees in rebuild_mask, then the ring group in one more round."""
+        m = mask
+        while m.dim() < 4:
+            m = m.unsqueeze(0)
+        mine = _C.ring_shard_index(S, self.sp_size, self.ring_size, self.ring_rank * self.sp_size + self.rank)
+        if m.shape[2] == S and len(mine) != S:
+            m = m.index_select(2, torch.tensor(mine, device=m.device))
+        error = ""
+        if m.shape[-1] not in (S, 1):
+            error = (f"DistributedAttention: with a ring, a mask's keys must be all {S} (in global order) or 1; "
+                     f"got {tuple(mask.shape)}")
+        try:
+            if error:  # Through the Ulysses group's round (rebuild_mask's agreement on the others).
+                _C.fail_together(error, self.group_name, self.timeout_ms)
+            m = O._ops.rebuild_mask(m, *args, self.group_name, self.timeout_ms, S)
+        except ValueError as e:
+            error = str(e)
+        if error:
+            _C.fail_together(error, self.ring_name, self.timeout_ms)
+        O._ops.sequence_lengths(m, 0, self.ring_name, self.timeout_ms)  # The ring's round: all passed.
+        return m
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: Sequence[int],

@@ -214,14 +214,14 @@ def reduce_scatter_sequence(x: torch.Tensor, dim: int, seq_lens: Sequence[int],
 
 
 @torch.library.register_fake("ulysses::rebuild_mask")
-def _(mask, q_heads, kv_heads, seq_lens, group, timeout_ms):
+def _(mask, q_heads, kv_heads, seq_lens, group, timeout_ms, key_len=-1):
     rank, _ = _rank_size(group)
-    shape = _C.rebuilt_mask_shape(list(mask.shape), q_heads, kv_heads, list(seq_lens), rank)
+    shape = _C.rebuilt_mask_shape(list(mask.shape), q_heads, kv_heads, list(seq_lens), rank, key_len)
     return mask.new_empty(shape)
 
 
 @torch.library.register_fake("ulysses::rebuild_mask_backward")
-def _(grad, mask_sizes, q_heads, kv_heads, seq_lens, group, timeout_ms):
+def _(grad, mask_sizes, q_heads, kv_heads, seq_lens, group, timeout_ms, key_len=-1):
     return grad.new_empty(mask_sizes)
 
 
@@ -232,7 +232,7 @@ def _setup_mask(ctx, inputs, output):
 
 
 def _mask_backward(ctx, grad):
-    return (_ops.rebuild_mask_backward(grad, ctx.sizes, *ctx.args),) + (None,) * 5
+    return (_ops.rebuild_mask_backward(grad, ctx.sizes, *ctx.args),) + (None,) * len(ctx.args)
 
 
 torch.library.register_autograd("ulysses::rebuild_mask", _mask_backward, setup_context=_setup_mask)
@@ -345,27 +345,31 @@ def all_reduce_gradients(model: torch.nn.Module, group=None) -> None:
 
 
 @torch.library.register_fake("ulysses::ring_attention")
-def _(q, k, v, kv_map, docs, causal, scale, seq_len, ulysses, ring_group, timeout_ms):
+def _(q, k, v, kv_map, mask, docs, causal, scale, seq_len, ulysses, ring_group, timeout_ms):
     B, H, S, _ = q.shape
     return q.new_empty((B, H, S, v.shape[-1])), q.new_empty((B, H, S), dtype=torch.float32)
 
 
 @torch.library.register_fake("ulysses::ring_attention_backward")
-def _(grad_out, q, k, v, out, lse, kv_map, docs, causal, scale, seq_len, ulysses, ring_group, timeout_ms):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(grad_out, q, k, v, out, lse, kv_map, mask, docs, causal, scale, seq_len, ulysses, ring_group,
+      timeout_ms, mask_grad):
+    dmask = mask.new_empty(mask.shape) if mask_grad else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask
 
 
 def _setup_ring(ctx, inputs, output):
-    q, k, v, kv_map, docs, *meta = inputs
+    q, k, v, kv_map, mask, docs, *meta = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, docs)
+    ctx.save_for_backward(q, k, v, out, lse, mask, docs)
     ctx.kv_map, ctx.meta = list(kv_map), meta
+    ctx.mask_grad = mask is not None and mask.is_floating_point() and mask.requires_grad
 
 
 def _ring_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, docs = ctx.saved_tensors
-    dq, dk, dv = _ops.ring_attention_backward(grad_out, q, k, v, out, lse, ctx.kv_map, docs, *ctx.meta)
-    return (dq, dk, dv) + (None,) * 8
+    q, k, v, out, lse, mask, docs = ctx.saved_tensors
+    dq, dk, dv, dmask = _ops.ring_attention_backward(grad_out, q, k, v, out, lse, ctx.kv_map, mask, docs,
+                                                     *ctx.meta, ctx.mask_grad)
+    return (dq, dk, dv, None, dmask if ctx.mask_grad else None) + (None,) * 7
 
 
 torch.library.register_autograd("ulysses::ring_attention", _ring_backward, setup_context=_setup_ring)

@@ -48,18 +48,27 @@ def test_plan_sp_mesh_lists_every_split_best_first():
     assert all(p["ulysses"] <= 4 for p in ulysses.plan_sp_mesh(16, 4, 4, 1024))
 
 
-@pytest.mark.parametrize("U,R,hq,hkv,S,causal,packed", [
-    (2, 2, 6, 2, 13, True, True),   # GQA, uneven S, causal packed documents
-    (1, 2, 4, 4, 9, False, False),  # pure ring
-    (2, 2, 4, 1, 10, True, False),  # MQA: kv replicated over U
+@pytest.mark.parametrize("U,R,hq,hkv,S,causal,packed,mask_kind", [
+    (2, 2, 6, 2, 13, True, True, None),           # GQA, uneven S, causal packed documents
+    (1, 2, 4, 4, 9, False, False, None),          # pure ring
+    (2, 2, 4, 1, 10, True, False, None),          # MQA: kv replicated over U
+    (2, 2, 4, 2, 11, True, False, "learnable"),   # float bias [B, 1, S_r, S] with gradient
+    (1, 3, 4, 2, 10, False, False, "per_head"),   # bool [1, Hq, S, S], full rows
 ])
-def test_hybrid_matches_single_rank_reference(U, R, hq, hkv, S, causal, packed):
+def test_hybrid_matches_single_rank_reference(U, R, hq, hkv, S, causal, packed, mask_kind):
     B, D, P = 2, 8, U * R
     gen = torch.Generator().manual_seed(S)
     Q, K, V = (torch.randn(B, S, h, D, generator=gen) for h in (hq, hkv, hkv))
     pos = torch.cat([torch.arange(5), torch.arange(S - 5)]).expand(B, S) if packed else None
+    M = None
+    if mask_kind == "learnable":
+        M = torch.randn(B, 1, S, S, generator=gen)
+    elif mask_kind == "per_head":
+        M = torch.rand(1, hq, S, S, generator=gen) > 0.3
+    learn = mask_kind == "learnable"
     q, k, v = (t.clone().double().requires_grad_() for t in (Q, K, V))
-    ref = reference_attention(q, k, v, None, pos, causal)
+    m_ref = M.clone().double().requires_grad_() if learn else M
+    ref = reference_attention(q, k, v, m_ref, pos, causal)
     dO = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
     (ref * dO).sum().backward()
     names, keep = hybrid_group_names(U, R)
@@ -69,9 +78,12 @@ def test_hybrid_matches_single_rank_reference(U, R, hq, hkv, S, causal, packed):
         attn = ulysses.DistributedAttention(uly, ring_group=ring, causal=causal)
         cut = lambda t: ulysses.shard_sequence(t, 1, p, P, ring=R)  # noqa: E731
         ql, kl, vl = (cut(t).clone().requires_grad_() for t in (Q, K, V))
-        o = attn(ql, kl, vl, position_ids=cut(pos) if packed else None)
+        ml = None
+        if M is not None:  # A learnable bias by query rows (this shard's), the bool mask whole.
+            ml = ulysses.shard_sequence(M, 2, p, P, ring=R).clone().requires_grad_() if learn else M
+        o = attn(ql, kl, vl, mask=ml, position_ids=cut(pos) if packed else None)
         (o * cut(dO).float()).sum().backward()
-        return o.detach(), ql.grad, kl.grad, vl.grad
+        return o.detach(), ql.grad, kl.grad, vl.grad, (ml.grad if learn else None)
 
     results = run_ranks(P, body)
     full = lambda i: torch.zeros(B, S, *results[0][i].shape[2:], dtype=results[0][i].dtype)  # noqa: E731
@@ -81,20 +93,27 @@ def test_hybrid_matches_single_rank_reference(U, R, hq, hkv, S, causal, packed):
             index = torch.tensor(ulysses._C.ring_shard_index(S, U, R, p))
             got[:, index] = results[p][i]
         assert rel(got, want) < 1e-4, f"output/grad {i}"
+    if learn:
+        got = torch.zeros(B, 1, S, S)
+        for p in range(P):
+            got[:, :, torch.tensor(ulysses._C.ring_shard_index(S, U, R, p))] = results[p][4]
+        assert rel(got, m_ref.grad) < 1e-4, "mask grad"
     del keep
 
 
-def test_mask_with_a_ring_fails_alike_on_every_rank():
-    names, keep = hybrid_group_names(1, 2)
+@pytest.mark.parametrize("U,R", [(1, 2), (2, 2)])
+def test_one_rank_with_a_key_sharded_mask_fails_every_rank_alike(U, R):
+    names, keep = hybrid_group_names(U, R)
+    P, S = U * R, 8
 
     def body(p, _world):
         uly, ring = names[p]
         attn = ulysses.DistributedAttention(uly, ring_group=ring)
-        x = torch.randn(1, 3, 2, 4)
-        mask = torch.ones(1, 1, 3, 3, dtype=torch.bool) if p == 0 else None  # one rank only
-        attn(x, x, x, mask=mask)
+        x = ulysses.shard_sequence(torch.randn(1, S, 2, 4), 1, p, P, ring=R)
+        keys = x.shape[1] if p == P - 1 else S  # the last rank's mask covers only its own keys
+        attn(x, x, x, mask=torch.ones(1, 1, x.shape[1], keys, dtype=torch.bool))
 
-    errors = run_ranks_errors(2, body)
-    assert all("masks are not supported with a ring group" in e for e in errors), errors
-    assert errors[0] == errors[1]
+    errors = run_ranks_errors(P, body)
+    assert all(errors) and len(set(errors)) == 1, errors
+    assert "key" in errors[0], errors[0]
     del keep
