@@ -118,10 +118,13 @@ struct Ring {
     return {block.slice(0, 0, nk).view({B, Hkv, L, D}), block.slice(0, nk).view({B, Hkv, L, Dv})};
   }
 
-  // The local attention of our queries over ring rank `src`'s keys.
+  // The local attention of our queries over ring rank `src`'s keys. Blocks travel in the
+  // inputs' dtype; the kernel computes in fp32 either way, and taking fp32 q, k, v makes it
+  // return fp32 partial outputs and gradients, merged and summed without rounding per block.
   LocalAttentionArgs block_args(const at::Tensor& k, const at::Tensor& v, int src) const {
     LocalAttentionArgs a = args;
-    a.k = k, a.v = v;
+    a.q = q32;
+    a.k = k.to(at::kFloat), a.v = v.to(at::kFloat);
     GlobalRows rows;
     rows.q_index = layout.ring_index(rank());
     rows.k_index = layout.ring_index(src);
@@ -135,8 +138,8 @@ struct Ring {
   }
   // The mask has a column per global key (else one column for all).
   bool keyed_mask() const { return args.mask->size(3) == layout.seq_len() && layout.seq_len() > 1; }
-  // Whether backward returns the mask's gradient.
-  bool mask_grad = false;
+  bool mask_grad = false;  // Whether backward returns the mask's gradient.
+  at::Tensor q32;          // args.q in fp32.
 };
 
 // Forward: out [B, Hq, Sq, Dv] (fp32) and lse [B, Hq, Sq] (+inf for rows with no key).
@@ -155,9 +158,9 @@ std::pair<at::Tensor, at::Tensor> ring_forward(const Ring& ring) {
     auto [k, v] = ring.unpack(block, src);
     auto [o_t, lse_t] = flash_attention_forward(ring.block_args(k, v, src));
     if (t == 0) {
-      out = o_t.to(at::kFloat), lse = lse_t;
+      out = o_t, lse = lse_t;
     } else {
-      std::tie(out, lse) = merge_attention(out, lse, o_t.to(at::kFloat), lse_t);
+      std::tie(out, lse) = merge_attention(out, lse, o_t, lse_t);
     }
     moving.wait();
     block = incoming;
@@ -194,11 +197,8 @@ std::vector<at::Tensor> ring_backward(const Ring& ring, const at::Tensor& grad_o
     auto g = flash_attention_backward(grad_out, block_args, out, lse, ring.mask_grad);
     dq.add_(g[0]);
     if (ring.mask_grad) {
-      if (ring.keyed_mask()) {
-        dmask.index_add_(3, block_args.rows->k_index, g[3].to(at::kFloat));
-      } else {
-        dmask.add_(g[3].to(at::kFloat));
-      }
+      at::Tensor dm = g[3].to(at::kFloat);
+      ring.keyed_mask() ? dmask.index_add_(3, block_args.rows->k_index, dm) : dmask.add_(dm);
     }
     at::Tensor mine = ring.pack(g[1], g[2], src, at::kFloat);
     if (t > 0) {
@@ -261,6 +261,7 @@ Ring make_ring(const LocalAttentionArgs& args, const RingLayout& layout, const a
     ring.args.mask = m;
   }
   ring.mask_grad = mask_grad;
+  ring.q32 = ring.args.q.to(at::kFloat);
   ring.layout = layout;
   if (docs.defined()) {
     ring.docs = (docs.dim() == 1 ? docs.unsqueeze(0) : docs).to(at::kLong);

@@ -279,6 +279,41 @@ std::vector<Case> cases() {
 INSTANTIATE_TEST_SUITE_P(Meshes, HybridAttentionCase, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return describe(info.param); });
 
+// bf16 inputs: blocks travel in bf16, partial results merge and gradients add up in fp32, so the
+// error is that of bf16 inputs alone (checked against the fp64 reference at bf16's precision).
+TEST(RingAttention, Bf16MatchesTheReferenceAtBf16Precision) {
+  const int64_t B = 1, hq = 4, hkv = 2, S = 64, D = 16;
+  expect_ranks_succeed(4, [&](Group& world) {
+    auto [ulysses, ring] = hybrid_groups(world, 1, 4);
+    const RingLayout layout = RingLayout::make(S, 1, 4);
+    at::Tensor Q = seeded_randn({B, S, hq, D}, 1), K = seeded_randn({B, S, hkv, D}, 2);
+    at::Tensor V = seeded_randn({B, S, hkv, D}, 3);
+    auto cut = [&](const at::Tensor& X) {
+      return layout.shard(X, 1, world.rank()).to(at::kBFloat16).requires_grad_();
+    };
+    at::Tensor q = cut(Q), k = cut(K), v = cut(V);
+    AttentionOptions opts;
+    opts.causal = true;
+    DistributedAttention attention(ulysses, ring, opts);
+    at::Tensor o = attention(q, k, v);
+    o.to(at::kFloat).sum().backward();
+    LocalAttentionArgs ref;  // fp64, from the bf16-rounded inputs.
+    at::Tensor Qr = Q.to(at::kBFloat16).to(at::kDouble).requires_grad_();
+    at::Tensor Kr = K.to(at::kBFloat16).to(at::kDouble).requires_grad_();
+    at::Tensor Vr = V.to(at::kBFloat16).to(at::kDouble).requires_grad_();
+    ref.q = Qr.permute({0, 2, 1, 3}), ref.k = Kr.permute({0, 2, 1, 3});
+    ref.v = Vr.permute({0, 2, 1, 3});
+    ref.kv_map = {0, 0, 1, 1};
+    ref.causal = true;
+    at::Tensor O = math_attention(ref).permute({0, 2, 1, 3});
+    O.sum().backward();
+    auto shard = [&](const at::Tensor& X) { return layout.shard(X, 1, world.rank()); };
+    EXPECT_LT(rel_error(o.to(at::kDouble), shard(O)), 1e-2) << "output";
+    EXPECT_LT(rel_error(k.grad().to(at::kDouble), shard(Kr.grad())), 2e-2) << "dk";
+    EXPECT_LT(rel_error(q.grad().to(at::kDouble), shard(Qr.grad())), 2e-2) << "dq";
+  });
+}
+
 // The planner's ring counts are what a layer sends: R-1 kv blocks forward, R-1 backward and R
 // fp32 dk/dv accumulators.
 TEST(RingAttention, StepsAndBytesMatchThePlanner) {
