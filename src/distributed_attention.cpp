@@ -49,30 +49,46 @@ LocalAttention default_local_attention() {
 
 at::Tensor StepContext::lookup(std::vector<Entry>& entries, const at::Tensor& source,
                                const std::vector<Range>& q_ranges, const SequencePartition& seq,
-                               const std::function<at::Tensor()>& build) {
+                               int64_t keys, const std::function<at::Tensor()>& build) {
   for (const Entry& e : entries) {
     if (e.source.is_same(source) && e.version == source._version() && e.q_ranges == q_ranges &&
-        e.seq_lengths == seq.lengths()) {
+        e.seq_lengths == seq.lengths() && e.keys == keys) {
       ++reuses_;
       return e.result;
     }
   }
-  Entry e{source, static_cast<int64_t>(source._version()), q_ranges, seq.lengths(), build()};
+  Entry e{source, static_cast<int64_t>(source._version()), q_ranges, seq.lengths(), keys, build()};
   entries.push_back(e);
   return e.result;
 }
 
-at::Tensor StepContext::rebuilt_mask(const at::Tensor& mask, const AllToAllPlan& plan) {
+at::Tensor StepContext::rebuilt_mask(const at::Tensor& mask, const AllToAllPlan& plan,
+                                     const RingLayout* layout, int64_t sp_rank) {
   // A head-shared mask does not depend on the head split: one entry serves every instance.
   const bool shared = mask.dim() < 3 || (mask.dim() == 3 ? mask.size(0) : mask.size(1)) == 1;
   const std::vector<Range> key = shared ? std::vector<Range>{} : plan.heads.q_ranges();
-  return lookup(masks_, mask, key, plan.seq, [&] { return rebuild_mask(mask, plan, group_); });
+  if (layout) {
+    // Which rows a ring rank's mask holds depends on its SP rank: part of the key.
+    std::vector<Range> ring_key = key;
+    ring_key.push_back({sp_rank, sp_rank});
+    return lookup(masks_, mask, ring_key, plan.seq, layout->seq_len(),
+                  [&] { return rebuild_ring_mask(mask, plan, *layout, sp_rank, group_); });
+  }
+  return lookup(masks_, mask, key, plan.seq, -1, [&] { return rebuild_mask(mask, plan, group_); });
 }
 
 at::Tensor StepContext::gathered_positions(const at::Tensor& positions,
                                            const SequencePartition& seq) {
-  return lookup(positions_, positions, {}, seq,
+  return lookup(positions_, positions, {}, seq, -1,
                 [&] { return all_gather_sequence(positions, -1, seq, group_); });
+}
+
+at::Tensor StepContext::ring_documents(const at::Tensor& positions, const RingLayout& layout,
+                                       const Group& ring) {
+  std::vector<int64_t> lengths;
+  for (int64_t r = 0; r < layout.ring(); ++r) lengths.push_back(layout.ring_length(r));
+  return lookup(documents_, positions, {}, SequencePartition::from_lengths(lengths),
+                layout.seq_len(), [&] { return ring_document_ids(positions, layout, ring); });
 }
 
 DistributedAttention::DistributedAttention(Group group, AttentionOptions options)
@@ -213,15 +229,10 @@ at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& 
   args.kv_map = heads.kv_map(group_.rank());
   args.causal = options_.causal;
   args.scale = options_.scale;
-  if (in.mask && ring_layout) {
-    // Hybrid: rows of this ring rank's queries, columns of every key in global order. Full
-    // rows are first cut to this rank's shard, then gathered like sharded ones.
-    at::Tensor m = as_4d_mask(*in.mask);
-    const int64_t S = ring_layout->seq_len(),
-                  sp_rank = ring_.rank() * group_.size() + group_.rank();
-    const at::Tensor mine = ring_layout->shard_index(sp_rank);
-    if (m.size(2) == S && mine.numel() != S) m = m.index_select(2, mine.to(m.device()));
-    args.mask = rebuild_mask(m, plan, group_, "mask", S);
+  if (in.mask && ring_layout) {  // Rows of this ring rank's queries, every key in global order.
+    const int64_t sp_rank = ring_.rank() * group_.size() + group_.rank();
+    args.mask = in.context ? in.context->rebuilt_mask(*in.mask, plan, &*ring_layout, sp_rank)
+                           : rebuild_ring_mask(*in.mask, plan, *ring_layout, sp_rank, group_);
   } else if (in.mask) {
     args.mask = in.context ? in.context->rebuilt_mask(*in.mask, plan)
                            : rebuild_mask(*in.mask, plan, group_);
@@ -233,7 +244,10 @@ at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& 
   at::Tensor o;
   if (ring_layout) {
     at::Tensor docs;
-    if (args.positions) docs = ring_document_ids(*args.positions, *ring_layout, ring_);
+    if (args.positions) {
+      docs = in.context ? in.context->ring_documents(*args.positions, *ring_layout, ring_)
+                        : ring_document_ids(*args.positions, *ring_layout, ring_);
+    }
     args.positions.reset();
     o = ring_attention(args, *ring_layout, docs, ring_);
   } else {

@@ -319,6 +319,15 @@ at::Tensor ring_attention(const LocalAttentionArgs& args, const RingLayout& layo
   return outs[0];
 }
 
+at::Tensor rebuild_ring_mask(const at::Tensor& mask, const AllToAllPlan& plan,
+                             const RingLayout& layout, int64_t sp_rank, const Group& ulysses) {
+  at::Tensor m = as_4d_mask(mask);
+  const int64_t S = layout.seq_len();
+  const at::Tensor mine = layout.shard_index(sp_rank);
+  if (m.size(2) == S && mine.numel() != S) m = m.index_select(2, mine.to(m.device()));
+  return rebuild_mask(m, plan, ulysses, "mask", S);
+}
+
 at::Tensor ring_document_ids(const at::Tensor& positions, const RingLayout& layout,
                              const Group& ring) {
   std::vector<int64_t> lengths;

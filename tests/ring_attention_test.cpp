@@ -314,6 +314,34 @@ TEST(RingAttention, Bf16MatchesTheReferenceAtBf16Precision) {
   });
 }
 
+// Layers sharing a StepContext rebuild a mask, gather position ids and make document ids once.
+TEST(RingAttention, StepContextSharesMasksAndDocumentsAcrossLayers) {
+  const int U = 2, R = 2;
+  const int64_t B = 2, S = 13, D = 8;
+  expect_ranks_succeed(U * R, [&](Group& world) {
+    auto [ulysses, ring] = hybrid_groups(world, U, R);
+    const RingLayout layout = RingLayout::make(S, U, R);
+    const int p = world.rank();
+    at::Tensor x = layout.shard(seeded_randn({B, S, 4, D}, 1), 1, p);
+    at::Tensor bias = layout.shard(seeded_randn({B, 1, S, S}, 2), 2, p).requires_grad_();
+    AttentionOptions opts;
+    opts.causal = true;
+    DistributedAttention first(ulysses, ring, opts), second(ulysses, ring, opts);
+    StepContext context(ulysses);
+    AttentionInputs in;
+    in.mask = bias;
+    in.positions = layout.shard(packed_positions(B, S), 1, p);
+    in.context = &context;
+    at::Tensor a = first(x, x, x, in);
+    EXPECT_EQ(context.reuses(), 0);
+    at::Tensor b = second(x, x, x, in);
+    EXPECT_EQ(context.reuses(), 3) << "mask, positions and document ids";
+    EXPECT_TRUE(a.equal(b));
+    in.context = nullptr;  // Without the context: the same values.
+    EXPECT_TRUE(first(x, x, x, in).equal(a));
+  });
+}
+
 // The planner's ring counts are what a layer sends: R-1 kv blocks forward, R-1 backward and R
 // fp32 dk/dv accumulators.
 TEST(RingAttention, StepsAndBytesMatchThePlanner) {

@@ -33,8 +33,13 @@ class StepContext {
   // `group` must be the SP group of the attention layers that use this context.
   explicit StepContext(Group group) : group_(std::move(group)) {}
 
-  // rebuild_mask(mask, plan, group), computed once per (mask, version, plan).
-  at::Tensor rebuilt_mask(const at::Tensor& mask, const AllToAllPlan& plan);
+  // rebuild_mask(mask, plan, group), computed once per (mask, version, plan); with a ring
+  // `layout`, rebuild_ring_mask(mask, plan, *layout, sp_rank, group) instead.
+  at::Tensor rebuilt_mask(const at::Tensor& mask, const AllToAllPlan& plan,
+                          const RingLayout* layout = nullptr, int64_t sp_rank = 0);
+  // ring_document_ids(positions, layout, ring), computed once per (positions, version, layout).
+  at::Tensor ring_documents(const at::Tensor& positions, const RingLayout& layout,
+                            const Group& ring);
   // all_gather_sequence(positions, -1, seq, group), computed once per (positions, version, seq).
   at::Tensor gathered_positions(const at::Tensor& positions, const SequencePartition& seq);
   // Collectives saved by reuse so far (for tests and logs).
@@ -47,14 +52,16 @@ class StepContext {
     int64_t version = 0;               // source's version counter when cached.
     std::vector<Range> q_ranges;       // The head split the result was built for.
     std::vector<int64_t> seq_lengths;  // The sequence split likewise.
+    int64_t keys = -1;                 // The ring layout's S (-1: no ring).
     at::Tensor result;
   };
   at::Tensor lookup(std::vector<Entry>& entries, const at::Tensor& source,
-                    const std::vector<Range>& q_ranges, const SequencePartition& seq,
+                    const std::vector<Range>& q_ranges, const SequencePartition& seq, int64_t keys,
                     const std::function<at::Tensor()>& build);
   Group group_;
   std::vector<Entry> masks_;      // Rebuilt masks of this step.
   std::vector<Entry> positions_;  // Gathered position ids of this step.
+  std::vector<Entry> documents_;  // Ring document ids of this step.
   int64_t reuses_ = 0;            // Cache hits so far.
 };
 

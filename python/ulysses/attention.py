@@ -191,13 +191,13 @@ class DistributedAttention(nn.Module):
         kv_map = _local_kv_map(hq, hkv, self.sp_size, self.rank)
         if self.ring_size > 1:
             o = self._ring_attention(qh.permute(perm), kh.permute(perm), vh.permute(perm), kv_map,
-                                     mask, position_ids, args)
+                                     mask, position_ids, args, step)
             return O._ops.gather_heads([o.permute(self._from_bhsd)], ["q"], *args, self.layout, group, t)[0]
         o = local_attention(qh.permute(perm), kh.permute(perm), vh.permute(perm), kv_map, mask,
                             position_ids, self.causal, self.scale)
         return O._ops.gather_heads([o.permute(self._from_bhsd)], ["q"], *args, self.layout, group, t)[0]
 
-    def _ring_attention(self, q, k, v, kv_map, mask, positions, args):
+    def _ring_attention(self, q, k, v, kv_map, mask, positions, args, step):
         """Ring attention of this ring rank's tokens (q, k, v BHSD, my heads) over the ring.
         ``mask``: as given (rows: this shard's, all S or 1; keys: all S in global order or 1)."""
         ring, t = self.ring_name, self.timeout_ms
@@ -210,11 +210,15 @@ class DistributedAttention(nn.Module):
         if lengths != expected:  # Every rank sees the same lengths: raised alike.
             raise ValueError(f"DistributedAttention: ring ranks hold {lengths} tokens; the zigzag layout of {S} "
                              f"tokens gives {expected} (shard inputs with ulysses.shard_sequence(..., ring=R))")
+        key = ("ring", S, self.ring_rank * self.sp_size + self.rank, tuple(args[-1]))
         if mask is not None:
-            mask = self._ring_mask(mask, S, args)
+            build = lambda: self._ring_mask(mask, S, args)  # noqa: E731
+            shared = mask.dim() < 3 or mask.shape[-3] == 1
+            mask = step.get(mask, key + ("mask", shared or args[:2]), build) if step else build()
         docs = None
         if positions is not None:
-            docs = O._ops.ring_document_ids(positions, S, self.sp_size, ring, t)
+            build = lambda: O._ops.ring_document_ids(positions, S, self.sp_size, ring, t)  # noqa: E731
+            docs = step.get(positions, key + ("documents",), build) if step else build()
         scale = 0.0 if self.scale is None else float(self.scale)
         out, _ = O._ops.ring_attention(q, k, v, list(kv_map), mask, docs, self.causal, scale, S, self.sp_size,
                                        ring, t)

@@ -101,6 +101,27 @@ def test_hybrid_matches_single_rank_reference(U, R, hq, hkv, S, causal, packed, 
     del keep
 
 
+def test_layers_sharing_a_step_rebuild_the_mask_and_documents_once():
+    names, keep = hybrid_group_names(2, 2)
+    S = 12
+
+    def body(p, _world):
+        uly, ring = names[p]
+        layers = [ulysses.DistributedAttention(uly, ring_group=ring, causal=True) for _ in range(2)]
+        cut = lambda t, d=1: ulysses.shard_sequence(t, d, p, 4, ring=2)  # noqa: E731
+        x = cut(torch.randn(1, S, 4, 8, generator=torch.Generator().manual_seed(1)))
+        bias = cut(torch.randn(1, 1, S, S, generator=torch.Generator().manual_seed(2)), 2)
+        pos = cut(torch.cat([torch.arange(5), torch.arange(S - 5)]).unsqueeze(0))
+        step = ulysses.StepContext()
+        outs = [layer(x, x, x, mask=bias, position_ids=pos, step=step) for layer in layers]
+        return step.reuses, torch.equal(outs[0], outs[1]), torch.equal(outs[0], layers[0](x, x, x, mask=bias,
+                                                                                          position_ids=pos))
+
+    for reuses, same, same_without_step in run_ranks(4, body):
+        assert reuses == 3 and same and same_without_step  # mask, gathered positions, documents
+    del keep
+
+
 @pytest.mark.parametrize("U,R", [(1, 2), (2, 2)])
 def test_one_rank_with_a_key_sharded_mask_fails_every_rank_alike(U, R):
     names, keep = hybrid_group_names(U, R)
