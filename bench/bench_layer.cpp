@@ -36,13 +36,16 @@ int bench_layer_main(const Argv& argv, const Runtime& runtime) {
   AttentionOptions options;
   options.causal = true;
   std::vector<bench::Record> records;
+  // One mesh (and its process groups) per ring size, made once for every sequence length.
+  std::vector<Mesh> meshes;
   for (int64_t R : rings) {
     TORCH_CHECK_VALUE(P % R == 0, "bench layer: --ring ", R, " must divide the ", P, " ranks");
+    meshes.push_back(Mesh::create(g, P, runtime.split, static_cast<int>(R)));
   }
   for (int64_t S : seq_lens)
-    for (int64_t R : rings) {
-      const Mesh mesh = Mesh::create(g, P, runtime.split, static_cast<int>(R));
-      DistributedAttention attention(mesh.ulysses, mesh.ring, options);
+    for (size_t i = 0; i < rings.size(); ++i) {
+      const int64_t R = rings[i];
+      DistributedAttention attention(meshes[i].ulysses, meshes[i].ring, options);
       const RingLayout layout = RingLayout::make(S, P / R, R);
       const int64_t s = layout.shard_index(g.rank()).numel();
       LayerShape shape;

@@ -118,10 +118,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "ring_lengths",
       [](int64_t seq_len, int64_t ulysses, int64_t ring) {
-        const RingLayout layout = RingLayout::make(seq_len, ulysses, ring);
-        std::vector<int64_t> out;
-        for (int64_t r = 0; r < ring; ++r) out.push_back(layout.ring_length(r));
-        return out;
+        return RingLayout::make(seq_len, ulysses, ring).ring_lengths();
       },
       py::arg("seq_len"), py::arg("ulysses"), py::arg("ring"),
       "Tokens of every ring rank (all its Ulysses ranks together) in the zigzag layout.");

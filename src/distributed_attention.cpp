@@ -85,9 +85,7 @@ at::Tensor StepContext::gathered_positions(const at::Tensor& positions,
 
 at::Tensor StepContext::ring_documents(const at::Tensor& positions, const RingLayout& layout,
                                        const Group& ring) {
-  std::vector<int64_t> lengths;
-  for (int64_t r = 0; r < layout.ring(); ++r) lengths.push_back(layout.ring_length(r));
-  return lookup(documents_, positions, {}, SequencePartition::from_lengths(lengths),
+  return lookup(documents_, positions, {}, SequencePartition::from_lengths(layout.ring_lengths()),
                 layout.seq_len(), [&] { return ring_document_ids(positions, layout, ring); });
 }
 

@@ -35,6 +35,12 @@ int64_t RingLayout::ring_length(int64_t r) const {
   return chunks_.length(r) + chunks_.length(2 * ring_ - 1 - r);
 }
 
+std::vector<int64_t> RingLayout::ring_lengths() const {
+  std::vector<int64_t> lengths;
+  for (int64_t r = 0; r < ring_; ++r) lengths.push_back(ring_length(r));
+  return lengths;
+}
+
 at::Tensor RingLayout::ring_index(int64_t r) const {
   ring_length(r);  // Checks r.
   const Range a = chunks_.range(r), b = chunks_.range(2 * ring_ - 1 - r);
@@ -125,13 +131,9 @@ struct Ring {
     LocalAttentionArgs a = args;
     a.q = q32;
     a.k = k.to(at::kFloat), a.v = v.to(at::kFloat);
-    GlobalRows rows;
-    rows.q_index = layout.ring_index(rank());
+    GlobalRows rows = q_rows;
     rows.k_index = layout.ring_index(src);
-    if (docs.defined()) {
-      rows.q_docs = docs.index_select(-1, rows.q_index);
-      rows.k_docs = docs.index_select(-1, rows.k_index);
-    }
+    if (docs.defined()) rows.k_docs = docs.index_select(-1, rows.k_index);
     a.rows = rows;
     if (args.mask && keyed_mask()) a.mask = args.mask->index_select(3, rows.k_index);
     return a;
@@ -140,6 +142,7 @@ struct Ring {
   bool keyed_mask() const { return args.mask->size(3) == layout.seq_len() && layout.seq_len() > 1; }
   bool mask_grad = false;  // Whether backward returns the mask's gradient.
   at::Tensor q32;          // args.q in fp32.
+  GlobalRows q_rows;       // Our queries' global index (and document ids); no keys yet.
 };
 
 // Forward: out [B, Hq, Sq, Dv] (fp32) and lse [B, Hq, Sq] (+inf for rows with no key).
@@ -270,6 +273,8 @@ Ring make_ring(const LocalAttentionArgs& args, const RingLayout& layout, const a
                       docs.sizes());
   }
   ring.group = group;
+  ring.q_rows.q_index = layout.ring_index(group.rank());
+  if (ring.docs.defined()) ring.q_rows.q_docs = ring.docs.index_select(-1, ring.q_rows.q_index);
   ring.B = args.q.size(0), ring.Hkv = args.k.size(1), ring.D = args.k.size(3);
   ring.Dv = args.v.size(3);
   return ring;
@@ -330,11 +335,9 @@ at::Tensor rebuild_ring_mask(const at::Tensor& mask, const AllToAllPlan& plan,
 
 at::Tensor ring_document_ids(const at::Tensor& positions, const RingLayout& layout,
                              const Group& ring) {
-  std::vector<int64_t> lengths;
-  for (int64_t r = 0; r < layout.ring(); ++r) lengths.push_back(layout.ring_length(r));
   // Ring ranks' tokens in ring-rank order, then in global order.
-  at::Tensor gathered =
-      all_gather_sequence(positions, -1, SequencePartition::from_lengths(lengths), ring);
+  at::Tensor gathered = all_gather_sequence(
+      positions, -1, SequencePartition::from_lengths(layout.ring_lengths()), ring);
   at::Tensor docs =
       document_ids(gathered.index_select(-1, global_order(layout).to(gathered.device())));
   return docs.dim() == 1 ? docs.unsqueeze(0) : docs;

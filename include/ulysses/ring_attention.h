@@ -38,6 +38,7 @@ class RingLayout {
   // Tokens of ring rank r (all its Ulysses ranks together), and their global indices in
   // increasing order: chunk r, then chunk 2R-1-r.
   int64_t ring_length(int64_t r) const;
+  std::vector<int64_t> ring_lengths() const;  // Of every ring rank.
   at::Tensor ring_index(int64_t r) const;
   // Global indices of SP rank p's tokens (its input shard), increasing.
   at::Tensor shard_index(int64_t p) const;
