@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 
 #include <iostream>
+#include <limits>
 
 #include "args.h"
 #include "bench_util.h"
@@ -54,14 +55,19 @@ A2aCase make_case(const Group& g, Layout layout, int64_t S, int64_t D, HeadCase 
 bench::Stats time_ours_and_raw(const A2aCase& c, bench::Record& r) {
   const Group& g = c.g;
   const int P = g.size();
-  auto ours = [&] {
-    at::Tensor y = scatter_heads(c.q, Heads::kQuery, c.plan, g);
+  auto around_attention = [&](const Group& group) {
+    at::Tensor y = scatter_heads(c.q, Heads::kQuery, c.plan, group);
     if (c.gqa()) {
-      scatter_heads(c.k, Heads::kKeyValue, c.plan, g);
-      scatter_heads(c.v, Heads::kKeyValue, c.plan, g);
+      scatter_heads(c.k, Heads::kKeyValue, c.plan, group);
+      scatter_heads(c.v, Heads::kKeyValue, c.plan, group);
     }
-    gather_heads(y, Heads::kQuery, c.plan, g);
+    gather_heads(y, Heads::kQuery, c.plan, group);
   };
+  auto ours = [&] { around_attention(g); };
+  // The same with every exchange in one collective (no pipelined messages), for comparison.
+  GroupOptions one_collective = g.options();
+  one_collective.pipeline_min_bytes = std::numeric_limits<int64_t>::max();
+  auto collective = [&, cg = g.with_options(one_collective)] { around_attention(cg); };
   // o moves as many bytes as q in total; q's size is the same on every rank, o's is not for
   // uneven heads.
   std::vector<at::Tensor> raw_in, raw_out;
@@ -78,11 +84,11 @@ bench::Stats time_ours_and_raw(const A2aCase& c, bench::Record& r) {
                    std::vector<int64_t>(P, chunk));
     }
   };
-  const auto t_ours = bench::time_slowest_rank(g, ours, 1, c.repeats);
-  const auto t_raw = bench::time_slowest_rank(g, raw, 1, c.repeats);
-  r.add("ours", t_ours).add("raw", t_raw);
-  r.add("ours_over_raw", t_ours.median / t_raw.median);
-  return t_ours;
+  const auto t = bench::time_side_by_side(g, {ours, raw, collective}, 1, c.repeats);
+  r.add("ours", t.steps[0]).add("raw", t.steps[1]).add("collective", t.steps[2]);
+  r.add_ratio("ours_over_raw", t.ratio(0, 1));
+  r.add_ratio("collective_over_raw", t.ratio(2, 1));
+  return t.steps[0];
 }
 
 // The reference system's chain (where it applies), checked to give our outputs first.
@@ -118,10 +124,9 @@ void time_fused(const A2aCase& c, bench::Record& r) {
     scatter_heads(c.k, Heads::kKeyValue, c.plan, c.g);
     scatter_heads(c.v, Heads::kKeyValue, c.plan, c.g);
   };
-  const auto t_fused = bench::time_slowest_rank(c.g, fused, 1, c.repeats);
-  const auto t_sep = bench::time_slowest_rank(c.g, separate, 1, c.repeats);
-  r.add("fused", t_fused).add("separate", t_sep);
-  r.add("separate_over_fused", t_sep.median / t_fused.median);
+  const auto t = bench::time_side_by_side(c.g, {fused, separate}, 1, c.repeats);
+  r.add("fused", t.steps[0]).add("separate", t.steps[1]);
+  r.add_ratio("separate_over_fused", t.ratio(1, 0));
 }
 
 const std::vector<std::string> kColumns{"seq_len",
@@ -133,12 +138,15 @@ const std::vector<std::string> kColumns{"seq_len",
                                         "ours_spread",
                                         "raw_ms",
                                         "ours_over_raw",
+                                        "ours_over_raw_spread",
+                                        "collective_over_raw",
                                         "reference_ms",
                                         "reference_over_ours",
                                         "reference_matches",
                                         "fused_ms",
                                         "separate_ms",
-                                        "separate_over_fused"};
+                                        "separate_over_fused",
+                                        "separate_over_fused_spread"};
 
 }  // namespace
 
@@ -178,7 +186,7 @@ int bench_a2a_main(const Argv& argv, const Runtime& runtime) {
   if (!lead) return 0;
   std::cout << "\nsummary: P=" << P << ", " << layout_name << ", D=" << D
             << ", fp32, Gloo on loopback, median of " << repeats
-            << " (each sample: slowest rank)\n";
+            << " (each sample: slowest rank; ratios within each repeat, steps run in turn)\n";
   bench::print_table(records, kColumns);
   const bool all_referenced = std::all_of(records.begin(), records.end(), [](const auto& r) {
     return !r.text("reference_ms").empty();

@@ -52,6 +52,27 @@ Stats time_slowest_rank(const Group& group, const std::function<void()>& fn, int
   return stats_of(std::move(samples));
 }
 
+SideBySide time_side_by_side(const Group& group, const std::vector<std::function<void()>>& steps,
+                             int warmup, int repeats) {
+  for (int i = 0; i < warmup; ++i)
+    for (const auto& step : steps) step();
+  SideBySide out;
+  out.samples.resize(steps.size());
+  for (int i = 0; i < std::max(1, repeats); ++i) {
+    for (size_t s = 0; s < steps.size(); ++s) {
+      out.samples[s].push_back(time_slowest_rank(group, steps[s], 0, 1).median);
+    }
+  }
+  for (const auto& samples : out.samples) out.steps.push_back(stats_of(samples));
+  return out;
+}
+
+Stats SideBySide::ratio(size_t a, size_t b) const {
+  std::vector<double> r;
+  for (size_t i = 0; i < samples[a].size(); ++i) r.push_back(samples[a][i] / samples[b][i]);
+  return stats_of(std::move(r));
+}
+
 int64_t peak_extra_bytes(const std::function<void()>& prepare, const std::function<void()>& run) {
   prepare();
   std::ofstream("/proc/self/clear_refs") << "5";  // Reset VmHWM to the current RSS.
@@ -106,6 +127,10 @@ Record& Record::add(const std::string& name, const Stats& s) {
   return add(name + "_ms", s.median).add(name + "_min_ms", s.min).add(name + "_max_ms", s.max);
 }
 
+Record& Record::add_ratio(const std::string& name, const Stats& s) {
+  return add(name, s.median).add(name + "_min", s.min).add(name + "_max", s.max);
+}
+
 std::string Record::text(const std::string& name) const {
   for (const auto& f : fields_) {
     if (f.first != name) continue;
@@ -117,10 +142,13 @@ std::string Record::text(const std::string& name) const {
   if (name.size() > suffix.size() &&
       name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
     const std::string base = name.substr(0, name.size() - suffix.size());
-    const std::string lo = text(base + "_min_ms"), hi = text(base + "_max_ms");
+    const bool ms = !text(base + "_min_ms").empty();
+    const std::string lo = text(base + (ms ? "_min_ms" : "_min"));
+    const std::string hi = text(base + (ms ? "_max_ms" : "_max"));
     if (lo.empty() || hi.empty()) return "";
     std::ostringstream os;
-    os << std::fixed << std::setprecision(1) << "(" << std::stod(lo) << "-" << std::stod(hi) << ")";
+    os << std::fixed << std::setprecision(ms ? 1 : 2) << "(" << std::stod(lo) << "-"
+       << std::stod(hi) << ")";
     return os.str();
   }
   return "";

@@ -29,6 +29,17 @@ Stats time_ms(const std::function<void()>& fn, int warmup, int repeats);
 Stats time_slowest_rank(const Group& group, const std::function<void()>& fn, int warmup,
                         int repeats);
 
+// Several steps timed side by side: each repeat runs every step once, in turn (after a
+// barrier; the sample is the slowest rank's time), so the machine's drift hits them alike.
+struct SideBySide {
+  std::vector<Stats> steps;  // One per step.
+  // The ratio step[a] / step[b] taken within each repeat: median, min, max.
+  Stats ratio(size_t a, size_t b) const;
+  std::vector<std::vector<double>> samples;  // [step][repeat].
+};
+SideBySide time_side_by_side(const Group& group, const std::vector<std::function<void()>>& steps,
+                             int warmup, int repeats);
+
 // Peak resident memory that `run` adds on top of what `prepare` left, in this process: VmHWM
 // after `run` minus VmRSS after `prepare`, with the high-water mark reset in between. Run it in
 // a fresh process (see peak_in_child) so earlier allocations do not hide the peak.
@@ -50,9 +61,11 @@ class Record {
   Record& add(const std::string& name, const char* v) { return add(name, std::string(v)); }
   // Timing statistics as numbers: <name>_ms (median), <name>_min_ms, <name>_max_ms.
   Record& add(const std::string& name, const Stats& s);
+  // A ratio's statistics: <name> (median), <name>_min, <name>_max.
+  Record& add_ratio(const std::string& name, const Stats& s);
   std::string json() const;
   // The field's text as printed in tables ("" if absent). "<name>_spread" is shown as
-  // "(min-max)" from the fields that add(name, Stats) wrote.
+  // "(min-max)" from the fields that add(name, Stats) or add_ratio wrote.
   std::string text(const std::string& name) const;
 
  private:

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/hash.h>
 
+#include <algorithm>
 #include <sstream>
 
 #include "detail/autograd.h"
@@ -48,26 +49,52 @@ bool tiles_in_order(const std::vector<ExchangeBlock>& blocks, const Extent& exte
   return next == extent.tokens;
 }
 
-// Executes `plan` on the tensors `xs` (in `layout`) in one collective: packs the send blocks,
-// exchanges them and unpacks (or sums) the received blocks into fresh outputs. A single tensor
-// laid out block after block is sent or received in place, without a copy.
-std::vector<at::Tensor> exchange(const std::vector<at::Tensor>& xs, const ExchangePlan& plan,
-                                 Layout layout, const Group& group) {
-  const int64_t sdim = seq_dim(layout), hdim = head_dim(layout);
-  auto block_of = [&](const at::Tensor& x, const ExchangeBlock& b) {
-    return x.narrow(sdim, b.tokens.begin, b.tokens.size())
+// Views of the blocks of an exchange in their tensors.
+struct BlockViews {
+  int64_t sdim, hdim;
+  // Tokens [first, first + count) of block `b` (counted from its first token), all its heads.
+  at::Tensor operator()(const at::Tensor& x, const ExchangeBlock& b, int64_t first,
+                        int64_t count) const {
+    return x.narrow(sdim, b.tokens.begin + first, count)
         .narrow(hdim, b.heads.begin, b.heads.size());
-  };
-  auto flat_block = [&](const at::Tensor& buffer, const ExchangeBlock& b, const at::Tensor& like) {
-    return buffer.narrow(0, b.offset, b.numel)
-        .view(shape_with(like, layout, b.tokens.size(), b.heads.size()));
-  };
+  }
+  at::Tensor operator()(const at::Tensor& x, const ExchangeBlock& b) const {
+    return (*this)(x, b, 0, b.tokens.size());
+  }
+};
+
+// Fresh outputs of `plan` for inputs `xs`, zeroed where received blocks are summed.
+std::vector<at::Tensor> new_outputs(const std::vector<at::Tensor>& xs, const ExchangePlan& plan,
+                                    Layout layout, const Group& group) {
   std::vector<at::Tensor> outs;
   for (size_t t = 0; t < xs.size(); ++t) {
     const Extent e = plan.outputs()[t];
     outs.push_back(group.new_buffer(shape_with(xs[t], layout, e.tokens, e.heads), xs[t].options()));
     if (plan.sums_received()) outs.back().zero_();
   }
+  return outs;
+}
+
+// Copies `src` into `dst`, or adds it where the plan sums received blocks.
+void land(const at::Tensor& dst, const at::Tensor& src, const ExchangePlan& plan) {
+  if (plan.sums_received()) {
+    dst.add_(src);
+  } else {
+    dst.copy_(src);
+  }
+}
+
+// Executes `plan` in one collective: packs the send blocks, exchanges them and unpacks (or
+// sums) the received blocks into `outs`. A single tensor laid out block after block is sent or
+// received in place, without a copy.
+void exchange_collective(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& outs,
+                         const ExchangePlan& plan, Layout layout, const Group& group) {
+  const int64_t sdim = seq_dim(layout);
+  const BlockViews block_of{sdim, head_dim(layout)};
+  auto flat_block = [&](const at::Tensor& buffer, const ExchangeBlock& b, const at::Tensor& like) {
+    return buffer.narrow(0, b.offset, b.numel)
+        .view(shape_with(like, layout, b.tokens.size(), b.heads.size()));
+  };
   int64_t send_total = 0, recv_total = 0;
   for (int64_t n : plan.send_splits()) send_total += n;
   for (int64_t n : plan.recv_splits()) recv_total += n;
@@ -86,15 +113,111 @@ std::vector<at::Tensor> exchange(const std::vector<at::Tensor>& xs, const Exchan
   at::Tensor recv = direct ? outs[0].view({-1}) : group.new_buffer({recv_total}, xs[0].options());
   at::Tensor send_w = detail::wire_view(send), recv_w = detail::wire_view(recv);
   group.all_to_all(recv_w, send_w, plan.recv_splits(), plan.send_splits());
-  if (direct) return outs;
+  if (direct) return;
   for (const ExchangeBlock& b : plan.recv()) {
-    at::Tensor dst = block_of(outs[b.tensor], b);
-    const at::Tensor src = flat_block(recv, b, outs[b.tensor]);
-    if (plan.sums_received()) {
-      dst.add_(src);
-    } else {
-      dst.copy_(src);
+    land(block_of(outs[b.tensor], b), flat_block(recv, b, outs[b.tensor]), plan);
+  }
+}
+
+// Tag of the i-th message between two ranks in a pipelined exchange (ring attention uses 1, 2).
+constexpr int kFirstMessageTag = 16;
+
+// One message of a pipelined exchange: `count` tokens of `block`, from its token `first`.
+struct Message {
+  const ExchangeBlock* block;
+  int64_t first, count;
+};
+
+// The messages to or from `peer` over `blocks`, in block order: whole tokens, each at most
+// `max_elements` unless one token is larger. The two ends cut mirrored blocks alike (same token
+// counts and elements per token), so message i of one end is message i of the other.
+std::vector<Message> messages(const std::vector<ExchangeBlock>& blocks, int64_t peer,
+                              int64_t max_elements) {
+  std::vector<Message> out;
+  for (const ExchangeBlock& b : blocks) {
+    if (b.peer != peer || b.numel == 0) continue;
+    const int64_t n = b.tokens.size();
+    const int64_t step = std::max<int64_t>(1, max_elements / (b.numel / n));
+    for (int64_t first = 0; first < n; first += step) {
+      out.push_back({&b, first, std::min(step, n - first)});
     }
+  }
+  return out;
+}
+
+// Executes `plan` as point-to-point messages (CPU): every receive is posted first, straight
+// into the output where a message lands contiguously; then each message is packed and sent at
+// once, so packing the next overlaps the transfer of this one; this rank's own blocks are
+// copied across meanwhile, and each arrival is unpacked as it comes.
+void exchange_pipelined(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& outs,
+                        const ExchangePlan& plan, Layout layout, const Group& group) {
+  const int P = group.size(), me = group.rank();
+  const BlockViews view{seq_dim(layout), head_dim(layout)};
+  const int64_t max_elements =
+      std::max<int64_t>(1, group.options().message_bytes / xs[0].element_size());
+  struct Arrival {
+    at::Tensor dst, staged;  // staged: undefined when received in place.
+    Exchange exchange;
+  };
+  std::vector<Arrival> arrivals;
+  for (int k = 1; k < P; ++k) {
+    const int from = (me + P - k) % P;
+    const auto in = messages(plan.recv(), from, max_elements);
+    for (size_t i = 0; i < in.size(); ++i) {
+      const Message& m = in[i];
+      Arrival a{view(outs[m.block->tensor], *m.block, m.first, m.count), {}, {}};
+      const bool in_place = !plan.sums_received() && a.dst.is_contiguous();
+      if (!in_place) a.staged = group.new_buffer(a.dst.sizes(), a.dst.options());
+      a.exchange = group.send_recv({}, from, detail::wire_view(in_place ? a.dst : a.staged), from,
+                                   kFirstMessageTag + static_cast<int>(i));
+      arrivals.push_back(std::move(a));
+    }
+  }
+  std::vector<at::Tensor> packed;  // Alive until their sends complete.
+  std::vector<Exchange> departures;
+  for (int k = 1; k < P; ++k) {
+    const int to = (me + k) % P;
+    const auto out = messages(plan.send(), to, max_elements);
+    for (size_t i = 0; i < out.size(); ++i) {
+      at::Tensor src = view(xs[out[i].block->tensor], *out[i].block, out[i].first, out[i].count);
+      if (!src.is_contiguous()) {
+        packed.push_back(group.new_buffer(src.sizes(), src.options()).copy_(src));
+        src = packed.back();
+      }
+      departures.push_back(group.send_recv(detail::wire_view(src), to, {}, to,
+                                           kFirstMessageTag + static_cast<int>(i)));
+    }
+  }
+  // This rank's own blocks: its send and receive blocks for itself come in the same order.
+  auto own = [&](const std::vector<ExchangeBlock>& blocks) {
+    std::vector<const ExchangeBlock*> mine;
+    for (const ExchangeBlock& b : blocks)
+      if (b.peer == me) mine.push_back(&b);
+    return mine;
+  };
+  const auto own_send = own(plan.send()), own_recv = own(plan.recv());
+  for (size_t i = 0; i < own_send.size(); ++i) {
+    land(view(outs[own_recv[i]->tensor], *own_recv[i]), view(xs[own_send[i]->tensor], *own_send[i]),
+         plan);
+  }
+  for (Arrival& a : arrivals) {
+    a.exchange.wait();
+    if (a.staged.defined()) land(a.dst, a.staged, plan);
+  }
+  for (Exchange& d : departures) d.wait();
+}
+
+// Executes `plan` on the tensors `xs` (in `layout`) into fresh outputs: large CPU exchanges as
+// pipelined messages, the rest in one collective (GroupOptions::pipeline_min_bytes). Every rank
+// decides alike, from sizes the plan has the same on every rank.
+std::vector<at::Tensor> exchange(const std::vector<at::Tensor>& xs, const ExchangePlan& plan,
+                                 Layout layout, const Group& group) {
+  std::vector<at::Tensor> outs = new_outputs(xs, plan, layout, group);
+  const int64_t bytes_per_rank = plan.total_elements() * xs[0].element_size() / group.size();
+  if (xs[0].device().is_cpu() && bytes_per_rank >= group.options().pipeline_min_bytes) {
+    exchange_pipelined(xs, outs, plan, layout, group);
+  } else {
+    exchange_collective(xs, outs, plan, layout, group);
   }
   return outs;
 }

@@ -45,6 +45,7 @@ ExchangePlan ExchangePlan::seq_to_heads(const HeadPartition& heads, const Sequen
     const auto& R = ranges_of(heads, kinds[t]);
     p.in_.push_back({S_me, kinds[t] == Heads::kQuery ? heads.q_heads() : heads.kv_heads()});
     p.out_.push_back({seq.seq_len(), R[rank].size()});
+    for (const Range& r : R) p.total_ += seq.seq_len() * r.size() * elements[t];
   }
   int64_t send_off = 0, recv_off = 0;
   for (int64_t j = 0; j < P; ++j) {
@@ -74,12 +75,14 @@ ExchangePlan ExchangePlan::reversed() const {
   p.in_ = out_;
   p.out_ = in_;
   p.sums_ = any_overlap(p.recv_);
+  p.total_ = total_;
   return p;
 }
 
 bool ExchangePlan::operator==(const ExchangePlan& o) const {
   return send_splits_ == o.send_splits_ && recv_splits_ == o.recv_splits_ && send_ == o.send_ &&
-         recv_ == o.recv_ && in_ == o.in_ && out_ == o.out_ && sums_ == o.sums_;
+         recv_ == o.recv_ && in_ == o.in_ && out_ == o.out_ && sums_ == o.sums_ &&
+         total_ == o.total_;
 }
 
 std::ostream& operator<<(std::ostream& os, const ExchangePlan& p) {

@@ -139,6 +139,9 @@ void check_options(const GroupOptions& options) {
                     options.buffer_cache_bytes);
   TORCH_CHECK_VALUE(options.log_wait_fraction >= 0 && options.log_wait_fraction <= 1,
                     "Group: log_wait_fraction must be in [0, 1]; got ", options.log_wait_fraction);
+  TORCH_CHECK_VALUE(options.pipeline_min_bytes >= 0 && options.message_bytes > 0,
+                    "Group: pipeline_min_bytes must be >= 0 and message_bytes > 0; got ",
+                    options.pipeline_min_bytes, " and ", options.message_bytes);
 }
 
 // Peers whose contribution a collective of this rank waits for: every other rank, or for an

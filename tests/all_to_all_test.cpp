@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <limits>
 #include <sstream>
 
 #include "testing.h"
@@ -26,12 +27,27 @@ struct Case {
   int64_t hq, hkv, S;
   Layout layout;
   int64_t B = 2, D = 8, Dv = 8;
+  // > 0: every exchange goes as pipelined messages of about this many bytes (0: one collective).
+  int64_t message_bytes = 0;
 };
+
+// `g` with the case's exchange options.
+Group with_exchange(const Group& g, const Case& c) {
+  GroupOptions options = g.options();
+  if (c.message_bytes > 0) {
+    options.pipeline_min_bytes = 0;
+    options.message_bytes = c.message_bytes;
+  } else {
+    options.pipeline_min_bytes = std::numeric_limits<int64_t>::max();
+  }
+  return g.with_options(options);
+}
 
 std::string describe(const Case& c) {
   std::ostringstream os;
   os << "P" << c.P << "_q" << c.hq << "_kv" << c.hkv << "_S" << c.S << "_" << to_string(c.layout)
      << "_B" << c.B << "_D" << c.D << "_Dv" << c.Dv;
+  if (c.message_bytes > 0) os << "_messages" << c.message_bytes;
   return os.str();
 }
 std::string case_name(const ::testing::TestParamInfo<Case>& info) { return describe(info.param); }
@@ -43,7 +59,8 @@ class AllToAll : public ::testing::TestWithParam<Case> {};
 // number of ranks holding them (gather sums replicas, as backward needs).
 TEST_P(AllToAll, RoundTrip) {
   const Case c = GetParam();
-  expect_ranks_succeed(c.P, [&](Group& g) {
+  expect_ranks_succeed(c.P, [&](Group& world) {
+    const Group g = with_exchange(world, c);
     auto part = HeadPartition::make(c.hq, c.hkv, c.P);
     auto seq = SequencePartition::even(c.S, c.P);
     const int64_t sdim = seq_dim(c.layout), hdim = head_dim(c.layout);
@@ -73,7 +90,8 @@ TEST_P(AllToAll, RoundTrip) {
 // gradients of a random scalar loss against the single-rank reference's.
 TEST_P(AllToAll, MatchesSingleRankReference) {
   const Case c = GetParam();
-  expect_ranks_succeed(c.P, [&](Group& g) {
+  expect_ranks_succeed(c.P, [&](Group& world) {
+    const Group g = with_exchange(world, c);
     auto part = HeadPartition::make(c.hq, c.hkv, c.P);
     auto seq = SequencePartition::even(c.S, c.P);
     const int64_t sdim = seq_dim(c.layout), hdim = head_dim(c.layout);
@@ -137,7 +155,8 @@ TEST_P(AllToAll, MatchesSingleRankReference) {
 // gather_heads' own backward (seq -> heads) against the reference.
 TEST_P(AllToAll, GatherBackwardMatchesReference) {
   const Case c = GetParam();
-  expect_ranks_succeed(c.P, [&](Group& g) {
+  expect_ranks_succeed(c.P, [&](Group& world) {
+    const Group g = with_exchange(world, c);
     auto part = HeadPartition::make(c.hq, c.hkv, c.P);
     auto seq = SequencePartition::even(c.S, c.P);
     const int64_t sdim = seq_dim(c.layout), hdim = head_dim(c.layout);
@@ -170,6 +189,17 @@ std::vector<Case> cases() {
   out.push_back({3, 6, 3, 2, Layout::kBSHD, 1, 4, 4});      // Fewer tokens than ranks.
   out.push_back({2, 4, 2, 6, Layout::kBHSD, 2, 8, 12});     // v head dim != q/k head dim.
   out.push_back({3, 6, 2, 7, Layout::kSBHD, 1, 16, 4});     // Likewise, with replication.
+  // The same exchanges as pipelined messages: cut to single tokens (a token's block is larger
+  // than 96 bytes in most cases), or one message per block.
+  const size_t collective = out.size();
+  for (size_t i = 0; i < collective; ++i) {
+    if (out[i].P == 1) continue;
+    for (int64_t bytes : {96, 1 << 20}) {
+      Case c = out[i];
+      c.message_bytes = bytes;
+      out.push_back(c);
+    }
+  }
   return out;
 }
 
@@ -277,12 +307,45 @@ TEST(AllToAllErrors, RanksDisagreeOnDtype) {
 }
 
 TEST(AllToAllDtypes, Bfloat16RoundTrip) {
-  expect_ranks_succeed(2, [](Group& g) {
+  expect_ranks_succeed(2, [](Group& world) {
     at::Tensor x = seeded_randn({2, 3, 4, 8}, 51).to(at::kBFloat16);
     auto plan =
-        agree_plan(g, HeadPartition::make(4, 4, 2), Layout::kBSHD, {{x, Heads::kQuery, "x"}});
-    EXPECT_TRUE(
-        gather_heads(scatter_heads(x, Heads::kQuery, plan, g), Heads::kQuery, plan, g).equal(x));
+        agree_plan(world, HeadPartition::make(4, 4, 2), Layout::kBSHD, {{x, Heads::kQuery, "x"}});
+    for (int64_t message_bytes : {0, 64}) {
+      const Group g = with_exchange(world, Case{2, 4, 4, 6, Layout::kBSHD, 2, 8, 8, message_bytes});
+      EXPECT_TRUE(
+          gather_heads(scatter_heads(x, Heads::kQuery, plan, g), Heads::kQuery, plan, g).equal(x))
+          << "message_bytes " << message_bytes;
+    }
+  });
+}
+
+// Large exchanges take pipelined messages by default, smaller ones one collective; the choice
+// follows the whole exchange's size, which every rank sees alike even when its own share
+// differs (uneven heads and tokens), and a group's options can turn pipelining off.
+TEST(AllToAllPipeline, ChosenBySizeAlikeOnEveryRank) {
+  expect_ranks_succeed(3, [](Group& g) {
+    const auto part = HeadPartition::make(7, 7, 3);
+    const auto seq = SequencePartition::even(10, 3);
+    const Range mine = seq.range(g.rank());
+    at::Tensor X = seeded_randn({1, 10, 7, 8}, 61);
+    at::Tensor x = X.narrow(1, mine.begin, mine.size()).contiguous();
+    const AllToAllPlan plan{part, seq, Layout::kBSHD};
+    // 10 x 7 x 8 fp32 elements: 2240 bytes in all, 746 per rank.
+    for (int64_t min_bytes : {int64_t{0}, int64_t{746}, int64_t{747}, int64_t{4} << 20}) {
+      GroupOptions options = g.options();
+      options.pipeline_min_bytes = min_bytes;
+      options.message_bytes = 32;
+      const Group h = g.with_options(options);
+      const int64_t collectives = h.collective_count(), messages = h.p2p_messages_sent();
+      at::Tensor y = scatter_heads(x, Heads::kQuery, plan, h);
+      const bool pipelined = min_bytes <= 746;
+      EXPECT_EQ(h.collective_count() - collectives, pipelined ? 0 : 1) << min_bytes;
+      // One message per token to each of the two peers (a token's 2 or 3 heads exceed 32 bytes).
+      EXPECT_EQ(h.p2p_messages_sent() - messages, pipelined ? 2 * mine.size() : 0) << min_bytes;
+      const Range heads = part.q_range(g.rank());
+      EXPECT_TRUE(y.equal(X.narrow(2, heads.begin, heads.size()))) << min_bytes;
+    }
   });
 }
 

@@ -48,6 +48,21 @@ TEST(ExchangePlan, WhatARankSendsIsWhatItsPeerReceives) {
   }
 }
 
+// total_elements is what all ranks send together, and every rank's plan (either direction)
+// holds the same value: ranks choose how to run an exchange from it.
+TEST(ExchangePlan, TotalElementsIsWhatAllRanksSend) {
+  for (const Case& s : kCases) {
+    const auto plans = plans_of(s, {Heads::kQuery, Heads::kKeyValue}, {16, 8});
+    int64_t sent = 0;
+    for (const ExchangePlan& p : plans)
+      for (int64_t n : p.send_splits()) sent += n;
+    for (const ExchangePlan& p : plans) {
+      EXPECT_EQ(p.total_elements(), sent);
+      EXPECT_EQ(p.reversed().total_elements(), sent);
+    }
+  }
+}
+
 TEST(ExchangePlan, BlocksTileTheBuffersInOrder) {
   for (const Case& s : kCases) {
     for (const ExchangePlan& p : plans_of(s, {Heads::kQuery, Heads::kKeyValue}, {2, 2})) {

@@ -102,6 +102,23 @@ TEST(Group, MeshRejectsIndivisibleWorld) {
                           "world size (3) must be a multiple of the sequence-parallel size (2)");
 }
 
+TEST(Group, RejectsInvalidOptions) {
+  GroupOptions options;
+  options.message_bytes = 0;
+  EXPECT_THROW(
+      {
+        try {
+          Group::solo(options);
+        } catch (const c10::ValueError& e) {
+          EXPECT_NE(std::string(e.what()).find("message_bytes > 0; got 4194304 and 0"),
+                    std::string::npos)
+              << e.what();
+          throw;
+        }
+      },
+      c10::ValueError);
+}
+
 TEST(Group, AbsentPeerIsAnErrorNotAHangAndTheWaitIsLogged) {
   ::testing::internal::CaptureStderr();
   auto errors = run_ranks(

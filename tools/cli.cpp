@@ -42,7 +42,8 @@ const Usage kUsages[] = {
      "fused local attention kernel vs torch's SDPA and the math reference (time, memory)"},
     {"bench a2a",
      "[--nproc 2] [--seq-lens 2048,16384] [--head-dim 64] [--layout BSHD|SBHD|BHSD]\n"
-     "        [--repeats 5] [--json FILE] [--timeout 120]",
+     "        [--repeats 5] [--json FILE] [--timeout 120] [--pipeline-min-kib 4096]\n"
+     "        [--message-kib 4096]",
      "all-to-all around attention: ours vs a bare collective vs the reference chain"},
     {"bench layer",
      "[--nproc 2] [--seq-lens 2048,4096,8192] [--q-heads 8] [--kv-heads 2] [--head-dim 64]\n"
@@ -58,7 +59,9 @@ const Usage kUsages[] = {
 void print_usage(std::ostream& os, const std::string& prefix) {
   if (prefix.empty()) {
     os << "usage: ulysses <command> [options]    (ulysses <command> --help, ulysses --version)\n\n"
-          "commands (--timeout SECONDS bounds every collective of those that communicate):\n";
+          "commands (--timeout SECONDS bounds every collective of those that communicate;\n"
+          "--pipeline-min-kib K and --message-kib M: CPU all-to-alls sending >= K KiB per rank\n"
+          "go as pipelined messages of M KiB; defaults 4096 and 4096):\n";
   }
   for (const Usage& u : kUsages) {
     if (std::string(u.name).rfind(prefix, 0) != 0) continue;
@@ -80,6 +83,11 @@ bool asks_for_help(const Argv& args) {
 GroupOptions group_options(Args& args) {
   GroupOptions options;
   options.timeout = std::chrono::seconds(args.integer("--timeout", 120, 1, 86400));
+  constexpr int64_t kKiB = 1024, kMostKiB = int64_t{1} << 40;
+  options.pipeline_min_bytes =
+      kKiB * args.integer("--pipeline-min-kib", options.pipeline_min_bytes / kKiB, 0, kMostKiB);
+  options.message_bytes =
+      kKiB * args.integer("--message-kib", options.message_bytes / kKiB, 1, kMostKiB);
   return options;
 }
 

@@ -67,6 +67,9 @@ class ExchangePlan {
   // True when received blocks overlap (replicated kv heads gathered back): they are summed
   // into a zeroed output instead of copied.
   bool sums_received() const { return sums_; }
+  // Elements all ranks together send (their own blocks included): the same on every rank, so
+  // ranks choosing how to run an exchange by its size choose alike.
+  int64_t total_elements() const { return total_; }
 
   bool operator==(const ExchangePlan& o) const;
   bool operator!=(const ExchangePlan& o) const { return !(*this == o); }
@@ -77,6 +80,7 @@ class ExchangePlan {
   std::vector<ExchangeBlock> send_, recv_;          // Offsets are prefix sums of numel.
   std::vector<Extent> in_, out_;                    // One per tensor.
   bool sums_ = false;
+  int64_t total_ = 0;
 };
 std::ostream& operator<<(std::ostream& os, const ExchangePlan& p);
 

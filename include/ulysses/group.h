@@ -37,6 +37,13 @@ struct GroupOptions {
   // A rank still waiting for a collective after this fraction of `timeout` logs (to stderr,
   // once per collective) which collective it waits in and for which peers; in [0, 1], 0 never.
   double log_wait_fraction = 0.25;
+  // Ulysses all-to-alls of CPU tensors that send at least this many bytes to other ranks go as
+  // point-to-point messages of about `message_bytes` each: packing message i+1 overlaps the
+  // transfer of message i, blocks that land contiguously are received in place, and this rank's
+  // own block is copied straight across. Smaller exchanges (and other devices) take one
+  // collective, where a message's fixed cost would dominate. >= 0 and > 0.
+  int64_t pipeline_min_bytes = int64_t{4} << 20;
+  int64_t message_bytes = int64_t{4} << 20;
 };
 
 // Most metadata values one rank contributes to Group::agree.

@@ -181,6 +181,7 @@ def test_version_and_help_per_command():
     (["bench"], "say what to measure: attention, a2a, layer or gemm"),
     (["train", "--timeout", "0"], "option --timeout must be in [1, 86400]; got 0"),
     (["bench", "layer", "--timeout", "-1"], "option --timeout must be in [1, 86400]; got -1"),
+    (["bench", "a2a", "--message-kib", "0"], "option --message-kib must be in [1, 1099511627776]; got 0"),
     # Found by scripts/fuzz.sh: a plan listing 5e16 heads per rank; a newline in an option.
     (["plan", "--q-heads", "333333333333333331", "--sp", "6"],
      "option --q-heads must be in [1, 65536]; got 333333333333333331"),
