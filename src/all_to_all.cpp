@@ -21,8 +21,8 @@ std::string shape_str(at::IntArrayRef sizes) {
 const char* heads_name(Heads h) { return h == Heads::kQuery ? "query" : "kv"; }
 
 // `like`'s sizes with the sequence dim set to `seq` and the head dim to `heads`.
-std::vector<int64_t> shape_with(const at::Tensor& like, Layout layout, int64_t seq, int64_t heads) {
-  std::vector<int64_t> s = like.sizes().vec();
+std::vector<int64_t> shape_with(at::IntArrayRef like, Layout layout, int64_t seq, int64_t heads) {
+  std::vector<int64_t> s = like.vec();
   s[seq_dim(layout)] = seq;
   s[head_dim(layout)] = heads;
   return s;
@@ -49,35 +49,64 @@ bool tiles_in_order(const std::vector<ExchangeBlock>& blocks, const Extent& exte
   return next == extent.tokens;
 }
 
-// Views of the blocks of an exchange in their tensors.
-struct BlockViews {
-  int64_t sdim, hdim;
-  // Tokens [first, first + count) of block `b` (counted from its first token), all its heads.
-  at::Tensor operator()(const at::Tensor& x, const ExchangeBlock& b, int64_t first,
-                        int64_t count) const {
-    return x.narrow(sdim, b.tokens.begin + first, count)
-        .narrow(hdim, b.heads.begin, b.heads.size());
+// The batch dim of `layout`.
+int64_t batch_dim(Layout layout) { return layout == Layout::kSBHD ? 1 : 0; }
+
+// The tensors one side of an exchange reads (or writes), and where each block lies in them:
+// whole tensors, one per fused tensor (a block is a view of its tokens x heads), or parts, one
+// per peer (the block for peer j is all of parts[j]: its heads were split off beforehand, e.g.
+// by a projection per destination).
+struct Side {
+  std::vector<at::Tensor> tensors;
+  bool by_peer = false;
+  Layout layout = Layout::kBSHD;
+
+  // Tokens [first, first + count) of block `b` (counted from its first token), of batch entry
+  // `batch` (-1: all).
+  at::Tensor view(const ExchangeBlock& b, int64_t batch, int64_t first, int64_t count) const {
+    at::Tensor t = tensors[by_peer ? b.peer : b.tensor];
+    if (batch >= 0) t = t.narrow(batch_dim(layout), batch, 1);
+    t = t.narrow(seq_dim(layout), (by_peer ? 0 : b.tokens.begin) + first, count);
+    return by_peer ? t : t.narrow(head_dim(layout), b.heads.begin, b.heads.size());
   }
-  at::Tensor operator()(const at::Tensor& x, const ExchangeBlock& b) const {
-    return (*this)(x, b, 0, b.tokens.size());
-  }
+  at::Tensor view(const ExchangeBlock& b) const { return view(b, -1, 0, b.tokens.size()); }
+  // Received blocks are summed where they overlap in one tensor (never in parts).
+  bool sums(const ExchangePlan& plan) const { return plan.sums_received() && !by_peer; }
 };
 
-// Fresh outputs of `plan` for inputs `xs`, zeroed where received blocks are summed.
-std::vector<at::Tensor> new_outputs(const std::vector<at::Tensor>& xs, const ExchangePlan& plan,
-                                    Layout layout, const Group& group) {
-  std::vector<at::Tensor> outs;
-  for (size_t t = 0; t < xs.size(); ++t) {
-    const Extent e = plan.outputs()[t];
-    outs.push_back(group.new_buffer(shape_with(xs[t], layout, e.tokens, e.heads), xs[t].options()));
-    if (plan.sums_received()) outs.back().zero_();
-  }
-  return outs;
+// Sizes of tensors, one per fused tensor: their dims other than tokens and heads.
+using Shapes = std::vector<std::vector<int64_t>>;
+Shapes shapes_of(const std::vector<at::Tensor>& xs) {
+  Shapes out;
+  for (const at::Tensor& x : xs) out.push_back(x.sizes().vec());
+  return out;
 }
 
-// Copies `src` into `dst`, or adds it where the plan sums received blocks.
-void land(const at::Tensor& dst, const at::Tensor& src, const ExchangePlan& plan) {
-  if (plan.sums_received()) {
+// Fresh tensors for the receiving side of `plan`: whole outputs (zeroed where received blocks
+// are summed), or one part per peer. `like` gives the other dims, per fused tensor.
+Side new_outputs(const Shapes& like, const at::TensorOptions& options, const ExchangePlan& plan,
+                 Layout layout, bool by_peer, const Group& group) {
+  Side out{{}, by_peer, layout};
+  if (by_peer) {
+    out.tensors.resize(group.size());
+    for (const ExchangeBlock& b : plan.recv()) {
+      out.tensors[b.peer] = group.new_buffer(
+          shape_with(like[b.tensor], layout, b.tokens.size(), b.heads.size()), options);
+    }
+    return out;
+  }
+  for (size_t t = 0; t < like.size(); ++t) {
+    const Extent e = plan.outputs()[t];
+    out.tensors.push_back(
+        group.new_buffer(shape_with(like[t], layout, e.tokens, e.heads), options));
+    if (plan.sums_received()) out.tensors.back().zero_();
+  }
+  return out;
+}
+
+// Copies `src` into `dst`, or adds it where `out` sums received blocks.
+void land(const at::Tensor& dst, const at::Tensor& src, const Side& out, const ExchangePlan& plan) {
+  if (out.sums(plan)) {
     dst.add_(src);
   } else {
     dst.copy_(src);
@@ -85,76 +114,85 @@ void land(const at::Tensor& dst, const at::Tensor& src, const ExchangePlan& plan
 }
 
 // Executes `plan` in one collective: packs the send blocks, exchanges them and unpacks (or
-// sums) the received blocks into `outs`. A single tensor laid out block after block is sent or
+// sums) the received blocks. A single whole tensor laid out block after block is sent or
 // received in place, without a copy.
-void exchange_collective(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& outs,
-                         const ExchangePlan& plan, Layout layout, const Group& group) {
-  const int64_t sdim = seq_dim(layout);
-  const BlockViews block_of{sdim, head_dim(layout)};
-  auto flat_block = [&](const at::Tensor& buffer, const ExchangeBlock& b, const at::Tensor& like) {
-    return buffer.narrow(0, b.offset, b.numel)
-        .view(shape_with(like, layout, b.tokens.size(), b.heads.size()));
+void exchange_collective(const Side& in, const Side& out, const ExchangePlan& plan,
+                         const Group& group) {
+  const int64_t sdim = seq_dim(in.layout);
+  auto flat = [](const at::Tensor& buffer, const ExchangeBlock& b, const at::Tensor& like) {
+    return buffer.narrow(0, b.offset, b.numel).view(like.sizes());
   };
   int64_t send_total = 0, recv_total = 0;
   for (int64_t n : plan.send_splits()) send_total += n;
   for (int64_t n : plan.recv_splits()) recv_total += n;
+  const at::TensorOptions options = in.tensors[0].options();
 
   at::Tensor send;
-  if (xs.size() == 1 && tiles_in_order(plan.send(), plan.inputs()[0], xs[0], sdim)) {
-    send = xs[0].view({-1});
+  if (!in.by_peer && in.tensors.size() == 1 &&
+      tiles_in_order(plan.send(), plan.inputs()[0], in.tensors[0], sdim)) {
+    send = in.tensors[0].view({-1});
   } else {
-    send = group.new_buffer({send_total}, xs[0].options());
+    send = group.new_buffer({send_total}, options);
     for (const ExchangeBlock& b : plan.send()) {
-      flat_block(send, b, xs[b.tensor]).copy_(block_of(xs[b.tensor], b));
+      const at::Tensor src = in.view(b);
+      flat(send, b, src).copy_(src);
     }
   }
-  const bool direct = xs.size() == 1 && !plan.sums_received() &&
-                      tiles_in_order(plan.recv(), plan.outputs()[0], outs[0], sdim);
-  at::Tensor recv = direct ? outs[0].view({-1}) : group.new_buffer({recv_total}, xs[0].options());
+  const bool direct = !out.by_peer && out.tensors.size() == 1 && !plan.sums_received() &&
+                      tiles_in_order(plan.recv(), plan.outputs()[0], out.tensors[0], sdim);
+  at::Tensor recv = direct ? out.tensors[0].view({-1}) : group.new_buffer({recv_total}, options);
   at::Tensor send_w = detail::wire_view(send), recv_w = detail::wire_view(recv);
   group.all_to_all(recv_w, send_w, plan.recv_splits(), plan.send_splits());
   if (direct) return;
   for (const ExchangeBlock& b : plan.recv()) {
-    land(block_of(outs[b.tensor], b), flat_block(recv, b, outs[b.tensor]), plan);
+    const at::Tensor dst = out.view(b);
+    land(dst, flat(recv, b, dst), out, plan);
   }
 }
 
 // Tag of the i-th message between two ranks in a pipelined exchange (ring attention uses 1, 2).
 constexpr int kFirstMessageTag = 16;
 
-// One message of a pipelined exchange: `count` tokens of `block`, from its token `first`.
+// One message of a pipelined exchange: `count` tokens of `block` from its token `first`, of
+// batch entry `batch` (-1: all).
 struct Message {
   const ExchangeBlock* block;
-  int64_t first, count;
+  int64_t batch, first, count;
 };
 
-// The messages to or from `peer` over `blocks`, in block order: whole tokens, each at most
-// `max_elements` unless one token is larger. The two ends cut mirrored blocks alike (same token
-// counts and elements per token), so message i of one end is message i of the other.
+// The messages to or from `peer` over `blocks`, in block order: per batch entry when
+// `batches` > 1 (so that in BSHD a message is contiguous wherever its heads are), then whole
+// tokens, each at most `max_elements` unless one token is larger. Both ends cut mirrored
+// blocks alike (same token counts, batch and elements per token), so message i of one end is
+// message i of the other.
 std::vector<Message> messages(const std::vector<ExchangeBlock>& blocks, int64_t peer,
-                              int64_t max_elements) {
+                              int64_t max_elements, int64_t batches) {
   std::vector<Message> out;
   for (const ExchangeBlock& b : blocks) {
     if (b.peer != peer || b.numel == 0) continue;
     const int64_t n = b.tokens.size();
-    const int64_t step = std::max<int64_t>(1, max_elements / (b.numel / n));
-    for (int64_t first = 0; first < n; first += step) {
-      out.push_back({&b, first, std::min(step, n - first)});
+    const int64_t step = std::max<int64_t>(1, max_elements / (b.numel / n / batches));
+    for (int64_t batch = 0; batch < batches; ++batch) {
+      for (int64_t first = 0; first < n; first += step) {
+        out.push_back({&b, batches > 1 ? batch : -1, first, std::min(step, n - first)});
+      }
     }
   }
   return out;
 }
 
 // Executes `plan` as point-to-point messages (CPU): every receive is posted first, straight
-// into the output where a message lands contiguously; then each message is packed and sent at
-// once, so packing the next overlaps the transfer of this one; this rank's own blocks are
-// copied across meanwhile, and each arrival is unpacked as it comes.
-void exchange_pipelined(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& outs,
-                        const ExchangePlan& plan, Layout layout, const Group& group) {
+// into the output where a message lands contiguously; then each message is packed (unless
+// contiguous already) and sent at once, so packing the next overlaps the transfer of this one;
+// this rank's own blocks are copied across meanwhile, and each arrival is unpacked as it comes.
+void exchange_pipelined(const Side& in, const Side& out, const ExchangePlan& plan,
+                        const Group& group) {
   const int P = group.size(), me = group.rank();
-  const BlockViews view{seq_dim(layout), head_dim(layout)};
+  const at::Tensor& first = in.tensors[0];
   const int64_t max_elements =
-      std::max<int64_t>(1, group.options().message_bytes / xs[0].element_size());
+      std::max<int64_t>(1, group.options().message_bytes / first.element_size());
+  const int64_t bdim = batch_dim(in.layout);
+  const int64_t batches = bdim < seq_dim(in.layout) ? first.size(bdim) : 1;
   struct Arrival {
     at::Tensor dst, staged;  // staged: undefined when received in place.
     Exchange exchange;
@@ -162,11 +200,11 @@ void exchange_pipelined(const std::vector<at::Tensor>& xs, const std::vector<at:
   std::vector<Arrival> arrivals;
   for (int k = 1; k < P; ++k) {
     const int from = (me + P - k) % P;
-    const auto in = messages(plan.recv(), from, max_elements);
-    for (size_t i = 0; i < in.size(); ++i) {
-      const Message& m = in[i];
-      Arrival a{view(outs[m.block->tensor], *m.block, m.first, m.count), {}, {}};
-      const bool in_place = !plan.sums_received() && a.dst.is_contiguous();
+    const auto in_msgs = messages(plan.recv(), from, max_elements, batches);
+    for (size_t i = 0; i < in_msgs.size(); ++i) {
+      const Message& m = in_msgs[i];
+      Arrival a{out.view(*m.block, m.batch, m.first, m.count), {}, {}};
+      const bool in_place = !out.sums(plan) && a.dst.is_contiguous();
       if (!in_place) a.staged = group.new_buffer(a.dst.sizes(), a.dst.options());
       a.exchange = group.send_recv({}, from, detail::wire_view(in_place ? a.dst : a.staged), from,
                                    kFirstMessageTag + static_cast<int>(i));
@@ -177,9 +215,10 @@ void exchange_pipelined(const std::vector<at::Tensor>& xs, const std::vector<at:
   std::vector<Exchange> departures;
   for (int k = 1; k < P; ++k) {
     const int to = (me + k) % P;
-    const auto out = messages(plan.send(), to, max_elements);
-    for (size_t i = 0; i < out.size(); ++i) {
-      at::Tensor src = view(xs[out[i].block->tensor], *out[i].block, out[i].first, out[i].count);
+    const auto out_msgs = messages(plan.send(), to, max_elements, batches);
+    for (size_t i = 0; i < out_msgs.size(); ++i) {
+      const Message& m = out_msgs[i];
+      at::Tensor src = in.view(*m.block, m.batch, m.first, m.count);
       if (!src.is_contiguous()) {
         packed.push_back(group.new_buffer(src.sizes(), src.options()).copy_(src));
         src = packed.back();
@@ -197,29 +236,31 @@ void exchange_pipelined(const std::vector<at::Tensor>& xs, const std::vector<at:
   };
   const auto own_send = own(plan.send()), own_recv = own(plan.recv());
   for (size_t i = 0; i < own_send.size(); ++i) {
-    land(view(outs[own_recv[i]->tensor], *own_recv[i]), view(xs[own_send[i]->tensor], *own_send[i]),
-         plan);
+    land(out.view(*own_recv[i]), in.view(*own_send[i]), out, plan);
   }
   for (Arrival& a : arrivals) {
     a.exchange.wait();
-    if (a.staged.defined()) land(a.dst, a.staged, plan);
+    if (a.staged.defined()) land(a.dst, a.staged, out, plan);
   }
   for (Exchange& d : departures) d.wait();
 }
 
-// Executes `plan` on the tensors `xs` (in `layout`) into fresh outputs: large CPU exchanges as
-// pipelined messages, the rest in one collective (GroupOptions::pipeline_min_bytes). Every rank
-// decides alike, from sizes the plan has the same on every rank.
-std::vector<at::Tensor> exchange(const std::vector<at::Tensor>& xs, const ExchangePlan& plan,
-                                 Layout layout, const Group& group) {
-  std::vector<at::Tensor> outs = new_outputs(xs, plan, layout, group);
+// Executes `plan` from `xs` (whole tensors, or parts by peer when `parts_in`) into fresh
+// outputs (parts by peer when `parts_out`): large CPU exchanges as pipelined messages, the
+// rest in one collective (GroupOptions::pipeline_min_bytes). Every rank decides alike, from
+// sizes the plan has the same on every rank. `like` gives the outputs' other dims.
+std::vector<at::Tensor> exchange(const std::vector<at::Tensor>& xs, bool parts_in,
+                                 const ExchangePlan& plan, Layout layout, bool parts_out,
+                                 const Shapes& like, const Group& group) {
+  const Side in{xs, parts_in, layout};
+  Side out = new_outputs(like, xs[0].options(), plan, layout, parts_out, group);
   const int64_t bytes_per_rank = plan.total_elements() * xs[0].element_size() / group.size();
   if (xs[0].device().is_cpu() && bytes_per_rank >= group.options().pipeline_min_bytes) {
-    exchange_pipelined(xs, outs, plan, layout, group);
+    exchange_pipelined(in, out, plan, group);
   } else {
-    exchange_collective(xs, outs, plan, layout, group);
+    exchange_collective(in, out, plan, group);
   }
-  return outs;
+  return std::move(out.tensors);
 }
 
 // The sequence -> heads exchange of `xs` on this rank (elements per (token, head) read from
@@ -228,26 +269,31 @@ ExchangePlan seq_to_heads_plan(const std::vector<at::Tensor>& xs, const std::vec
                                const AllToAllPlan& plan, const Group& group) {
   std::vector<int64_t> elements;
   for (const at::Tensor& x : xs) {
-    elements.push_back(c10::multiply_integers(shape_with(x, plan.layout, 1, 1)));
+    elements.push_back(c10::multiply_integers(shape_with(x.sizes(), plan.layout, 1, 1)));
   }
   return ExchangePlan::seq_to_heads(plan.heads, plan.seq, group.rank(), kinds, elements);
 }
 
 // Runs the exchange `forward` on `xs` (no autograd inside) and records its backward: the same
-// exchange reversed, as c10d's AllToAllSingle swaps its splits.
+// exchange reversed, as c10d's AllToAllSingle swaps its splits. Parts (by peer) on one side
+// are parts on the same side of the backward.
 std::vector<at::Tensor> exchange_with_backward(const char* node, const std::vector<at::Tensor>& xs,
-                                               const ExchangePlan& forward, Layout layout,
+                                               bool parts_in, const ExchangePlan& forward,
+                                               Layout layout, bool parts_out, const Shapes& like,
                                                const Group& group) {
   std::vector<at::Tensor> outs;
   {
     at::NoGradGuard no_grad;
-    outs = exchange(xs, forward, layout, group);
+    outs = exchange(xs, parts_in, forward, layout, parts_out, like, group);
   }
-  detail::attach_backward(
-      xs, outs, node,
-      [backward = forward.reversed(), layout, group](std::vector<at::Tensor>&& grads) {
-        return exchange(grads, backward, layout, group);
-      });
+  // Gradients take the inputs' other dims: each fused tensor's own, or the parts' (all alike).
+  const Shapes grad_like = shapes_of(parts_in ? std::vector<at::Tensor>{xs[0]} : xs);
+  detail::attach_backward(xs, outs, node,
+                          [backward = forward.reversed(), layout, parts_in, parts_out, grad_like,
+                           group](std::vector<at::Tensor>&& grads) {
+                            return exchange(grads, parts_out, backward, layout, parts_in, grad_like,
+                                            group);
+                          });
   return outs;
 }
 
@@ -276,6 +322,28 @@ void check_against_plan(const char* op, const std::vector<at::Tensor>& xs,
                       heads_name(kinds[t]), " heads in dim ", hdim, " (layout ",
                       to_string(plan.layout), "); got shape ", shape_str(x.sizes()), " (rank ", me,
                       " of ", group.size(), ")");
+  }
+}
+
+// Checks that `parts` are this rank's tokens of every rank's heads, by the agreed plan.
+void check_parts(const char* op, const std::vector<at::Tensor>& parts, Heads kind,
+                 const AllToAllPlan& plan, const Group& group) {
+  const auto& ranges = plan.ranges(kind);
+  TORCH_CHECK_VALUE(parts.size() == ranges.size() && plan.heads.sp_size() == group.size(), op,
+                    ": need one part per rank of the group (", group.size(), "); got ",
+                    parts.size());
+  const int64_t sdim = seq_dim(plan.layout), hdim = head_dim(plan.layout);
+  for (size_t j = 0; j < parts.size(); ++j) {
+    const at::Tensor& p = parts[j];
+    bool ok = p.defined() && p.dim() == 4 && p.scalar_type() == parts[0].scalar_type() &&
+              p.device() == parts[0].device() && p.size(sdim) == plan.seq.length(group.rank()) &&
+              p.size(hdim) == ranges[j].size();
+    for (int64_t d = 0; ok && d < 4; ++d) ok = d == hdim || p.size(d) == parts[0].size(d);
+    TORCH_CHECK_VALUE(
+        ok, op, ": part ", j, " must hold ", ranges[j].size(), " ", heads_name(kind),
+        " heads in dim ", hdim, " and ", plan.seq.length(group.rank()), " tokens in dim ", sdim,
+        " (layout ", to_string(plan.layout), "), with part 0's dtype, device and other dims; got ",
+        p.defined() ? shape_str(p.sizes()) : "undefined", " (rank ", group.rank(), ")");
   }
 }
 
@@ -395,8 +463,9 @@ std::vector<at::Tensor> scatter_heads(const std::vector<at::Tensor>& xs,
                                       const Group& group) {
   check_against_plan("scatter_heads", xs, kinds, plan, group, /*seq_sharded=*/true);
   if (group.size() == 1) return xs;
-  return exchange_with_backward("ScatterHeadsBackward", xs,
-                                seq_to_heads_plan(xs, kinds, plan, group), plan.layout, group);
+  return exchange_with_backward("ScatterHeadsBackward", xs, /*parts_in=*/false,
+                                seq_to_heads_plan(xs, kinds, plan, group), plan.layout,
+                                /*parts_out=*/false, shapes_of(xs), group);
 }
 
 std::vector<at::Tensor> gather_heads(const std::vector<at::Tensor>& ys,
@@ -404,9 +473,9 @@ std::vector<at::Tensor> gather_heads(const std::vector<at::Tensor>& ys,
                                      const Group& group) {
   check_against_plan("gather_heads", ys, kinds, plan, group, /*seq_sharded=*/false);
   if (group.size() == 1) return ys;
-  return exchange_with_backward("GatherHeadsBackward", ys,
+  return exchange_with_backward("GatherHeadsBackward", ys, /*parts_in=*/false,
                                 seq_to_heads_plan(ys, kinds, plan, group).reversed(), plan.layout,
-                                group);
+                                /*parts_out=*/false, shapes_of(ys), group);
 }
 
 at::Tensor scatter_heads(const at::Tensor& x, Heads heads, const AllToAllPlan& plan,
@@ -417,6 +486,65 @@ at::Tensor scatter_heads(const at::Tensor& x, Heads heads, const AllToAllPlan& p
 at::Tensor gather_heads(const at::Tensor& y, Heads heads, const AllToAllPlan& plan,
                         const Group& group) {
   return gather_heads(std::vector<at::Tensor>{y}, {heads}, plan, group)[0];
+}
+
+at::Tensor scatter_head_parts(const std::vector<at::Tensor>& parts, Heads heads,
+                              const AllToAllPlan& plan, const Group& group) {
+  check_parts("scatter_head_parts", parts, heads, plan, group);
+  if (group.size() == 1) return parts[0];
+  return exchange_with_backward("ScatterHeadPartsBackward", parts, /*parts_in=*/true,
+                                seq_to_heads_plan({parts[0]}, {heads}, plan, group), plan.layout,
+                                /*parts_out=*/false, shapes_of({parts[0]}), group)[0];
+}
+
+std::vector<at::Tensor> gather_head_parts(const at::Tensor& y, Heads heads,
+                                          const AllToAllPlan& plan, const Group& group) {
+  check_against_plan("gather_head_parts", {y}, {heads}, plan, group, /*seq_sharded=*/false);
+  if (group.size() == 1) return {y};
+  return exchange_with_backward("GatherHeadPartsBackward", {y}, /*parts_in=*/false,
+                                seq_to_heads_plan({y}, {heads}, plan, group).reversed(),
+                                plan.layout, /*parts_out=*/true, shapes_of({y}), group);
+}
+
+std::vector<at::Tensor> project_head_parts(const at::Tensor& x, const at::Tensor& weight,
+                                           const c10::optional<at::Tensor>& bias,
+                                           const std::vector<Range>& ranges) {
+  const int64_t H = ranges.empty() ? 0 : ranges.back().end;
+  TORCH_CHECK_VALUE(x.dim() == 3 && weight.dim() == 2 && H > 0 && weight.size(0) % H == 0 &&
+                        weight.size(1) == x.size(2) && (!bias || bias->sizes() == weight.size(0)),
+                    "project_head_parts: need x [B, S, E], weight [H x D, E] for the ", H,
+                    " heads of the ranges and bias [H x D] or none; got x ", x.sizes(), ", weight ",
+                    weight.sizes(), bias ? ", bias " : "", bias ? shape_str(bias->sizes()) : "");
+  const int64_t D = weight.size(0) / H;
+  std::vector<at::Tensor> parts;
+  for (const Range& r : ranges) {
+    const at::Tensor w = weight.narrow(0, r.begin * D, r.size() * D);
+    const c10::optional<at::Tensor> b =
+        bias ? c10::optional<at::Tensor>(bias->narrow(0, r.begin * D, r.size() * D)) : c10::nullopt;
+    parts.push_back(at::linear(x, w, b).view({x.size(0), x.size(1), r.size(), D}));
+  }
+  return parts;
+}
+
+at::Tensor project_from_head_parts(const std::vector<at::Tensor>& parts, const at::Tensor& weight,
+                                   const std::vector<Range>& ranges) {
+  TORCH_CHECK_VALUE(!parts.empty() && parts.size() == ranges.size() && weight.dim() == 2,
+                    "project_from_head_parts: need one part per head range and a 2-D weight; got ",
+                    parts.size(), " parts, ", ranges.size(), " ranges, weight ", weight.sizes());
+  at::Tensor out;
+  for (size_t j = 0; j < parts.size(); ++j) {
+    const at::Tensor& p = parts[j];
+    TORCH_CHECK_VALUE(
+        p.dim() == 4 && p.size(2) == ranges[j].size() && weight.size(1) % ranges.back().end == 0 &&
+            weight.size(1) / ranges.back().end == p.size(3),
+        "project_from_head_parts: part ", j, " must be [B, S, ", ranges[j].size(),
+        ", D] with D = weight's columns / heads; got ", p.sizes(), " and weight ", weight.sizes());
+    const int64_t D = p.size(3);
+    const at::Tensor y =
+        at::linear(p.flatten(2), weight.narrow(1, ranges[j].begin * D, p.size(2) * D));
+    out = out.defined() ? out + y : y;
+  }
+  return out;
 }
 
 at::Tensor scatter_heads(const at::Tensor& x, const HeadPartition& partition, Heads heads,

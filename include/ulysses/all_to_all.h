@@ -76,6 +76,34 @@ std::vector<at::Tensor> gather_heads(const std::vector<at::Tensor>& ys,
                                      const std::vector<Heads>& heads, const AllToAllPlan& plan,
                                      const Group& group);
 
+// Heads split by rank ("parts"): parts[j] holds the heads R[j] of rank j, in `plan.layout`
+// ([B, S_r, |R[j]|, D] in BSHD before the scatter), one tensor per rank of the group, as a
+// projection per destination makes them (project_head_parts). Exchanging parts needs no
+// packing and no unpacking: each part is the message to its rank, each received block a part.
+//
+// scatter_heads from parts: equal to scatter_heads(cat(parts along the head dim)), without the
+// cat (parts for replicated kv heads repeat them). Differentiable.
+at::Tensor scatter_head_parts(const std::vector<at::Tensor>& parts, Heads heads,
+                              const AllToAllPlan& plan, const Group& group);
+// gather_heads into parts: part j is rank j's heads R[j] on this rank's tokens. Replicated kv
+// heads stay in their own parts (gather_heads sums them). Differentiable.
+std::vector<at::Tensor> gather_head_parts(const at::Tensor& y, Heads heads,
+                                          const AllToAllPlan& plan, const Group& group);
+
+// The projections that make and take parts (BSHD): one GEMM per rank instead of one in all,
+// the same FLOPs. `ranges` are the head ranges by rank (AllToAllPlan::ranges).
+// Input projection: part j = (x @ weight[rows of heads R[j]]^T + bias[same]) viewed
+// [B, S_r, |R[j]|, D], for x [B, S_r, E] and weight [H x D, E] with head-major rows (a
+// Linear's). Differentiable.
+std::vector<at::Tensor> project_head_parts(const at::Tensor& x, const at::Tensor& weight,
+                                           const c10::optional<at::Tensor>& bias,
+                                           const std::vector<Range>& ranges);
+// Output projection: sum_j parts[j] (flattened to [B, S_r, |R[j]| x D]) @ weight[:, columns of
+// heads R[j]]^T, for weight [E, H x D]: a Linear of the whole gathered tensor, without
+// assembling it. Differentiable.
+at::Tensor project_from_head_parts(const std::vector<at::Tensor>& parts, const at::Tensor& weight,
+                                   const std::vector<Range>& ranges);
+
 // Convenience: agree_plan for `x` alone, then scatter_heads.
 at::Tensor scatter_heads(const at::Tensor& x, const HeadPartition& partition, Heads heads,
                          Layout layout, const Group& group);
