@@ -68,6 +68,25 @@ bench::Stats time_ours_and_raw(const A2aCase& c, bench::Record& r) {
   GroupOptions one_collective = g.options();
   one_collective.pipeline_min_bytes = std::numeric_limits<int64_t>::max();
   auto collective = [&, cg = g.with_options(one_collective)] { around_attention(cg); };
+  // The same from head parts (as project_head_parts makes them) into parts
+  // (project_from_head_parts takes them): nothing to pack or unpack.
+  auto parts_of = [&](const at::Tensor& x, Heads kind) {
+    std::vector<at::Tensor> parts;
+    for (const Range& r : c.plan.ranges(kind)) {
+      parts.push_back(x.narrow(head_dim(c.layout), r.begin, r.size()).contiguous());
+    }
+    return parts;
+  };
+  const auto q_parts = parts_of(c.q, Heads::kQuery), k_parts = parts_of(c.k, Heads::kKeyValue),
+             v_parts = parts_of(c.v, Heads::kKeyValue);
+  auto parts = [&] {
+    at::Tensor y = scatter_head_parts(q_parts, Heads::kQuery, c.plan, g);
+    if (c.gqa()) {
+      scatter_head_parts(k_parts, Heads::kKeyValue, c.plan, g);
+      scatter_head_parts(v_parts, Heads::kKeyValue, c.plan, g);
+    }
+    gather_head_parts(y, Heads::kQuery, c.plan, g);
+  };
   // o moves as many bytes as q in total; q's size is the same on every rank, o's is not for
   // uneven heads.
   std::vector<at::Tensor> raw_in, raw_out;
@@ -84,10 +103,12 @@ bench::Stats time_ours_and_raw(const A2aCase& c, bench::Record& r) {
                    std::vector<int64_t>(P, chunk));
     }
   };
-  const auto t = bench::time_side_by_side(g, {ours, raw, collective}, 1, c.repeats);
+  const auto t = bench::time_side_by_side(g, {ours, raw, collective, parts}, 1, c.repeats);
   r.add("ours", t.steps[0]).add("raw", t.steps[1]).add("collective", t.steps[2]);
+  r.add("parts", t.steps[3]);
   r.add_ratio("ours_over_raw", t.ratio(0, 1));
   r.add_ratio("collective_over_raw", t.ratio(2, 1));
+  r.add_ratio("parts_over_raw", t.ratio(3, 1));
   return t.steps[0];
 }
 
@@ -140,6 +161,8 @@ const std::vector<std::string> kColumns{"seq_len",
                                         "ours_over_raw",
                                         "ours_over_raw_spread",
                                         "collective_over_raw",
+                                        "parts_over_raw",
+                                        "parts_over_raw_spread",
                                         "reference_ms",
                                         "reference_over_ours",
                                         "reference_matches",

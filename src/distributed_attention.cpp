@@ -152,6 +152,53 @@ RingLayout DistributedAttention::agree_ring(const AllToAllPlan& plan, const at::
 
 at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& k,
                                          const at::Tensor& v, const AttentionInputs& in) {
+  return attend(q, k, v, nullptr, in)[0];
+}
+
+std::vector<at::Tensor> DistributedAttention::forward_parts(const std::vector<at::Tensor>& q,
+                                                            const std::vector<at::Tensor>& k,
+                                                            const std::vector<at::Tensor>& v,
+                                                            const AttentionInputs& in) {
+  const int64_t hdim = head_dim(options_.layout);
+  // A stand-in of the whole tensor the parts split (one element, expanded) for the checks
+  // and the agreement that follow.
+  auto stand_in = [&](const std::vector<at::Tensor>& parts, Heads kind, const char* name) {
+    const auto& ranges = kind == Heads::kQuery ? partition_->q_ranges() : partition_->kv_ranges();
+    TORCH_CHECK_VALUE(parts.size() == ranges.size(), "DistributedAttention::forward_parts: ", name,
+                      " needs one part per rank (", ranges.size(), "); got ", parts.size());
+    bool grad = false;
+    for (size_t j = 0; j < parts.size(); ++j) {
+      const at::Tensor& p = parts[j];
+      bool ok = p.defined() && p.dim() == 4 && p.size(hdim) == ranges[j].size() &&
+                p.scalar_type() == parts[0].scalar_type() && p.device() == parts[0].device();
+      for (int64_t d = 0; ok && d < 4; ++d) ok = d == hdim || p.size(d) == parts[0].size(d);
+      TORCH_CHECK_VALUE(ok, "DistributedAttention::forward_parts: ", name, " part ", j,
+                        " must be 4-D (", to_string(options_.layout), ") with ", ranges[j].size(),
+                        " heads in dim ", hdim, " and part 0's other dims, dtype and device; got ",
+                        p.defined() ? p.sizes() : at::IntArrayRef{});
+      grad = grad || p.requires_grad();
+    }
+    std::vector<int64_t> shape = parts[0].sizes().vec();
+    shape[hdim] = ranges.back().end;
+    return parts[0].new_empty({1, 1, 1, 1}).requires_grad_(grad).expand(shape);
+  };
+  at::Tensor qs, ks, vs;
+  try {
+    TORCH_CHECK_VALUE(partition_, "DistributedAttention::forward_parts: give q_heads and kv_heads ",
+                      "in the options (parts do not show the totals)");
+    qs = stand_in(q, Heads::kQuery, "q");
+    ks = stand_in(k, Heads::kKeyValue, "k");
+    vs = stand_in(v, Heads::kKeyValue, "v");
+  } catch (const std::exception&) {
+    group_.fail_together(std::current_exception());
+  }
+  const std::vector<std::vector<at::Tensor>> parts{q, k, v};
+  return attend(qs, ks, vs, &parts, in);
+}
+
+std::vector<at::Tensor> DistributedAttention::attend(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::vector<std::vector<at::Tensor>>* parts, const AttentionInputs& in) {
   const Layout L = options_.layout;
   const int64_t hdim = head_dim(L);
   TORCH_CHECK_VALUE(in.context == nullptr || in.context->group().size() == group_.size(),
@@ -213,7 +260,10 @@ at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& 
   }
   const std::vector<Heads> kinds{Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue};
   std::vector<at::Tensor> qkv;
-  if (options_.fuse_qkv) {
+  if (parts) {
+    for (size_t i = 0; i < 3; ++i)
+      qkv.push_back(scatter_head_parts((*parts)[i], kinds[i], plan, group_));
+  } else if (options_.fuse_qkv) {
     qkv = scatter_heads({q, k, v}, kinds, plan, group_);
   } else {
     for (size_t i = 0; i < 3; ++i)
@@ -252,7 +302,8 @@ at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& 
     o = options_.local(args);
   }
   o = o.permute(from_bhsd(L));
-  return gather_heads(o, Heads::kQuery, plan, group_);
+  if (parts) return gather_head_parts(o, Heads::kQuery, plan, group_);
+  return {gather_heads(o, Heads::kQuery, plan, group_)};
 }
 
 }  // namespace ulysses

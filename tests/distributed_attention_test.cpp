@@ -345,5 +345,83 @@ TEST(DistributedAttention, InvalidCapturedHeadsOnOneRankFailAlike) {
   expect_ranks_fail_alike(errors, "query heads (4) must be a multiple of kv heads (3)");
 }
 
+// forward_parts (q, k, v as head parts, o back as parts) equals forward, forward and backward:
+// uneven heads and tokens, GQA with kv heads replicated over ranks, one collective or
+// pipelined messages.
+TEST(DistributedAttention, ForwardPartsMatchesForward) {
+  struct Setup {
+    int P;
+    int64_t hq, hkv, S, message_bytes;
+  };
+  for (const Setup& c : {Setup{2, 6, 3, 9, 0}, Setup{3, 7, 7, 13, 0}, Setup{4, 8, 2, 13, 0},
+                         Setup{4, 8, 2, 13, 64}, Setup{3, 6, 2, 10, 200}}) {
+    expect_ranks_succeed(c.P, [&](Group& world) {
+      GroupOptions go = world.options();
+      if (c.message_bytes > 0) {
+        go.pipeline_min_bytes = 0;
+        go.message_bytes = c.message_bytes;
+      }
+      const Group g = world.with_options(go);
+      const auto seq = SequencePartition::even(c.S, c.P);
+      const Range mine = seq.range(g.rank());
+      AttentionOptions options;
+      options.q_heads = c.hq;
+      options.kv_heads = c.hkv;
+      options.causal = true;
+      DistributedAttention attention(g, options);
+      auto shard = [&](int64_t h, uint64_t seed) {
+        return seeded_randn({2, c.S, h, 8}, seed).narrow(1, mine.begin, mine.size()).contiguous();
+      };
+      at::Tensor q = shard(c.hq, 1).requires_grad_(), k = shard(c.hkv, 2).requires_grad_(),
+                 v = shard(c.hkv, 3).requires_grad_();
+      at::Tensor qr = q.detach().clone().requires_grad_(), kr = k.detach().clone().requires_grad_(),
+                 vr = v.detach().clone().requires_grad_();
+      at::Tensor ref = attention(qr, kr, vr);
+      const HeadPartition& heads = *attention.partition();
+      auto parts = [](const at::Tensor& x, const std::vector<Range>& ranges) {
+        std::vector<at::Tensor> out;
+        for (const Range& r : ranges) out.push_back(x.narrow(2, r.begin, r.size()));
+        return out;
+      };
+      const auto o = attention.forward_parts(
+          parts(q, heads.q_ranges()), parts(k, heads.kv_ranges()), parts(v, heads.kv_ranges()));
+      ASSERT_EQ(o.size(), static_cast<size_t>(c.P));
+      at::Tensor got = at::cat(o, 2);
+      EXPECT_LT(rel_error(got, ref), 1e-6) << where(g, q);
+      at::Tensor w = seeded_randn(ref.sizes(), 10 + g.rank());
+      (ref * w).sum().backward();
+      (got * w).sum().backward();
+      EXPECT_LT(rel_error(q.grad(), qr.grad()), 1e-5) << where(g, q);
+      EXPECT_LT(rel_error(k.grad(), kr.grad()), 1e-5) << where(g, q);
+      EXPECT_LT(rel_error(v.grad(), vr.grad()), 1e-5) << where(g, q);
+    });
+  }
+}
+
+TEST(DistributedAttention, WrongPartOnOneRankFailsAlike) {
+  auto errors = run_ranks(2, [](Group& g) {
+    AttentionOptions options;
+    options.q_heads = 4;
+    options.kv_heads = 2;
+    DistributedAttention attention(g, options);
+    at::Tensor kv = seeded_randn({1, 3, 1, 8}, 2);
+    // Rank 1's first q part has 1 head instead of 2.
+    at::Tensor q0 = seeded_randn({1, 3, g.rank() == 1 ? 1 : 2, 8}, 1);
+    at::Tensor q1 = seeded_randn({1, 3, 2, 8}, 3);
+    attention.forward_parts({q0, q1}, {kv, kv}, {kv, kv});
+  });
+  expect_ranks_fail_alike(errors,
+                          "forward_parts: q part 0 must be 4-D (BSHD) with 2 heads in dim 2");
+}
+
+TEST(DistributedAttention, ForwardPartsNeedsTheHeadCounts) {
+  auto errors = run_ranks(2, [](Group& g) {
+    DistributedAttention attention(g);
+    at::Tensor x = seeded_randn({1, 3, 1, 8}, 1);
+    attention.forward_parts({x, x}, {x, x}, {x, x});
+  });
+  expect_ranks_fail_alike(errors, "give q_heads and kv_heads in the options");
+}
+
 }  // namespace
 }  // namespace ulysses

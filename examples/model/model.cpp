@@ -49,18 +49,22 @@ BlockImpl::BlockImpl(const ModelConfig& c, const Group& sp_group, const Group& r
 
 at::Tensor BlockImpl::forward(const at::Tensor& x, const at::Tensor& positions,
                               StepContext* context) {
-  const int64_t B = x.size(0), S = x.size(1), D = config_.head_dim();
+  // q, k, v are projected per destination rank (head parts): each GEMM's output is the message
+  // to its rank, and o's parts go through wo as they arrive, so nothing is packed or unpacked.
+  const HeadPartition& heads = *attention_.partition();
   at::Tensor h = attn_norm_(x);
-  at::Tensor q =
-      apply_rotary(wq_(h).view({B, S, config_.q_heads, D}), positions, config_.rope_theta);
-  at::Tensor k =
-      apply_rotary(wk_(h).view({B, S, config_.kv_heads, D}), positions, config_.rope_theta);
-  at::Tensor v = wv_(h).view({B, S, config_.kv_heads, D});
+  auto rotated = [&](std::vector<at::Tensor> parts) {
+    for (at::Tensor& p : parts) p = apply_rotary(p, positions, config_.rope_theta);
+    return parts;
+  };
+  const auto q = rotated(project_head_parts(h, wq_->weight, {}, heads.q_ranges()));
+  const auto k = rotated(project_head_parts(h, wk_->weight, {}, heads.kv_ranges()));
+  const auto v = project_head_parts(h, wv_->weight, {}, heads.kv_ranges());
   AttentionInputs in;
   in.context = context;
   if (config_.packed) in.positions = positions;
-  at::Tensor o = attention_(q, k, v, in).reshape({B, S, config_.q_heads * D});
-  at::Tensor y = x + wo_(o);
+  const auto o = attention_.forward_parts(q, k, v, in);
+  at::Tensor y = x + project_from_head_parts(o, wo_->weight, heads.q_ranges());
   at::Tensor m = mlp_norm_(y);
   return y + w2_(torch::silu(w1_(m)) * w3_(m));
 }

@@ -105,6 +105,15 @@ class DistributedAttention {
                         const AttentionInputs& inputs = {}) {
     return forward(q, k, v, inputs);
   }
+  // The same attention with q, k, v given as head parts (all_to_all.h: part j holds the heads
+  // rank j of the group gets, as project_head_parts makes them) and o returned as parts
+  // (project_from_head_parts takes them): nothing is packed or unpacked around the
+  // all-to-alls. The head counts must be in the options (parts do not show the totals).
+  // Parts that do not fit the partition on any rank raise the same error on every rank.
+  std::vector<at::Tensor> forward_parts(const std::vector<at::Tensor>& q,
+                                        const std::vector<at::Tensor>& k,
+                                        const std::vector<at::Tensor>& v,
+                                        const AttentionInputs& inputs = {});
 
   // The head partition (set from the options, or after the first call).
   const c10::optional<HeadPartition>& partition() const { return partition_; }
@@ -113,6 +122,11 @@ class DistributedAttention {
   const Group& ring() const { return ring_; }
 
  private:
+  // forward's body. With `parts` ({q, k, v} parts), q, k, v are stand-ins (their full shapes,
+  // dtype and device, no data) for the checks, and o comes back as parts.
+  std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const std::vector<std::vector<at::Tensor>>* parts,
+                                 const AttentionInputs& in);
   // The ring ranks' agreement on a call (raising alike on every rank), and its layout.
   RingLayout agree_ring(const AllToAllPlan& plan, const at::Tensor& q, const at::Tensor& k,
                         const at::Tensor& v, const AttentionInputs& in) const;
