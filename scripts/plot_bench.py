@@ -30,11 +30,14 @@ def plot_a2a(records):
         return
     labels = [f"S={r['seq_len']}\n{r['heads']} {r['q_heads']}/{r['kv_heads']}" for r in recs]
     x = range(len(recs))
-    w = 0.27
+    w = 0.21
     fig, ax = plt.subplots(figsize=(max(6, len(recs) * 1.3), 4))
-    ax.bar([i - w for i in x], [r["raw_ms"] for r in recs], w, label="raw all_to_all (lower bound)")
-    ax.bar(x, [r["ours_ms"] for r in recs], w, label="ulysses")
-    ax.bar([i + w for i in x], [r.get("reference_ms", 0) for r in recs], w,
+    ax.bar([i - 1.5 * w for i in x], [r["raw_ms"] for r in recs], w,
+           label="raw all_to_all (same bytes, flat buffers)")
+    ax.bar([i - 0.5 * w for i in x], [r["ours_ms"] for r in recs], w, label="ulysses")
+    ax.bar([i + 0.5 * w for i in x], [r.get("parts_ms", 0) for r in recs], w,
+           label="ulysses, head parts (projected per rank)")
+    ax.bar([i + 1.5 * w for i in x], [r.get("reference_ms", 0) for r in recs], w,
            label="reference algorithm")
     ax.set_xticks(list(x))
     ax.set_xticklabels(labels, fontsize=8)
