@@ -25,18 +25,35 @@ Inputs make_inputs(int64_t B, int64_t Hq, int64_t Hkv, int64_t S, int64_t D, at:
           at::randn({B, Hkv, S, D}, gen).to(t).requires_grad_(), at::randn({B, Hq, S, D}, gen)};
 }
 
+// Position ids of `documents` packed documents of equal length (the last may be shorter), or
+// none for one document.
+c10::optional<at::Tensor> packed_positions(int64_t S, int64_t documents) {
+  if (documents <= 1) return c10::nullopt;
+  return at::arange(S, at::kLong) % ((S + documents - 1) / documents);
+}
+
 // One forward and backward pass of `attention` on `in`.
 void step(const LocalAttention& attention, Inputs& in, const std::vector<int64_t>& kv_map,
-          bool causal) {
+          bool causal, const c10::optional<at::Tensor>& positions) {
   for (at::Tensor* t : {&in.q, &in.k, &in.v}) t->mutable_grad().reset();
-  at::Tensor o = attention({in.q, in.k, in.v, kv_map, c10::nullopt, c10::nullopt, causal, 0.0});
+  at::Tensor o = attention({in.q, in.k, in.v, kv_map, c10::nullopt, positions, causal, 0.0});
   (o.to(at::kFloat) * in.w).sum().backward();
 }
 
 // torch's SDPA on the same BHSD inputs: its CPU flash path (the anchor of the kernel's speed).
-at::Tensor sdpa_attention(const LocalAttentionArgs& a) {
-  return at::scaled_dot_product_attention(a.q, a.k, a.v, c10::nullopt, 0.0, a.causal, c10::nullopt,
-                                          /*enable_gqa=*/a.q.size(1) != a.k.size(1));
+// Packed documents, which SDPA has no notion of, become a bool mask (with the causal rule in
+// it: SDPA takes a mask or is_causal), built outside the timed step.
+LocalAttention sdpa_attention(const c10::optional<at::Tensor>& positions, int64_t S, bool causal) {
+  c10::optional<at::Tensor> mask;
+  if (positions) {
+    mask = document_mask(*positions).view({1, 1, S, S});
+    if (causal) mask = *mask & at::ones({S, S}, at::kBool).tril();
+  }
+  return [mask](const LocalAttentionArgs& a) {
+    return at::scaled_dot_product_attention(a.q, a.k, a.v, mask, 0.0, a.causal && !mask,
+                                            c10::nullopt,
+                                            /*enable_gqa=*/a.q.size(1) != a.k.size(1));
+  };
 }
 
 double matmul_gflops(int64_t n) {
@@ -53,6 +70,7 @@ struct AttentionBench {
   at::ScalarType dtype = at::kFloat;
   std::vector<bool> causal_modes;
   int threads = 2, repeats = 3;
+  int64_t documents = 1;  // Packed documents of equal length per sequence.
   bool memory = false, no_math = false;
   double math_limit_gb = 0;
   std::string json, measure_peak;  // measure_peak: internal child mode (--memory's child).
@@ -71,6 +89,7 @@ AttentionBench parse(const Argv& argv) {
   o.dtype_name = args.str("--dtype", "float32");
   const std::string causal = args.str("--causal", "both");
   o.threads = static_cast<int>(args.integer("--threads", 2, 1, 1024));
+  o.documents = args.integer("--documents", 1, 1);
   o.repeats = static_cast<int>(args.integer("--repeats", 3, 1, 100000));
   o.memory = args.has("--memory");
   o.no_math = args.has("--no-math");
@@ -95,13 +114,17 @@ AttentionBench parse(const Argv& argv) {
 // Peak memory one fwd+bwd of `impl` ("fused" or "math") adds, measured in a fresh process.
 int64_t peak_of(const AttentionBench& o, const Runtime& runtime, const std::string& impl, int64_t S,
                 bool causal) {
-  return bench::peak_in_child(
-      runtime.self,
-      {"bench",      "attention",           "--measure-peak", impl,
-       "--seq-lens", std::to_string(S),     "--causal",       causal ? "1" : "0",
-       "--batch",    std::to_string(o.B),   "--q-heads",      std::to_string(o.Hq),
-       "--kv-heads", std::to_string(o.Hkv), "--head-dim",     std::to_string(o.D),
-       "--dtype",    o.dtype_name,          "--threads",      std::to_string(o.threads)});
+  return bench::peak_in_child(runtime.self, {"bench",          "attention",
+                                             "--measure-peak", impl,
+                                             "--seq-lens",     std::to_string(S),
+                                             "--causal",       causal ? "1" : "0",
+                                             "--batch",        std::to_string(o.B),
+                                             "--q-heads",      std::to_string(o.Hq),
+                                             "--kv-heads",     std::to_string(o.Hkv),
+                                             "--head-dim",     std::to_string(o.D),
+                                             "--dtype",        o.dtype_name,
+                                             "--threads",      std::to_string(o.threads),
+                                             "--documents",    std::to_string(o.documents)});
 }
 
 // One case: the fused kernel (and the math reference where it fits in memory), timed side by
@@ -112,20 +135,26 @@ bench::Record measure(const AttentionBench& o, const Runtime& runtime, int64_t S
     return flash_attention(a, o.blocks);
   };
   Inputs in = make_inputs(o.B, o.Hq, o.Hkv, S, o.D, o.dtype);
-  // Useful FLOPs of forward (2 matmuls) + backward (4), halved by causality.
-  const double flops = 12.0 * o.B * o.Hq * S * S * o.D * (causal ? 0.5 : 1.0);
+  const auto positions = packed_positions(S, o.documents);
+  const LocalAttention sdpa = sdpa_attention(positions, S, causal);
+  // Useful FLOPs of forward (2 matmuls) + backward (4), halved by causality, and over the
+  // allowed (query, key) pairs: 1 / documents of them when packed.
+  const double flops = 12.0 * o.B * o.Hq * S * S * o.D * (causal ? 0.5 : 1.0) /
+                       static_cast<double>(std::min(o.documents, S));
   const double math_bytes = 6.0 * 4 * o.B * o.Hq * S * S;  // ~6 live [B,H,S,S] fp32 tensors.
   const bool run_math = !o.no_math && math_bytes / 1e9 < o.math_limit_gb;
   bench::Record r;
   r.add("seq_len", S).add("batch", o.B).add("q_heads", o.Hq).add("kv_heads", o.Hkv);
   r.add("head_dim", o.D).add("dtype", o.dtype_name).add("causal", causal);
-  const auto f = bench::time_ms([&] { step(fused, in, o.kv_map, causal); }, 1, o.repeats);
+  r.add("documents", o.documents);
+  const auto f =
+      bench::time_ms([&] { step(fused, in, o.kv_map, causal, positions); }, 1, o.repeats);
   r.add("fused", f);
-  const auto t = bench::time_ms([&] { step(sdpa_attention, in, o.kv_map, causal); }, 1, o.repeats);
+  const auto t = bench::time_ms([&] { step(sdpa, in, o.kv_map, causal, positions); }, 1, o.repeats);
   r.add("sdpa", t).add("sdpa_over_fused", t.median / f.median);
   if (run_math) {
-    const auto m =
-        bench::time_ms([&] { step(math_attention, in, o.kv_map, causal); }, 1, o.repeats);
+    const auto m = bench::time_ms([&] { step(math_attention, in, o.kv_map, causal, positions); }, 1,
+                                  o.repeats);
     r.add("math", m).add("math_over_fused", m.median / f.median);
   }
   const double gflops = flops / (f.median * 1e6);
@@ -170,15 +199,20 @@ int bench_attention_main(const Argv& argv, const Runtime& runtime) {
   const AttentionBench o = parse(argv);
   at::set_num_threads(o.threads);
   if (!o.measure_peak.empty()) {  // Child of --memory: one case, one implementation.
-    const LocalAttention impl = o.measure_peak == "math"   ? LocalAttention(math_attention)
-                                : o.measure_peak == "sdpa" ? LocalAttention(sdpa_attention)
-                                                           : [&](const LocalAttentionArgs& a) {
-                                                               return flash_attention(a, o.blocks);
-                                                             };
+    const int64_t S = o.seq_lens.at(0);
+    const bool causal = o.causal_modes.at(0);
+    const auto positions = packed_positions(S, o.documents);
     Inputs in;
+    LocalAttention impl;
     const int64_t bytes = bench::peak_extra_bytes(
-        [&] { in = make_inputs(o.B, o.Hq, o.Hkv, o.seq_lens.at(0), o.D, o.dtype); },
-        [&] { step(impl, in, o.kv_map, o.causal_modes.at(0)); });
+        [&] {
+          in = make_inputs(o.B, o.Hq, o.Hkv, S, o.D, o.dtype);
+          impl = o.measure_peak == "math" ? LocalAttention(math_attention)
+                 : o.measure_peak == "sdpa"
+                     ? sdpa_attention(positions, S, causal)
+                     : [&](const LocalAttentionArgs& a) { return flash_attention(a, o.blocks); };
+        },
+        [&] { step(impl, in, o.kv_map, causal, positions); });
     std::cout << "peak_extra_bytes: " << bytes << std::endl;
     return 0;
   }
@@ -199,7 +233,8 @@ int bench_attention_main(const Argv& argv, const Runtime& runtime) {
     }
   }
   std::cout << "\nsummary (B=" << o.B << " Hq=" << o.Hq << " Hkv=" << o.Hkv << " D=" << o.D << " "
-            << o.dtype_name << ", " << o.threads << " threads, median of " << o.repeats << ")\n";
+            << o.dtype_name << ", " << o.documents << " document(s) per sequence, " << o.threads
+            << " threads, median of " << o.repeats << ")\n";
   bench::print_table(records, kColumns);
   print_causal_speedups(records);
   if (!o.json.empty()) bench::write_json(o.json, records);

@@ -60,11 +60,12 @@ struct Side {
   std::vector<at::Tensor> tensors;
   bool by_peer = false;
   Layout layout = Layout::kBSHD;
+  int64_t peers = 1;  // Parts are [tensor][peer], flattened: tensors[t * peers + peer].
 
   // Tokens [first, first + count) of block `b` (counted from its first token), of batch entry
   // `batch` (-1: all).
   at::Tensor view(const ExchangeBlock& b, int64_t batch, int64_t first, int64_t count) const {
-    at::Tensor t = tensors[by_peer ? b.peer : b.tensor];
+    at::Tensor t = tensors[by_peer ? b.tensor * peers + b.peer : b.tensor];
     if (batch >= 0) t = t.narrow(batch_dim(layout), batch, 1);
     t = t.narrow(seq_dim(layout), (by_peer ? 0 : b.tokens.begin) + first, count);
     return by_peer ? t : t.narrow(head_dim(layout), b.heads.begin, b.heads.size());
@@ -86,11 +87,11 @@ Shapes shapes_of(const std::vector<at::Tensor>& xs) {
 // are summed), or one part per peer. `like` gives the other dims, per fused tensor.
 Side new_outputs(const Shapes& like, const at::TensorOptions& options, const ExchangePlan& plan,
                  Layout layout, bool by_peer, const Group& group) {
-  Side out{{}, by_peer, layout};
+  Side out{{}, by_peer, layout, group.size()};
   if (by_peer) {
-    out.tensors.resize(group.size());
+    out.tensors.resize(like.size() * group.size());
     for (const ExchangeBlock& b : plan.recv()) {
-      out.tensors[b.peer] = group.new_buffer(
+      out.tensors[b.tensor * group.size() + b.peer] = group.new_buffer(
           shape_with(like[b.tensor], layout, b.tokens.size(), b.heads.size()), options);
     }
     return out;
@@ -252,7 +253,7 @@ void exchange_pipelined(const Side& in, const Side& out, const ExchangePlan& pla
 std::vector<at::Tensor> exchange(const std::vector<at::Tensor>& xs, bool parts_in,
                                  const ExchangePlan& plan, Layout layout, bool parts_out,
                                  const Shapes& like, const Group& group) {
-  const Side in{xs, parts_in, layout};
+  const Side in{xs, parts_in, layout, group.size()};
   Side out = new_outputs(like, xs[0].options(), plan, layout, parts_out, group);
   const int64_t bytes_per_rank = plan.total_elements() * xs[0].element_size() / group.size();
   if (xs[0].device().is_cpu() && bytes_per_rank >= group.options().pipeline_min_bytes) {
@@ -286,8 +287,10 @@ std::vector<at::Tensor> exchange_with_backward(const char* node, const std::vect
     at::NoGradGuard no_grad;
     outs = exchange(xs, parts_in, forward, layout, parts_out, like, group);
   }
-  // Gradients take the inputs' other dims: each fused tensor's own, or the parts' (all alike).
-  const Shapes grad_like = shapes_of(parts_in ? std::vector<at::Tensor>{xs[0]} : xs);
+  // Gradients take the inputs' other dims: each fused tensor's own, or its parts' (all alike).
+  std::vector<at::Tensor> firsts;
+  for (size_t i = 0; i < xs.size(); i += parts_in ? group.size() : 1) firsts.push_back(xs[i]);
+  const Shapes grad_like = shapes_of(firsts);
   detail::attach_backward(xs, outs, node,
                           [backward = forward.reversed(), layout, parts_in, parts_out, grad_like,
                            group](std::vector<at::Tensor>&& grads) {
@@ -488,13 +491,30 @@ at::Tensor gather_heads(const at::Tensor& y, Heads heads, const AllToAllPlan& pl
   return gather_heads(std::vector<at::Tensor>{y}, {heads}, plan, group)[0];
 }
 
+std::vector<at::Tensor> scatter_head_parts(const std::vector<std::vector<at::Tensor>>& parts,
+                                           const std::vector<Heads>& kinds,
+                                           const AllToAllPlan& plan, const Group& group) {
+  TORCH_CHECK_VALUE(!parts.empty() && parts.size() == kinds.size(),
+                    "scatter_head_parts: need one Heads kind per tensor; got ", parts.size(),
+                    " tensors and ", kinds.size(), " kinds");
+  std::vector<at::Tensor> flat, firsts;
+  for (size_t t = 0; t < parts.size(); ++t) {
+    check_parts("scatter_head_parts", parts[t], kinds[t], plan, group);
+    TORCH_CHECK_TYPE(parts[t][0].scalar_type() == parts[0][0].scalar_type(),
+                     "scatter_head_parts: fused tensors must share a dtype; got ",
+                     parts[t][0].scalar_type(), " and ", parts[0][0].scalar_type());
+    flat.insert(flat.end(), parts[t].begin(), parts[t].end());
+    firsts.push_back(parts[t][0]);
+  }
+  if (group.size() == 1) return firsts;
+  return exchange_with_backward("ScatterHeadPartsBackward", flat, /*parts_in=*/true,
+                                seq_to_heads_plan(firsts, kinds, plan, group), plan.layout,
+                                /*parts_out=*/false, shapes_of(firsts), group);
+}
+
 at::Tensor scatter_head_parts(const std::vector<at::Tensor>& parts, Heads heads,
                               const AllToAllPlan& plan, const Group& group) {
-  check_parts("scatter_head_parts", parts, heads, plan, group);
-  if (group.size() == 1) return parts[0];
-  return exchange_with_backward("ScatterHeadPartsBackward", parts, /*parts_in=*/true,
-                                seq_to_heads_plan({parts[0]}, {heads}, plan, group), plan.layout,
-                                /*parts_out=*/false, shapes_of({parts[0]}), group)[0];
+  return scatter_head_parts(std::vector<std::vector<at::Tensor>>{parts}, {heads}, plan, group)[0];
 }
 
 std::vector<at::Tensor> gather_head_parts(const at::Tensor& y, Heads heads,

@@ -260,7 +260,9 @@ std::vector<at::Tensor> DistributedAttention::attend(
   }
   const std::vector<Heads> kinds{Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue};
   std::vector<at::Tensor> qkv;
-  if (parts) {
+  if (parts && options_.fuse_qkv) {
+    qkv = scatter_head_parts(*parts, kinds, plan, group_);
+  } else if (parts) {
     for (size_t i = 0; i < 3; ++i)
       qkv.push_back(scatter_head_parts((*parts)[i], kinds[i], plan, group_));
   } else if (options_.fuse_qkv) {

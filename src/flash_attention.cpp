@@ -100,7 +100,7 @@ struct Problem {
   std::vector<int64_t> kv_map;  // Local kv head of each query head.
   bool causal = false;
   float scale = 1.0f;
-  int64_t bq = 64, bk = 128;
+  int64_t bq = 128, bk = 256;
   int64_t B = 0, Hq = 0, Hkv = 0, Sq = 0, Sk = 0, D = 0, Dv = 0;
 
   const int64_t* qi() const { return q_index.data_ptr<int64_t>(); }
@@ -347,8 +347,8 @@ Problem make_problem(const LocalAttentionArgs& a, const FlashOptions& options) {
   p.bq = options.block_q;
   p.bk = options.block_k;
   if (p.bk == 0) {
-    const int64_t fit = (int64_t{1} << 18) / (p.bq * std::max(p.D, p.Dv));
-    p.bk = std::max<int64_t>(16, std::min<int64_t>(128, fit / 16 * 16));
+    const int64_t fit = (int64_t{1} << 21) / (p.bq * std::max(p.D, p.Dv));
+    p.bk = std::max<int64_t>(16, std::min<int64_t>(256, fit / 16 * 16));
   }
   const std::vector<int64_t> full{p.B, p.Hq, p.Sq, p.Sk};
   if (a.mask) {

@@ -205,6 +205,22 @@ void check_parts_match_whole_tensors(const Case& c) {
       }
       EXPECT_LT(rel_error(summed, x.grad()), 1e-6) << where(g, x);
     }
+    // Q and K parts fused into one exchange.
+    {
+      at::Tensor Xq = seeded_randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 75);
+      at::Tensor Xk = seeded_randn(full_shape(c.layout, c.B, c.S, c.hkv, c.D), 76);
+      at::Tensor xq = Xq.narrow(sdim, mine.begin, mine.size()).contiguous();
+      at::Tensor xk = Xk.narrow(sdim, mine.begin, mine.size()).contiguous();
+      auto split = [&](const at::Tensor& x, Heads kind) {
+        std::vector<at::Tensor> out;
+        for (const Range& r : plan.ranges(kind)) out.push_back(x.narrow(hdim, r.begin, r.size()));
+        return out;
+      };
+      const auto fused = scatter_head_parts({split(xq, Heads::kQuery), split(xk, Heads::kKeyValue)},
+                                            {Heads::kQuery, Heads::kKeyValue}, plan, g);
+      const auto whole = scatter_heads({xq, xk}, {Heads::kQuery, Heads::kKeyValue}, plan, g);
+      EXPECT_TRUE(fused[0].equal(whole[0]) && fused[1].equal(whole[1])) << where(g, xq);
+    }
     // Gather into parts (query heads: no replicas).
     const Range heads = part.q_range(me);
     at::Tensor Y = seeded_randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 73);

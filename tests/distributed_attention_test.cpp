@@ -352,9 +352,11 @@ TEST(DistributedAttention, ForwardPartsMatchesForward) {
   struct Setup {
     int P;
     int64_t hq, hkv, S, message_bytes;
+    bool fuse = true;
   };
-  for (const Setup& c : {Setup{2, 6, 3, 9, 0}, Setup{3, 7, 7, 13, 0}, Setup{4, 8, 2, 13, 0},
-                         Setup{4, 8, 2, 13, 64}, Setup{3, 6, 2, 10, 200}}) {
+  for (const Setup& c :
+       {Setup{2, 6, 3, 9, 0}, Setup{3, 7, 7, 13, 0}, Setup{4, 8, 2, 13, 0},
+        Setup{4, 8, 2, 13, 0, false}, Setup{4, 8, 2, 13, 64}, Setup{3, 6, 2, 10, 200, false}}) {
     expect_ranks_succeed(c.P, [&](Group& world) {
       GroupOptions go = world.options();
       if (c.message_bytes > 0) {
@@ -368,6 +370,7 @@ TEST(DistributedAttention, ForwardPartsMatchesForward) {
       options.q_heads = c.hq;
       options.kv_heads = c.hkv;
       options.causal = true;
+      options.fuse_qkv = c.fuse;
       DistributedAttention attention(g, options);
       auto shard = [&](int64_t h, uint64_t seed) {
         return seeded_randn({2, c.S, h, 8}, seed).narrow(1, mine.begin, mine.size()).contiguous();

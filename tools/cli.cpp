@@ -37,7 +37,8 @@ const Usage kUsages[] = {
     {"bench attention",
      "[--seq-lens 1024,4096] [--batch 1] [--q-heads 8] [--kv-heads 2] [--head-dim 64]\n"
      "        [--dtype float32|bfloat16] [--causal 0|1|both] [--threads 2] [--repeats 3]\n"
-     "        [--memory] [--no-math] [--math-limit-gb G] [--block-q 64] [--block-k 0]\n"
+     "        [--documents 1] [--memory] [--no-math] [--math-limit-gb G] [--block-q 128]\n"
+     "        [--block-k 0]\n"
      "        [--json FILE]",
      "fused local attention kernel vs torch's SDPA and the math reference (time, memory)"},
     {"bench a2a",

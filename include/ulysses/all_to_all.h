@@ -85,6 +85,10 @@ std::vector<at::Tensor> gather_heads(const std::vector<at::Tensor>& ys,
 // cat (parts for replicated kv heads repeat them). Differentiable.
 at::Tensor scatter_head_parts(const std::vector<at::Tensor>& parts, Heads heads,
                               const AllToAllPlan& plan, const Group& group);
+// Fused form: several tensors' parts (e.g. Q, K, V) in one exchange. Same dtype required.
+std::vector<at::Tensor> scatter_head_parts(const std::vector<std::vector<at::Tensor>>& parts,
+                                           const std::vector<Heads>& heads,
+                                           const AllToAllPlan& plan, const Group& group);
 // gather_heads into parts: part j is rank j's heads R[j] on this rank's tokens. Replicated kv
 // heads stay in their own parts (gather_heads sums them). Differentiable.
 std::vector<at::Tensor> gather_head_parts(const at::Tensor& y, Heads heads,
