@@ -8,6 +8,10 @@ mkdir -p docs
 $u bench a2a --nproc 2 --seq-lens 256,512,1024,2048,16384 --repeats 7 --json docs/bench_a2a.json
 $u bench attention --seq-lens 1024,2048,4096 --repeats 3 --json docs/bench_attention.json
 $u bench attention --seq-lens 8192 --no-math --repeats 2 --json docs/bench_attention_8192.json
+$u bench attention --seq-lens 4096 --documents 8 --no-math --repeats 3 \
+  --json docs/bench_attention_documents.json
+$u bench attention --seq-lens 4096 --causal both --no-math --repeats 3 --block-q 64 --block-k 128 \
+  --json docs/bench_attention_tiles_64x128.json
 $u bench attention --seq-lens 16384 --q-heads 1 --kv-heads 1 --causal 0 --repeats 1 --memory \
   --json docs/bench_attention_memory.json
 for p in 1 2 4; do
