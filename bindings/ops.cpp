@@ -87,6 +87,32 @@ at::Tensor sequence_lengths(const at::Tensor& x, int64_t dim, const std::string&
   return at::tensor(lengths, at::kLong);
 }
 
+// The arguments of a scatter op, parsed alike on every rank (raising on every rank through
+// fail_together_on_error).
+struct ScatterCall {
+  std::vector<Heads> kinds;
+  std::vector<Agreed> same;
+  Layout layout = Layout::kBSHD;
+  SequencePartition seq;
+  HeadPartition partition;
+};
+
+ScatterCall parse_scatter_call(const char* op, size_t tensors, c10::ArrayRef<std::string> heads,
+                               int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_lens,
+                               const std::string& layout, c10::ArrayRef<std::string> same_names,
+                               c10::IntArrayRef same_values, const Group& group) {
+  std::vector<Heads> kinds = parse_heads(heads);
+  TORCH_CHECK_VALUE(kinds.size() == tensors, op, ": ", tensors, " tensors but ", kinds.size(),
+                    " head kinds");
+  TORCH_CHECK_VALUE(same_names.size() == same_values.size(), op, ": ", same_names.size(),
+                    " names but ", same_values.size(), " values to agree on");
+  std::vector<Agreed> same;
+  for (size_t i = 0; i < same_names.size(); ++i) same.push_back({same_names[i], same_values[i]});
+  return {std::move(kinds), std::move(same), parse_layout(layout),
+          SequencePartition::from_lengths(seq_lens.vec()),
+          HeadPartition::make(q_heads, kv_heads, group.size())};
+}
+
 std::vector<at::Tensor> scatter_heads_op(at::TensorList xs, c10::ArrayRef<std::string> heads,
                                          int64_t q_heads, int64_t kv_heads,
                                          c10::IntArrayRef seq_lens, const std::string& layout,
@@ -94,41 +120,78 @@ std::vector<at::Tensor> scatter_heads_op(at::TensorList xs, c10::ArrayRef<std::s
                                          c10::ArrayRef<std::string> same_names,
                                          c10::IntArrayRef same_values) {
   const Group group = group_of(group_name, timeout_ms);
-  std::vector<Heads> kinds;
   std::vector<TensorSpec> specs;
-  std::vector<Agreed> same;
-  Layout parsed_layout = Layout::kBSHD;
-  c10::optional<SequencePartition> seq;
-  const HeadPartition partition = fail_together_on_error(group, [&] {
-    kinds = parse_heads(heads);
-    TORCH_CHECK_VALUE(kinds.size() == xs.size(), "scatter_heads: ", xs.size(), " tensors but ",
-                      kinds.size(), " head kinds");
+  const ScatterCall call = fail_together_on_error(group, [&] {
+    ScatterCall c = parse_scatter_call("scatter_heads", xs.size(), heads, q_heads, kv_heads,
+                                       seq_lens, layout, same_names, same_values, group);
     for (size_t i = 0; i < xs.size(); ++i)
-      specs.push_back({xs[i], kinds[i], "tensor " + std::to_string(i)});
-    TORCH_CHECK_VALUE(same_names.size() == same_values.size(), "scatter_heads: ", same_names.size(),
-                      " names but ", same_values.size(), " values to agree on");
-    for (size_t i = 0; i < same_names.size(); ++i) same.push_back({same_names[i], same_values[i]});
-    parsed_layout = parse_layout(layout);
-    seq = SequencePartition::from_lengths(seq_lens.vec());
-    return HeadPartition::make(q_heads, kv_heads, group.size());
+      specs.push_back({xs[i], c.kinds[i], "tensor " + std::to_string(i)});
+    return c;
   });
   // Checks every rank's tensors and the given split in one small collective before data moves.
-  const AllToAllPlan plan = agree_plan(group, partition, parsed_layout, specs, seq, same);
+  const AllToAllPlan plan =
+      agree_plan(group, call.partition, call.layout, specs, call.seq, call.same);
   at::NoGradGuard no_grad;
-  return fresh(scatter_heads(xs.vec(), kinds, plan, group), xs);
+  return fresh(scatter_heads(xs.vec(), call.kinds, plan, group), xs);
 }
 
-std::vector<at::Tensor> gather_heads_op(at::TensorList ys, c10::ArrayRef<std::string> heads,
-                                        int64_t q_heads, int64_t kv_heads,
-                                        c10::IntArrayRef seq_lens, const std::string& layout,
-                                        const std::string& group_name, int64_t timeout_ms) {
+// scatter_heads from head parts: `parts` holds tensor t's part for rank j at t * P + j.
+std::vector<at::Tensor> scatter_head_parts_op(
+    at::TensorList parts, c10::ArrayRef<std::string> heads, int64_t q_heads, int64_t kv_heads,
+    c10::IntArrayRef seq_lens, const std::string& layout, const std::string& group_name,
+    int64_t timeout_ms, c10::ArrayRef<std::string> same_names, c10::IntArrayRef same_values) {
+  const Group group = group_of(group_name, timeout_ms);
+  const auto P = static_cast<size_t>(group.size());
+  std::vector<std::vector<at::Tensor>> nested;
+  std::vector<TensorSpec> specs;
+  const ScatterCall call = fail_together_on_error(group, [&] {
+    ScatterCall c = parse_scatter_call("scatter_head_parts", parts.size() / P, heads, q_heads,
+                                       kv_heads, seq_lens, layout, same_names, same_values, group);
+    TORCH_CHECK_VALUE(parts.size() == c.kinds.size() * P, "scatter_head_parts: ", parts.size(),
+                      " parts for ", c.kinds.size(), " tensors over ", P, " ranks");
+    for (size_t t = 0; t < c.kinds.size(); ++t) {
+      nested.emplace_back(parts.begin() + t * P, parts.begin() + (t + 1) * P);
+      const std::string name = "tensor " + std::to_string(t);
+      specs.push_back({stand_in_for_parts(nested.back(), c.kinds[t], c.partition, c.layout,
+                                          "scatter_head_parts: " + name),
+                       c.kinds[t], name});
+    }
+    return c;
+  });
+  const AllToAllPlan plan =
+      agree_plan(group, call.partition, call.layout, specs, call.seq, call.same);
+  at::NoGradGuard no_grad;
+  return fresh(scatter_head_parts(nested, call.kinds, plan, group), parts);
+}
+
+// gather_heads, or with `parts` gather_head_parts (tensor t's part from rank j at t * P + j).
+std::vector<at::Tensor> gather_op(at::TensorList ys, c10::ArrayRef<std::string> heads,
+                                  int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_lens,
+                                  const std::string& layout, const std::string& group_name,
+                                  int64_t timeout_ms, bool parts) {
   const Group group = group_of(group_name, timeout_ms);
   const std::vector<Heads> kinds = parse_heads(heads);
   TORCH_CHECK_VALUE(kinds.size() == ys.size(), "gather_heads: ", ys.size(), " tensors but ",
                     kinds.size(), " head kinds");
   const AllToAllPlan plan = plan_of(q_heads, kv_heads, seq_lens, layout, group);
   at::NoGradGuard no_grad;
-  return fresh(gather_heads(ys.vec(), kinds, plan, group), ys);
+  return fresh(parts ? gather_head_parts(ys.vec(), kinds, plan, group)
+                     : gather_heads(ys.vec(), kinds, plan, group),
+               ys);
+}
+
+std::vector<at::Tensor> gather_heads_op(at::TensorList ys, c10::ArrayRef<std::string> heads,
+                                        int64_t q_heads, int64_t kv_heads,
+                                        c10::IntArrayRef seq_lens, const std::string& layout,
+                                        const std::string& group_name, int64_t timeout_ms) {
+  return gather_op(ys, heads, q_heads, kv_heads, seq_lens, layout, group_name, timeout_ms, false);
+}
+
+std::vector<at::Tensor> gather_head_parts_op(at::TensorList ys, c10::ArrayRef<std::string> heads,
+                                             int64_t q_heads, int64_t kv_heads,
+                                             c10::IntArrayRef seq_lens, const std::string& layout,
+                                             const std::string& group_name, int64_t timeout_ms) {
+  return gather_op(ys, heads, q_heads, kv_heads, seq_lens, layout, group_name, timeout_ms, true);
 }
 
 at::Tensor all_gather_sequence_op(const at::Tensor& x, int64_t dim, c10::IntArrayRef seq_lens,
@@ -250,6 +313,14 @@ TORCH_LIBRARY(ulysses, m) {
   m.def(
       "gather_heads(Tensor[] ys, str[] heads, int q_heads, int kv_heads, int[] seq_lens, "
       "str layout, str group, int timeout_ms) -> Tensor[]");
+  // Head parts (all_to_all.h): tensor t's part for (or from) rank j at t * P + j.
+  m.def(
+      "scatter_head_parts(Tensor[] parts, str[] heads, int q_heads, int kv_heads, "
+      "int[] seq_lens, str layout, str group, int timeout_ms, str[] same_names, "
+      "int[] same_values) -> Tensor[]");
+  m.def(
+      "gather_head_parts(Tensor[] ys, str[] heads, int q_heads, int kv_heads, int[] seq_lens, "
+      "str layout, str group, int timeout_ms) -> Tensor[]");
   m.def(
       "all_gather_sequence(Tensor x, int dim, int[] seq_lens, str group, int timeout_ms) -> "
       "Tensor");
@@ -290,6 +361,8 @@ TORCH_LIBRARY_IMPL(ulysses, CompositeExplicitAutograd, m) {
   m.impl("sequence_lengths", &sequence_lengths);
   m.impl("scatter_heads", &scatter_heads_op);
   m.impl("gather_heads", &gather_heads_op);
+  m.impl("scatter_head_parts", &scatter_head_parts_op);
+  m.impl("gather_head_parts", &gather_head_parts_op);
   m.impl("all_gather_sequence", &all_gather_sequence_op);
   m.impl("reduce_scatter_sequence", &reduce_scatter_sequence_op);
   m.impl("rebuild_mask", &rebuild_mask_op);

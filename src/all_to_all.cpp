@@ -517,13 +517,43 @@ at::Tensor scatter_head_parts(const std::vector<at::Tensor>& parts, Heads heads,
   return scatter_head_parts(std::vector<std::vector<at::Tensor>>{parts}, {heads}, plan, group)[0];
 }
 
+std::vector<at::Tensor> gather_head_parts(const std::vector<at::Tensor>& ys,
+                                          const std::vector<Heads>& kinds, const AllToAllPlan& plan,
+                                          const Group& group) {
+  check_against_plan("gather_head_parts", ys, kinds, plan, group, /*seq_sharded=*/false);
+  if (group.size() == 1) return ys;
+  return exchange_with_backward("GatherHeadPartsBackward", ys, /*parts_in=*/false,
+                                seq_to_heads_plan(ys, kinds, plan, group).reversed(), plan.layout,
+                                /*parts_out=*/true, shapes_of(ys), group);
+}
+
 std::vector<at::Tensor> gather_head_parts(const at::Tensor& y, Heads heads,
                                           const AllToAllPlan& plan, const Group& group) {
-  check_against_plan("gather_head_parts", {y}, {heads}, plan, group, /*seq_sharded=*/false);
-  if (group.size() == 1) return {y};
-  return exchange_with_backward("GatherHeadPartsBackward", {y}, /*parts_in=*/false,
-                                seq_to_heads_plan({y}, {heads}, plan, group).reversed(),
-                                plan.layout, /*parts_out=*/true, shapes_of({y}), group);
+  return gather_head_parts(std::vector<at::Tensor>{y}, {heads}, plan, group);
+}
+
+at::Tensor stand_in_for_parts(const std::vector<at::Tensor>& parts, Heads kind,
+                              const HeadPartition& partition, Layout layout,
+                              const std::string& who) {
+  const auto& ranges = kind == Heads::kQuery ? partition.q_ranges() : partition.kv_ranges();
+  const int64_t hdim = head_dim(layout);
+  TORCH_CHECK_VALUE(parts.size() == ranges.size(), who, " needs one part per rank (", ranges.size(),
+                    "); got ", parts.size());
+  bool grad = false;
+  for (size_t j = 0; j < parts.size(); ++j) {
+    const at::Tensor& p = parts[j];
+    bool ok = p.defined() && p.dim() == 4 && p.size(hdim) == ranges[j].size() &&
+              p.scalar_type() == parts[0].scalar_type() && p.device() == parts[0].device();
+    for (int64_t d = 0; ok && d < 4; ++d) ok = d == hdim || p.size(d) == parts[0].size(d);
+    TORCH_CHECK_VALUE(ok, who, " part ", j, " must be 4-D (", to_string(layout), ") with ",
+                      ranges[j].size(), " heads in dim ", hdim,
+                      " and part 0's other dims, dtype and device; got ",
+                      p.defined() ? shape_str(p.sizes()) : "undefined");
+    grad = grad || p.requires_grad();
+  }
+  std::vector<int64_t> shape = parts[0].sizes().vec();
+  shape[hdim] = ranges.back().end;
+  return parts[0].new_empty({1, 1, 1, 1}).requires_grad_(grad).expand(shape);
 }
 
 std::vector<at::Tensor> project_head_parts(const at::Tensor& x, const at::Tensor& weight,

@@ -159,36 +159,14 @@ std::vector<at::Tensor> DistributedAttention::forward_parts(const std::vector<at
                                                             const std::vector<at::Tensor>& k,
                                                             const std::vector<at::Tensor>& v,
                                                             const AttentionInputs& in) {
-  const int64_t hdim = head_dim(options_.layout);
-  // A stand-in of the whole tensor the parts split (one element, expanded) for the checks
-  // and the agreement that follow.
-  auto stand_in = [&](const std::vector<at::Tensor>& parts, Heads kind, const char* name) {
-    const auto& ranges = kind == Heads::kQuery ? partition_->q_ranges() : partition_->kv_ranges();
-    TORCH_CHECK_VALUE(parts.size() == ranges.size(), "DistributedAttention::forward_parts: ", name,
-                      " needs one part per rank (", ranges.size(), "); got ", parts.size());
-    bool grad = false;
-    for (size_t j = 0; j < parts.size(); ++j) {
-      const at::Tensor& p = parts[j];
-      bool ok = p.defined() && p.dim() == 4 && p.size(hdim) == ranges[j].size() &&
-                p.scalar_type() == parts[0].scalar_type() && p.device() == parts[0].device();
-      for (int64_t d = 0; ok && d < 4; ++d) ok = d == hdim || p.size(d) == parts[0].size(d);
-      TORCH_CHECK_VALUE(ok, "DistributedAttention::forward_parts: ", name, " part ", j,
-                        " must be 4-D (", to_string(options_.layout), ") with ", ranges[j].size(),
-                        " heads in dim ", hdim, " and part 0's other dims, dtype and device; got ",
-                        p.defined() ? p.sizes() : at::IntArrayRef{});
-      grad = grad || p.requires_grad();
-    }
-    std::vector<int64_t> shape = parts[0].sizes().vec();
-    shape[hdim] = ranges.back().end;
-    return parts[0].new_empty({1, 1, 1, 1}).requires_grad_(grad).expand(shape);
-  };
   at::Tensor qs, ks, vs;
   try {
     TORCH_CHECK_VALUE(partition_, "DistributedAttention::forward_parts: give q_heads and kv_heads ",
                       "in the options (parts do not show the totals)");
-    qs = stand_in(q, Heads::kQuery, "q");
-    ks = stand_in(k, Heads::kKeyValue, "k");
-    vs = stand_in(v, Heads::kKeyValue, "v");
+    const std::string who = "DistributedAttention::forward_parts: ";
+    qs = stand_in_for_parts(q, Heads::kQuery, *partition_, options_.layout, who + "q");
+    ks = stand_in_for_parts(k, Heads::kKeyValue, *partition_, options_.layout, who + "k");
+    vs = stand_in_for_parts(v, Heads::kKeyValue, *partition_, options_.layout, who + "v");
   } catch (const std::exception&) {
     group_.fail_together(std::current_exception());
   }

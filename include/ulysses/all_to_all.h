@@ -93,6 +93,18 @@ std::vector<at::Tensor> scatter_head_parts(const std::vector<std::vector<at::Ten
 // heads stay in their own parts (gather_heads sums them). Differentiable.
 std::vector<at::Tensor> gather_head_parts(const at::Tensor& y, Heads heads,
                                           const AllToAllPlan& plan, const Group& group);
+// Fused form: the parts of every tensor, flattened: tensor t's part j at t * P + j.
+std::vector<at::Tensor> gather_head_parts(const std::vector<at::Tensor>& ys,
+                                          const std::vector<Heads>& heads, const AllToAllPlan& plan,
+                                          const Group& group);
+// A stand-in for the whole tensor that `parts` split (one part per rank, by `partition`'s
+// ranges of `heads` in `layout`): one element expanded to the whole shape, with the parts'
+// dtype, device and requires-grad, for agree_plan to check and agree on without the data.
+// Raises c10::ValueError naming `who` when the parts do not fit the partition (a local check:
+// run it where a failure reaches every rank, e.g. inside Group::agree or fail_together).
+at::Tensor stand_in_for_parts(const std::vector<at::Tensor>& parts, Heads heads,
+                              const HeadPartition& partition, Layout layout,
+                              const std::string& who);
 
 // The projections that make and take parts (BSHD): one GEMM per rank instead of one in all,
 // the same FLOPs. `ranges` are the head ranges by rank (AllToAllPlan::ranges).

@@ -167,19 +167,55 @@ class DistributedAttention(nn.Module):
             if self.kv_heads is None:
                 self.kv_heads = k.shape[self.head_dim]
         hq, hkv = self.q_heads, self.kv_heads
+        seq_lens = self._seq_lens(q, seq_lens)
+        args = (hq, hkv, seq_lens)
+        # Everything that decides which collectives follow is agreed in the scatter's round: a
+        # rank whose call differs fails together with the others instead of hanging them.
+        names, values = _agreed_call_values(q, k, v, mask, position_ids, self.causal, step)
+        qh, kh, vh = O._ops.scatter_heads([q, k, v], ["q", "kv", "kv"], *args, self.layout,
+                                          self.group_name, self.timeout_ms, names, values)
+        o = self._attend(qh, kh, vh, mask, position_ids, args, step)
+        return O._ops.gather_heads([o], ["q"], *args, self.layout, self.group_name, self.timeout_ms)[0]
+
+    def forward_parts(self, q: Sequence[torch.Tensor], k: Sequence[torch.Tensor],
+                      v: Sequence[torch.Tensor], mask: torch.Tensor | None = None,
+                      position_ids: torch.Tensor | None = None, seq_lens: Sequence[int] | None = None,
+                      step: StepContext | None = None) -> list[torch.Tensor]:
+        """``forward`` with q, k, v as head parts and o returned as parts: part ``j`` holds the
+        heads rank ``j`` gets (``ulysses.project_head_parts`` makes them from a projection's
+        weight, ``ulysses.project_from_head_parts`` takes o's), so nothing is packed or
+        unpacked around the all-to-alls. Needs ``q_heads`` and ``kv_heads`` at construction
+        (parts do not show the totals); parts that do not fit raise the same error on every
+        rank."""
+        if self.q_heads is None or self.kv_heads is None:
+            _C.fail_together("DistributedAttention.forward_parts: give q_heads and kv_heads at "
+                             "construction (parts do not show the totals)", self.group_name,
+                             self.timeout_ms)
+        seq_lens = self._seq_lens(q[0], seq_lens)
+        args = (self.q_heads, self.kv_heads, seq_lens)
+        names, values = _agreed_call_values(q[0], k[0], v[0], mask, position_ids, self.causal, step)
+        grad = any(t.requires_grad for t in (*q, *k, *v))
+        values[names.index("whether q, k or v require grad")] = int(grad)
+        qh, kh, vh = O._ops.scatter_head_parts([*q, *k, *v], ["q", "kv", "kv"], *args, self.layout,
+                                               self.group_name, self.timeout_ms, names, values)
+        o = self._attend(qh, kh, vh, mask, position_ids, args, step)
+        return O._ops.gather_head_parts([o], ["q"], *args, self.layout, self.group_name,
+                                        self.timeout_ms)
+
+    def _seq_lens(self, x: torch.Tensor, seq_lens: Sequence[int] | None) -> list[int]:
+        """Every rank's token count: given, or learned with one small collective."""
         if seq_lens is None:
             if torch.compiler.is_compiling():
                 raise ValueError("DistributedAttention: pass seq_lens (every rank's token count) "
                                  "when compiling; a compiled graph cannot learn them")
-            seq_lens = O.sequence_lengths(q, self.seq_dim, self.group_name, self.timeout_ms / 1000)
-        seq_lens = [int(n) for n in seq_lens]
-        args = (hq, hkv, seq_lens)
+            seq_lens = O.sequence_lengths(x, self.seq_dim, self.group_name, self.timeout_ms / 1000)
+        return [int(n) for n in seq_lens]
+
+    def _attend(self, qh, kh, vh, mask, position_ids, args, step) -> torch.Tensor:
+        """Attention on this rank's heads over the whole sequence (q, k, v after the scatter);
+        o in the module's layout, ready for the gather."""
+        hq, hkv, seq_lens = args
         group, t = self.group_name, self.timeout_ms
-        # Everything that decides which collectives follow is agreed in the scatter's round: a
-        # rank whose call differs fails together with the others instead of hanging them.
-        names, values = _agreed_call_values(q, k, v, mask, position_ids, self.causal, step)
-        qh, kh, vh = O._ops.scatter_heads([q, k, v], ["q", "kv", "kv"], *args, self.layout, group,
-                                          t, names, values)
         if mask is not None and self.ring_size == 1:
             build = lambda: O._ops.rebuild_mask(mask, *args, group, t)  # noqa: E731
             shared = mask.dim() < 3 or mask.shape[-3] == 1
@@ -192,10 +228,10 @@ class DistributedAttention(nn.Module):
         if self.ring_size > 1:
             o = self._ring_attention(qh.permute(perm), kh.permute(perm), vh.permute(perm), kv_map,
                                      mask, position_ids, args, step)
-            return O._ops.gather_heads([o.permute(self._from_bhsd)], ["q"], *args, self.layout, group, t)[0]
-        o = local_attention(qh.permute(perm), kh.permute(perm), vh.permute(perm), kv_map, mask,
-                            position_ids, self.causal, self.scale)
-        return O._ops.gather_heads([o.permute(self._from_bhsd)], ["q"], *args, self.layout, group, t)[0]
+        else:
+            o = local_attention(qh.permute(perm), kh.permute(perm), vh.permute(perm), kv_map, mask,
+                                position_ids, self.causal, self.scale)
+        return o.permute(self._from_bhsd)
 
     def _ring_attention(self, q, k, v, kv_map, mask, positions, args, step):
         """Ring attention of this ring rank's tokens (q, k, v BHSD, my heads) over the ring.

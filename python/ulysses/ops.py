@@ -15,6 +15,7 @@ from typing import Union
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from . import _C
 
@@ -158,6 +159,95 @@ def gather_heads(ys: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int,
     """
     return _ops.gather_heads(list(ys), list(heads), q_heads, kv_heads, list(seq_lens), layout,
                              group_name(group), timeout_ms(timeout))
+
+
+# ---- head parts: heads split by rank beforehand (no pack, no unpack) -------------------------
+
+
+@torch.library.register_fake("ulysses::scatter_head_parts")
+def _(parts, heads, q_heads, kv_heads, seq_lens, layout, group, timeout_ms, same_names, same_values):
+    size = _rank_size(group)[1]
+    return _a2a_shapes(parts[::size], heads, q_heads, kv_heads, seq_lens, layout, group, True)
+
+
+@torch.library.register_fake("ulysses::gather_head_parts")
+def _(ys, heads, q_heads, kv_heads, seq_lens, layout, group, timeout_ms):
+    rank, size = _rank_size(group)
+    counts = _plan(q_heads, kv_heads, size)
+    sdim, hdim = _dims(layout)
+    outs = []
+    for y, h in zip(ys, heads):
+        for j in range(size):
+            shape = list(y.shape)
+            shape[sdim] = seq_lens[rank]
+            shape[hdim] = counts["q_heads" if h == "q" else "kv_heads"][j]
+            outs.append(y.new_empty(shape))
+    return outs
+
+
+def _scatter_parts_backward(ctx, grads):
+    return (_ops.gather_head_parts(_defined(grads, ctx), *ctx.args),) + ctx.no_grads
+
+
+def _gather_parts_backward(ctx, grads):
+    return (_ops.scatter_head_parts(_defined(grads, ctx), *ctx.args, [], []),) + ctx.no_grads
+
+
+torch.library.register_autograd("ulysses::scatter_head_parts", _scatter_parts_backward,
+                                setup_context=_setup_a2a)
+torch.library.register_autograd("ulysses::gather_head_parts", _gather_parts_backward,
+                                setup_context=_setup_a2a)
+
+
+def scatter_head_parts(parts: Sequence[Sequence[torch.Tensor]], heads: Sequence[str], q_heads: int,
+                       kv_heads: int, seq_lens: Sequence[int], layout: str = "BSHD",
+                       group: GroupLike = None, timeout=None,
+                       same: dict[str, int] | None = None) -> list[torch.Tensor]:
+    """``scatter_heads`` from head parts: ``parts[i][j]`` holds the heads rank ``j`` gets of
+    tensor ``i`` (``[B, S_r, H_j, D]`` in BSHD, as ``project_head_parts`` makes them), so nothing
+    is packed: each part is the message to its rank. Returns what ``scatter_heads`` returns for
+    the whole tensors; differentiable (the backward is ``gather_head_parts``)."""
+    same = same or {}
+    flat = [p for tensor_parts in parts for p in tensor_parts]
+    return _ops.scatter_head_parts(flat, list(heads), q_heads, kv_heads, list(seq_lens), layout,
+                                   group_name(group), timeout_ms(timeout), list(same),
+                                   list(same.values()))
+
+
+def gather_head_parts(ys: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int, kv_heads: int,
+                      seq_lens: Sequence[int], layout: str = "BSHD", group: GroupLike = None,
+                      timeout=None) -> list[list[torch.Tensor]]:
+    """``gather_heads`` into head parts: ``out[i][j]`` is rank ``j``'s heads of tensor ``i`` on
+    this rank's tokens (``project_from_head_parts`` takes them), so nothing is unpacked.
+    Replicated kv heads stay in their own parts. Differentiable."""
+    flat = _ops.gather_head_parts(list(ys), list(heads), q_heads, kv_heads, list(seq_lens), layout,
+                                  group_name(group), timeout_ms(timeout))
+    n = len(flat) // max(1, len(ys))
+    return [flat[i * n:(i + 1) * n] for i in range(len(ys))]
+
+
+def project_head_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       ranges: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+    """The input projection per rank: part ``j`` is ``F.linear(x, weight[rows of heads
+    ranges[j]], bias[same])`` viewed ``[B, S_r, heads, D]``, for ``x [B, S_r, E]`` and
+    ``weight [H * D, E]`` with head-major rows (an ``nn.Linear``'s). ``ranges``: the
+    ``(start, end)`` head ranges by rank (``ulysses.plan(...)["q_ranges"]``)."""
+    D = weight.shape[0] // ranges[-1][1]
+    return [F.linear(x, weight[a * D:b * D], None if bias is None else bias[a * D:b * D])
+            .unflatten(-1, (b - a, D)) for a, b in ranges]
+
+
+def project_from_head_parts(parts: Sequence[torch.Tensor], weight: torch.Tensor,
+                            ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The output projection of head parts: ``sum_j F.linear(parts[j].flatten(-2),
+    weight[:, columns of heads ranges[j]])`` for ``weight [E, H * D]``: an ``nn.Linear`` of the
+    whole gathered tensor without assembling it."""
+    D = parts[0].shape[-1]
+    out = None
+    for p, (a, b) in zip(parts, ranges):
+        y = F.linear(p.flatten(-2), weight[:, a * D:b * D])
+        out = y if out is None else out + y
+    return out
 
 
 # ---- all_gather_sequence / reduce_scatter_sequence -------------------------------------------

@@ -18,7 +18,8 @@ def collective_op_calls(rank: int, group: str, world: int) -> list:
     import ulysses
 
     lens = seq_lens(7, world)
-    nq = ulysses.plan(4, 2, world)["q_heads"][rank]
+    plan = ulysses.plan(4, 2, world)
+    nq = plan["q_heads"][rank]
     g = torch.Generator().manual_seed(rank)
     q = torch.randn(2, lens[rank], 4, 8, generator=g, requires_grad=True)
     k = torch.randn(2, lens[rank], 2, 8, generator=g, requires_grad=True)
@@ -27,6 +28,12 @@ def collective_op_calls(rank: int, group: str, world: int) -> list:
         (ops.scatter_heads.default,
          ([q, k], ["q", "kv"], 4, 2, lens, "BSHD", group, TIMEOUT_MS, ["causal"], [1])),
         (ops.gather_heads.default, ([y], ["q"], 4, 2, lens, "BSHD", group, TIMEOUT_MS)),
+        # Head parts: q's and k's heads split by rank, flattened [tensor][rank].
+        (ops.scatter_head_parts.default,
+         ([q.detach()[:, :, a:b].clone().requires_grad_() for a, b in plan["q_ranges"]] +
+          [k.detach()[:, :, a:b].clone().requires_grad_() for a, b in plan["kv_ranges"]],
+          ["q", "kv"], 4, 2, lens, "BSHD", group, TIMEOUT_MS, [], [])),
+        (ops.gather_head_parts.default, ([y], ["q"], 4, 2, lens, "BSHD", group, TIMEOUT_MS)),
         (ops.all_gather_sequence.default,
          (torch.randn(3, lens[rank], 2, requires_grad=True), 1, lens, group, TIMEOUT_MS)),
         (ops.reduce_scatter_sequence.default,
@@ -52,7 +59,7 @@ def _opcheck_collectives(rank: int, group: str, world: int) -> int:
 def test_opcheck_collective_ops(tmp_path, world):
     """opcheck (schema, autograd registration, fake tensors, AOT dispatch with dynamic shapes)
     of every collective op, on real Gloo groups of `world` processes."""
-    assert run_processes(world, _opcheck_collectives, world, tmp_dir=str(tmp_path)) == [7] * world
+    assert run_processes(world, _opcheck_collectives, world, tmp_dir=str(tmp_path)) == [9] * world
 
 
 @pytest.mark.parametrize("with_mask", [False, True])
