@@ -75,11 +75,12 @@ struct Side {
   bool sums(const ExchangePlan& plan) const { return plan.sums_received() && !by_peer; }
 };
 
-// Sizes of tensors, one per fused tensor: their dims other than tokens and heads.
+// Sizes of each fused tensor of an exchange's input `xs` (its first part when `parts`, as its
+// parts differ only in heads): their dims other than tokens and heads are the output's too.
 using Shapes = std::vector<std::vector<int64_t>>;
-Shapes shapes_of(const std::vector<at::Tensor>& xs) {
+Shapes shapes_of(const std::vector<at::Tensor>& xs, bool parts, int64_t peers) {
   Shapes out;
-  for (const at::Tensor& x : xs) out.push_back(x.sizes().vec());
+  for (size_t i = 0; i < xs.size(); i += parts ? peers : 1) out.push_back(xs[i].sizes().vec());
   return out;
 }
 
@@ -249,12 +250,13 @@ void exchange_pipelined(const Side& in, const Side& out, const ExchangePlan& pla
 // Executes `plan` from `xs` (whole tensors, or parts by peer when `parts_in`) into fresh
 // outputs (parts by peer when `parts_out`): large CPU exchanges as pipelined messages, the
 // rest in one collective (GroupOptions::pipeline_min_bytes). Every rank decides alike, from
-// sizes the plan has the same on every rank. `like` gives the outputs' other dims.
+// sizes the plan has the same on every rank.
 std::vector<at::Tensor> exchange(const std::vector<at::Tensor>& xs, bool parts_in,
                                  const ExchangePlan& plan, Layout layout, bool parts_out,
-                                 const Shapes& like, const Group& group) {
+                                 const Group& group) {
   const Side in{xs, parts_in, layout, group.size()};
-  Side out = new_outputs(like, xs[0].options(), plan, layout, parts_out, group);
+  Side out = new_outputs(shapes_of(xs, parts_in, group.size()), xs[0].options(), plan, layout,
+                         parts_out, group);
   const int64_t bytes_per_rank = plan.total_elements() * xs[0].element_size() / group.size();
   if (xs[0].device().is_cpu() && bytes_per_rank >= group.options().pipeline_min_bytes) {
     exchange_pipelined(in, out, plan, group);
@@ -280,22 +282,16 @@ ExchangePlan seq_to_heads_plan(const std::vector<at::Tensor>& xs, const std::vec
 // are parts on the same side of the backward.
 std::vector<at::Tensor> exchange_with_backward(const char* node, const std::vector<at::Tensor>& xs,
                                                bool parts_in, const ExchangePlan& forward,
-                                               Layout layout, bool parts_out, const Shapes& like,
-                                               const Group& group) {
+                                               Layout layout, bool parts_out, const Group& group) {
   std::vector<at::Tensor> outs;
   {
     at::NoGradGuard no_grad;
-    outs = exchange(xs, parts_in, forward, layout, parts_out, like, group);
+    outs = exchange(xs, parts_in, forward, layout, parts_out, group);
   }
-  // Gradients take the inputs' other dims: each fused tensor's own, or its parts' (all alike).
-  std::vector<at::Tensor> firsts;
-  for (size_t i = 0; i < xs.size(); i += parts_in ? group.size() : 1) firsts.push_back(xs[i]);
-  const Shapes grad_like = shapes_of(firsts);
   detail::attach_backward(xs, outs, node,
-                          [backward = forward.reversed(), layout, parts_in, parts_out, grad_like,
+                          [backward = forward.reversed(), layout, parts_in, parts_out,
                            group](std::vector<at::Tensor>&& grads) {
-                            return exchange(grads, parts_out, backward, layout, parts_in, grad_like,
-                                            group);
+                            return exchange(grads, parts_out, backward, layout, parts_in, group);
                           });
   return outs;
 }
@@ -328,6 +324,21 @@ void check_against_plan(const char* op, const std::vector<at::Tensor>& xs,
   }
 }
 
+// The first of `parts` (one per rank) that does not hold its rank's heads `ranges[j]` in
+// `layout` with part 0's other dims, dtype and device; -1 when all fit.
+int64_t first_misfit_part(const std::vector<at::Tensor>& parts, const std::vector<Range>& ranges,
+                          Layout layout) {
+  const int64_t hdim = head_dim(layout);
+  for (size_t j = 0; j < parts.size(); ++j) {
+    const at::Tensor& p = parts[j];
+    bool ok = p.defined() && p.dim() == 4 && p.size(hdim) == ranges[j].size() &&
+              p.scalar_type() == parts[0].scalar_type() && p.device() == parts[0].device();
+    for (int64_t d = 0; ok && d < 4; ++d) ok = d == hdim || p.size(d) == parts[0].size(d);
+    if (!ok) return static_cast<int64_t>(j);
+  }
+  return -1;
+}
+
 // Checks that `parts` are this rank's tokens of every rank's heads, by the agreed plan.
 void check_parts(const char* op, const std::vector<at::Tensor>& parts, Heads kind,
                  const AllToAllPlan& plan, const Group& group) {
@@ -336,18 +347,16 @@ void check_parts(const char* op, const std::vector<at::Tensor>& parts, Heads kin
                     ": need one part per rank of the group (", group.size(), "); got ",
                     parts.size());
   const int64_t sdim = seq_dim(plan.layout), hdim = head_dim(plan.layout);
-  for (size_t j = 0; j < parts.size(); ++j) {
-    const at::Tensor& p = parts[j];
-    bool ok = p.defined() && p.dim() == 4 && p.scalar_type() == parts[0].scalar_type() &&
-              p.device() == parts[0].device() && p.size(sdim) == plan.seq.length(group.rank()) &&
-              p.size(hdim) == ranges[j].size();
-    for (int64_t d = 0; ok && d < 4; ++d) ok = d == hdim || p.size(d) == parts[0].size(d);
-    TORCH_CHECK_VALUE(
-        ok, op, ": part ", j, " must hold ", ranges[j].size(), " ", heads_name(kind),
-        " heads in dim ", hdim, " and ", plan.seq.length(group.rank()), " tokens in dim ", sdim,
-        " (layout ", to_string(plan.layout), "), with part 0's dtype, device and other dims; got ",
-        p.defined() ? shape_str(p.sizes()) : "undefined", " (rank ", group.rank(), ")");
-  }
+  const int64_t tokens = plan.seq.length(group.rank());
+  // Parts that fit have part 0's token count: then part 0's is the one to check.
+  int64_t j = first_misfit_part(parts, ranges, plan.layout);
+  if (j < 0 && parts[0].size(sdim) != tokens) j = 0;
+  // The message (built only on failure) reads parts[j].
+  TORCH_CHECK_VALUE(j < 0, op, ": part ", j, " must hold ", ranges[j].size(), " ", heads_name(kind),
+                    " heads in dim ", hdim, " and ", tokens, " tokens in dim ", sdim, " (layout ",
+                    to_string(plan.layout), "), with part 0's dtype, device and other dims; got ",
+                    parts[j].defined() ? shape_str(parts[j].sizes()) : "undefined", " (rank ",
+                    group.rank(), ")");
 }
 
 // A non-negative 63-bit FNV-1a hash of `values`: ranks compare a given split through it.
@@ -468,7 +477,7 @@ std::vector<at::Tensor> scatter_heads(const std::vector<at::Tensor>& xs,
   if (group.size() == 1) return xs;
   return exchange_with_backward("ScatterHeadsBackward", xs, /*parts_in=*/false,
                                 seq_to_heads_plan(xs, kinds, plan, group), plan.layout,
-                                /*parts_out=*/false, shapes_of(xs), group);
+                                /*parts_out=*/false, group);
 }
 
 std::vector<at::Tensor> gather_heads(const std::vector<at::Tensor>& ys,
@@ -478,7 +487,7 @@ std::vector<at::Tensor> gather_heads(const std::vector<at::Tensor>& ys,
   if (group.size() == 1) return ys;
   return exchange_with_backward("GatherHeadsBackward", ys, /*parts_in=*/false,
                                 seq_to_heads_plan(ys, kinds, plan, group).reversed(), plan.layout,
-                                /*parts_out=*/false, shapes_of(ys), group);
+                                /*parts_out=*/false, group);
 }
 
 at::Tensor scatter_heads(const at::Tensor& x, Heads heads, const AllToAllPlan& plan,
@@ -509,7 +518,7 @@ std::vector<at::Tensor> scatter_head_parts(const std::vector<std::vector<at::Ten
   if (group.size() == 1) return firsts;
   return exchange_with_backward("ScatterHeadPartsBackward", flat, /*parts_in=*/true,
                                 seq_to_heads_plan(firsts, kinds, plan, group), plan.layout,
-                                /*parts_out=*/false, shapes_of(firsts), group);
+                                /*parts_out=*/false, group);
 }
 
 at::Tensor scatter_head_parts(const std::vector<at::Tensor>& parts, Heads heads,
@@ -524,7 +533,7 @@ std::vector<at::Tensor> gather_head_parts(const std::vector<at::Tensor>& ys,
   if (group.size() == 1) return ys;
   return exchange_with_backward("GatherHeadPartsBackward", ys, /*parts_in=*/false,
                                 seq_to_heads_plan(ys, kinds, plan, group).reversed(), plan.layout,
-                                /*parts_out=*/true, shapes_of(ys), group);
+                                /*parts_out=*/true, group);
 }
 
 std::vector<at::Tensor> gather_head_parts(const at::Tensor& y, Heads heads,
@@ -539,18 +548,14 @@ at::Tensor stand_in_for_parts(const std::vector<at::Tensor>& parts, Heads kind,
   const int64_t hdim = head_dim(layout);
   TORCH_CHECK_VALUE(parts.size() == ranges.size(), who, " needs one part per rank (", ranges.size(),
                     "); got ", parts.size());
+  const int64_t j = first_misfit_part(parts, ranges, layout);
+  // The message (built only on failure) reads parts[j].
+  TORCH_CHECK_VALUE(j < 0, who, " part ", j, " must be 4-D (", to_string(layout), ") with ",
+                    ranges[j].size(), " heads in dim ", hdim,
+                    " and part 0's other dims, dtype and device; got ",
+                    parts[j].defined() ? shape_str(parts[j].sizes()) : "undefined");
   bool grad = false;
-  for (size_t j = 0; j < parts.size(); ++j) {
-    const at::Tensor& p = parts[j];
-    bool ok = p.defined() && p.dim() == 4 && p.size(hdim) == ranges[j].size() &&
-              p.scalar_type() == parts[0].scalar_type() && p.device() == parts[0].device();
-    for (int64_t d = 0; ok && d < 4; ++d) ok = d == hdim || p.size(d) == parts[0].size(d);
-    TORCH_CHECK_VALUE(ok, who, " part ", j, " must be 4-D (", to_string(layout), ") with ",
-                      ranges[j].size(), " heads in dim ", hdim,
-                      " and part 0's other dims, dtype and device; got ",
-                      p.defined() ? shape_str(p.sizes()) : "undefined");
-    grad = grad || p.requires_grad();
-  }
+  for (const at::Tensor& p : parts) grad = grad || p.requires_grad();
   std::vector<int64_t> shape = parts[0].sizes().vec();
   shape[hdim] = ranges.back().end;
   return parts[0].new_empty({1, 1, 1, 1}).requires_grad_(grad).expand(shape);

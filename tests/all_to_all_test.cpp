@@ -174,122 +174,131 @@ TEST_P(AllToAll, GatherBackwardMatchesReference) {
   });
 }
 
+// A case on one rank: its plan (even sequence split) and this rank's tokens.
+struct OnRank {
+  OnRank(const Case& c, const Group& g)
+      : part(HeadPartition::make(c.hq, c.hkv, c.P)),
+        plan{part, SequencePartition::even(c.S, c.P), c.layout},
+        me(g.rank()),
+        mine(plan.seq.range(me)) {}
+  HeadPartition part;
+  AllToAllPlan plan;
+  int me;
+  Range mine;
+};
+
 // Parts (heads split by rank beforehand) exchange like the whole tensors, forward and backward.
-void check_parts_match_whole_tensors(const Case& c) {
-  expect_ranks_succeed(c.P, [&](Group& world) {
-    const Group g = with_exchange(world, c);
-    const auto part = HeadPartition::make(c.hq, c.hkv, c.P);
-    const auto seq = SequencePartition::even(c.S, c.P);
-    const int64_t sdim = seq_dim(c.layout), hdim = head_dim(c.layout);
-    const int me = g.rank();
-    const Range mine = seq.range(me);
-    const AllToAllPlan plan{part, seq, c.layout};
-    for (Heads kind : {Heads::kQuery, Heads::kKeyValue}) {
-      const auto& ranges = plan.ranges(kind);
-      const int64_t H = plan.total(kind);
-      at::Tensor X = seeded_randn(full_shape(c.layout, c.B, c.S, H, c.D), 71);
-      at::Tensor x = X.narrow(sdim, mine.begin, mine.size()).contiguous().requires_grad_();
-      std::vector<at::Tensor> parts;
-      for (const Range& r : ranges) {
-        parts.push_back(x.detach().narrow(hdim, r.begin, r.size()).contiguous().requires_grad_());
-      }
-      at::Tensor whole = scatter_heads(x, kind, plan, g);
-      at::Tensor from_parts = scatter_head_parts(parts, kind, plan, g);
-      EXPECT_TRUE(from_parts.equal(whole)) << where(g, x);
-      at::Tensor w = seeded_randn(whole.sizes(), 72 + me);
-      (whole * w).sum().backward();
-      (from_parts * w).sum().backward();
-      at::Tensor summed = at::zeros_like(x);  // Replicated kv parts add up, as gather_heads sums.
-      for (size_t j = 0; j < parts.size(); ++j) {
-        summed.narrow(hdim, ranges[j].begin, ranges[j].size()).add_(parts[j].grad());
-      }
-      EXPECT_LT(rel_error(summed, x.grad()), 1e-6) << where(g, x);
+void check_parts_match_whole_tensors(const Case& c, const Group& g) {
+  const OnRank r(c, g);
+  const HeadPartition& part = r.part;
+  const AllToAllPlan& plan = r.plan;
+  const int me = r.me;
+  const Range mine = r.mine;
+  const int64_t sdim = seq_dim(c.layout), hdim = head_dim(c.layout);
+  for (Heads kind : {Heads::kQuery, Heads::kKeyValue}) {
+    const auto& ranges = plan.ranges(kind);
+    const int64_t H = plan.total(kind);
+    at::Tensor X = seeded_randn(full_shape(c.layout, c.B, c.S, H, c.D), 71);
+    at::Tensor x = X.narrow(sdim, mine.begin, mine.size()).contiguous().requires_grad_();
+    std::vector<at::Tensor> parts;
+    for (const Range& r : ranges) {
+      parts.push_back(x.detach().narrow(hdim, r.begin, r.size()).contiguous().requires_grad_());
     }
-    // Q and K parts fused into one exchange.
-    {
-      at::Tensor Xq = seeded_randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 75);
-      at::Tensor Xk = seeded_randn(full_shape(c.layout, c.B, c.S, c.hkv, c.D), 76);
-      at::Tensor xq = Xq.narrow(sdim, mine.begin, mine.size()).contiguous();
-      at::Tensor xk = Xk.narrow(sdim, mine.begin, mine.size()).contiguous();
-      auto split = [&](const at::Tensor& x, Heads kind) {
-        std::vector<at::Tensor> out;
-        for (const Range& r : plan.ranges(kind)) out.push_back(x.narrow(hdim, r.begin, r.size()));
-        return out;
-      };
-      const auto fused = scatter_head_parts({split(xq, Heads::kQuery), split(xk, Heads::kKeyValue)},
-                                            {Heads::kQuery, Heads::kKeyValue}, plan, g);
-      const auto whole = scatter_heads({xq, xk}, {Heads::kQuery, Heads::kKeyValue}, plan, g);
-      EXPECT_TRUE(fused[0].equal(whole[0]) && fused[1].equal(whole[1])) << where(g, xq);
+    at::Tensor whole = scatter_heads(x, kind, plan, g);
+    at::Tensor from_parts = scatter_head_parts(parts, kind, plan, g);
+    EXPECT_TRUE(from_parts.equal(whole)) << where(g, x);
+    at::Tensor w = seeded_randn(whole.sizes(), 72 + me);
+    (whole * w).sum().backward();
+    (from_parts * w).sum().backward();
+    at::Tensor summed = at::zeros_like(x);  // Replicated kv parts add up, as gather_heads sums.
+    for (size_t j = 0; j < parts.size(); ++j) {
+      summed.narrow(hdim, ranges[j].begin, ranges[j].size()).add_(parts[j].grad());
     }
-    // Gather into parts (query heads: no replicas).
-    const Range heads = part.q_range(me);
-    at::Tensor Y = seeded_randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 73);
-    at::Tensor y = Y.narrow(hdim, heads.begin, heads.size()).contiguous().requires_grad_();
-    const std::vector<at::Tensor> got = gather_head_parts(y, Heads::kQuery, plan, g);
-    ASSERT_EQ(got.size(), static_cast<size_t>(c.P));
-    at::Tensor loss = at::zeros({});
-    at::Tensor W = seeded_randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 74);
-    for (int j = 0; j < c.P; ++j) {
-      const Range r = part.q_range(j);
-      EXPECT_TRUE(
-          got[j].equal(Y.narrow(sdim, mine.begin, mine.size()).narrow(hdim, r.begin, r.size())))
-          << "part " << j << " " << where(g, y);
-      loss =
-          loss +
-          (got[j] * W.narrow(sdim, mine.begin, mine.size()).narrow(hdim, r.begin, r.size())).sum();
-    }
-    loss.backward();
-    EXPECT_TRUE(y.grad().equal(W.narrow(hdim, heads.begin, heads.size()))) << where(g, y);
-  });
+    EXPECT_LT(rel_error(summed, x.grad()), 1e-6) << where(g, x);
+  }
+  // Q and K parts fused into one exchange.
+  {
+    at::Tensor Xq = seeded_randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 75);
+    at::Tensor Xk = seeded_randn(full_shape(c.layout, c.B, c.S, c.hkv, c.D), 76);
+    at::Tensor xq = Xq.narrow(sdim, mine.begin, mine.size()).contiguous();
+    at::Tensor xk = Xk.narrow(sdim, mine.begin, mine.size()).contiguous();
+    auto split = [&](const at::Tensor& x, Heads kind) {
+      std::vector<at::Tensor> out;
+      for (const Range& r : plan.ranges(kind)) out.push_back(x.narrow(hdim, r.begin, r.size()));
+      return out;
+    };
+    const auto fused = scatter_head_parts({split(xq, Heads::kQuery), split(xk, Heads::kKeyValue)},
+                                          {Heads::kQuery, Heads::kKeyValue}, plan, g);
+    const auto whole = scatter_heads({xq, xk}, {Heads::kQuery, Heads::kKeyValue}, plan, g);
+    EXPECT_TRUE(fused[0].equal(whole[0]) && fused[1].equal(whole[1])) << where(g, xq);
+  }
+  // Gather into parts (query heads: no replicas).
+  const Range heads = part.q_range(me);
+  at::Tensor Y = seeded_randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 73);
+  at::Tensor y = Y.narrow(hdim, heads.begin, heads.size()).contiguous().requires_grad_();
+  const std::vector<at::Tensor> got = gather_head_parts(y, Heads::kQuery, plan, g);
+  ASSERT_EQ(got.size(), static_cast<size_t>(c.P));
+  at::Tensor loss = at::zeros({});
+  at::Tensor W = seeded_randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 74);
+  for (int j = 0; j < c.P; ++j) {
+    const Range r = part.q_range(j);
+    EXPECT_TRUE(
+        got[j].equal(Y.narrow(sdim, mine.begin, mine.size()).narrow(hdim, r.begin, r.size())))
+        << "part " << j << " " << where(g, y);
+    loss = loss +
+           (got[j] * W.narrow(sdim, mine.begin, mine.size()).narrow(hdim, r.begin, r.size())).sum();
+  }
+  loss.backward();
+  EXPECT_TRUE(y.grad().equal(W.narrow(hdim, heads.begin, heads.size()))) << where(g, y);
 }
 
 // The projections into and out of parts (BSHD) equal a Linear around the whole-tensor
 // all-to-alls, forward and gradients of the input, the weights and the bias.
-void check_projections_through_parts(const Case& c) {
-  expect_ranks_succeed(c.P, [&](Group& world) {
-    const Group g = with_exchange(world, c);
-    const auto part = HeadPartition::make(c.hq, c.hkv, c.P);
-    const auto seq = SequencePartition::even(c.S, c.P);
-    const int me = g.rank();
-    const Range mine = seq.range(me);
-    const AllToAllPlan plan{part, seq, c.layout};
-    const int64_t E = 5;
-    at::Tensor X = seeded_randn({c.B, c.S, E}, 81);
-    for (Heads kind : {Heads::kQuery, Heads::kKeyValue}) {
-      const int64_t H = plan.total(kind);
-      at::Tensor x = X.narrow(1, mine.begin, mine.size()).contiguous().requires_grad_();
-      at::Tensor w_in = seeded_randn({H * c.D, E}, 82).requires_grad_();
-      at::Tensor b_in = seeded_randn({H * c.D}, 83).requires_grad_();
-      at::Tensor w_out = seeded_randn({E, H * c.D}, 84).requires_grad_();
-      // Reference: Linear, whole all-to-alls, Linear.
-      at::Tensor ref_x = x.detach().clone().requires_grad_();
-      at::Tensor ref_w_in = w_in.detach().clone().requires_grad_();
-      at::Tensor ref_b_in = b_in.detach().clone().requires_grad_();
-      at::Tensor ref_w_out = w_out.detach().clone().requires_grad_();
-      at::Tensor h = at::linear(ref_x, ref_w_in, ref_b_in).view({c.B, mine.size(), H, c.D});
-      at::Tensor y = scatter_heads(h, kind, plan, g);
-      at::Tensor ref = at::linear(gather_heads(y * 0.5, kind, plan, g).flatten(2), ref_w_out);
-      // Through parts.
-      const auto& ranges = plan.ranges(kind);
-      at::Tensor yp = scatter_head_parts(project_head_parts(x, w_in, b_in, ranges), kind, plan, g);
-      at::Tensor out =
-          project_from_head_parts(gather_head_parts(yp * 0.5, kind, plan, g), w_out, ranges);
-      EXPECT_LT(rel_error(out, ref), 1e-5) << where(g, x);
-      at::Tensor w = seeded_randn(ref.sizes(), 85 + me);
-      (ref * w).sum().backward();
-      (out * w).sum().backward();
-      EXPECT_LT(rel_error(x.grad(), ref_x.grad()), 1e-5) << where(g, x);
-      // Weight gradients are this rank's share; their sums over ranks are the model's.
-      EXPECT_LT(rel_error(w_in.grad(), ref_w_in.grad()), 1e-5) << where(g, x);
-      EXPECT_LT(rel_error(b_in.grad(), ref_b_in.grad()), 1e-5) << where(g, x);
-      EXPECT_LT(rel_error(w_out.grad(), ref_w_out.grad()), 1e-5) << where(g, x);
-    }
-  });
+void check_projections_through_parts(const Case& c, const Group& g) {
+  const OnRank r(c, g);
+  const AllToAllPlan& plan = r.plan;
+  const int me = r.me;
+  const Range mine = r.mine;
+  const int64_t E = 5;
+  at::Tensor X = seeded_randn({c.B, c.S, E}, 81);
+  for (Heads kind : {Heads::kQuery, Heads::kKeyValue}) {
+    const int64_t H = plan.total(kind);
+    at::Tensor x = X.narrow(1, mine.begin, mine.size()).contiguous().requires_grad_();
+    at::Tensor w_in = seeded_randn({H * c.D, E}, 82).requires_grad_();
+    at::Tensor b_in = seeded_randn({H * c.D}, 83).requires_grad_();
+    at::Tensor w_out = seeded_randn({E, H * c.D}, 84).requires_grad_();
+    // Reference: Linear, whole all-to-alls, Linear.
+    at::Tensor ref_x = x.detach().clone().requires_grad_();
+    at::Tensor ref_w_in = w_in.detach().clone().requires_grad_();
+    at::Tensor ref_b_in = b_in.detach().clone().requires_grad_();
+    at::Tensor ref_w_out = w_out.detach().clone().requires_grad_();
+    at::Tensor h = at::linear(ref_x, ref_w_in, ref_b_in).view({c.B, mine.size(), H, c.D});
+    at::Tensor y = scatter_heads(h, kind, plan, g);
+    at::Tensor ref = at::linear(gather_heads(y * 0.5, kind, plan, g).flatten(2), ref_w_out);
+    // Through parts.
+    const auto& ranges = plan.ranges(kind);
+    at::Tensor yp = scatter_head_parts(project_head_parts(x, w_in, b_in, ranges), kind, plan, g);
+    at::Tensor out =
+        project_from_head_parts(gather_head_parts(yp * 0.5, kind, plan, g), w_out, ranges);
+    EXPECT_LT(rel_error(out, ref), 1e-5) << where(g, x);
+    at::Tensor w = seeded_randn(ref.sizes(), 85 + me);
+    (ref * w).sum().backward();
+    (out * w).sum().backward();
+    EXPECT_LT(rel_error(x.grad(), ref_x.grad()), 1e-5) << where(g, x);
+    // Weight gradients are this rank's share; their sums over ranks are the model's.
+    EXPECT_LT(rel_error(w_in.grad(), ref_w_in.grad()), 1e-5) << where(g, x);
+    EXPECT_LT(rel_error(b_in.grad(), ref_b_in.grad()), 1e-5) << where(g, x);
+    EXPECT_LT(rel_error(w_out.grad(), ref_w_out.grad()), 1e-5) << where(g, x);
+  }
 }
 
 TEST_P(AllToAll, PartsMatchWholeTensorsAndLinear) {
-  check_parts_match_whole_tensors(GetParam());
-  if (GetParam().layout == Layout::kBSHD) check_projections_through_parts(GetParam());
+  const Case c = GetParam();
+  expect_ranks_succeed(c.P, [&](Group& world) {
+    const Group g = with_exchange(world, c);
+    check_parts_match_whole_tensors(c, g);
+    if (c.layout == Layout::kBSHD) check_projections_through_parts(c, g);
+  });
 }
 
 std::vector<Case> cases() {

@@ -36,12 +36,15 @@ _DTYPE_CODES = {dt: i for i, dt in enumerate(
      torch.bfloat16, torch.float32, torch.float64))}
 
 
-def _agreed_call_values(q, k, v, mask, positions, causal, step) -> tuple[list[str], list[int]]:
-    """Names and values of a call that every rank must hold alike."""
+def _agreed_call_values(qkv, mask, positions, causal, step) -> tuple[list[str], list[int]]:
+    """Names and values of a call that every rank must hold alike; ``qkv``: q, k and v (or all
+    their parts), q's (or its first part's) device first."""
+    device = qkv[0].device
+
     def kind(t):
         if t is None:
             return [0, -1, -1, 0, 1]
-        return [1, t.dim(), _DTYPE_CODES.get(t.dtype, 99), int(t.requires_grad), int(t.device == q.device)]
+        return [1, t.dim(), _DTYPE_CODES.get(t.dtype, 99), int(t.requires_grad), int(t.device == device)]
 
     m, p = kind(mask), kind(positions)
     names = ["whether a mask is given", "the mask's number of dims", "the mask's dtype (code)",
@@ -50,7 +53,7 @@ def _agreed_call_values(q, k, v, mask, positions, causal, step) -> tuple[list[st
              "the position ids' dtype (code)", "whether the position ids require grad",
              "whether the position ids are on q's device", "whether q, k or v require grad", "causal",
              "whether a StepContext is used"]
-    grad = q.requires_grad or k.requires_grad or v.requires_grad
+    grad = any(t.requires_grad for t in qkv)
     return names, m + p + [int(grad), int(causal), int(step is not None)]
 
 
@@ -171,7 +174,7 @@ class DistributedAttention(nn.Module):
         args = (hq, hkv, seq_lens)
         # Everything that decides which collectives follow is agreed in the scatter's round: a
         # rank whose call differs fails together with the others instead of hanging them.
-        names, values = _agreed_call_values(q, k, v, mask, position_ids, self.causal, step)
+        names, values = _agreed_call_values((q, k, v), mask, position_ids, self.causal, step)
         qh, kh, vh = O._ops.scatter_heads([q, k, v], ["q", "kv", "kv"], *args, self.layout,
                                           self.group_name, self.timeout_ms, names, values)
         o = self._attend(qh, kh, vh, mask, position_ids, args, step)
@@ -193,9 +196,7 @@ class DistributedAttention(nn.Module):
                              self.timeout_ms)
         seq_lens = self._seq_lens(q[0], seq_lens)
         args = (self.q_heads, self.kv_heads, seq_lens)
-        names, values = _agreed_call_values(q[0], k[0], v[0], mask, position_ids, self.causal, step)
-        grad = any(t.requires_grad for t in (*q, *k, *v))
-        values[names.index("whether q, k or v require grad")] = int(grad)
+        names, values = _agreed_call_values((*q, *k, *v), mask, position_ids, self.causal, step)
         qh, kh, vh = O._ops.scatter_head_parts([*q, *k, *v], ["q", "kv", "kv"], *args, self.layout,
                                                self.group_name, self.timeout_ms, names, values)
         o = self._attend(qh, kh, vh, mask, position_ids, args, step)

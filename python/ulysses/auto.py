@@ -417,7 +417,7 @@ class _Rewriter:
         causal, scale = bool(call.get("is_causal", False)), call.get("scale")
         group, t, lens = self.owner.group, self.owner.timeout_ms, self.seq_lens
         probes = [self.probe[n] for n in (q, k, v)]
-        names, values = _agreed_call_values(*probes, None if mask is None else self.probe[mask],
+        names, values = _agreed_call_values(probes, None if mask is None else self.probe[mask],
                                             None, causal, None)
         heads = self._insert(O._ops.scatter_heads, ([q, k, v], ["q", "kv", "kv"], hq, hkv, lens,
                                                     "BHSD", group, t, names, values))
