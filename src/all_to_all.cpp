@@ -376,9 +376,14 @@ int64_t fingerprint(const std::vector<int64_t>& values) {
 AllToAllPlan agree_plan(const Group& group, const HeadPartition& heads, Layout layout,
                         const std::vector<TensorSpec>& tensors,
                         const c10::optional<SequencePartition>& seq,
-                        const std::vector<Agreed>& same) {
+                        const std::vector<Agreed>& call_values) {
   const int P = group.size();
   const int64_t sdim = seq_dim(layout), hdim = head_dim(layout);
+  // How the exchanges run depends on the group handle's options: ranks that differ would take
+  // different paths (or cut messages differently) and wait on each other, so they agree too.
+  std::vector<Agreed> same = call_values;
+  same.push_back({"GroupOptions::pipeline_min_bytes", group.options().pipeline_min_bytes});
+  same.push_back({"GroupOptions::message_bytes", group.options().message_bytes});
   // Per rank: [Hq, Hkv, P, layout, given split (hash or -1), #same, same values..., then per
   // tensor: 4 sizes, dtype, device type].
   auto all = group.agree([&]() {

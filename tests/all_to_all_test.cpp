@@ -444,6 +444,21 @@ TEST(AllToAllErrors, PartsOfTheWrongShapeNameThePart) {
   }
 }
 
+// One rank's group handle pipelines differently: the ranks would take different exchange
+// paths and wait on each other, so the plan's agreement refuses it on every rank.
+TEST(AllToAllErrors, RanksDisagreeOnExchangeOptions) {
+  auto errors = run_ranks(2, [](Group& world) {
+    GroupOptions options = world.options();
+    if (world.rank() == 1) options.message_bytes = 1 << 10;
+    const Group g = world.with_options(options);
+    at::Tensor x = at::zeros({1, 3, 4, 8});
+    agree_plan(g, HeadPartition::make(4, 4, 2), Layout::kBSHD, {{x, Heads::kQuery, "x"}});
+  });
+  expect_ranks_fail_alike(errors,
+                          "ranks disagree on GroupOptions::message_bytes: rank 0 has 4194304, "
+                          "rank 1 has 1024");
+}
+
 TEST(AllToAllErrors, RanksDisagreeOnDtype) {
   auto errors = run_ranks(2, [](Group& g) {
     at::Tensor x = at::zeros({1, 4, 2, 8}, g.rank() == 0 ? at::kFloat : at::kDouble);

@@ -53,9 +53,10 @@ struct Agreed {
 // Checks `tensors` on every rank and agrees on the plan in one small collective: each must be a
 // floating-point 4-D tensor in `layout` with all Hq (or Hkv) heads, on one device, and every
 // rank must agree on head counts, layout, batch, head dims, dtypes, device types, the given
-// `seq` (if any) and every value in `same`. Local sequence lengths are gathered (or checked
-// against `seq` when given). Any violation raises the same error on every rank before data
-// moves.
+// `seq` (if any), every value in `same` and the group handle's exchange options
+// (GroupOptions::pipeline_min_bytes, message_bytes). Local sequence lengths are gathered (or
+// checked against `seq` when given). Any violation raises the same error on every rank before
+// data moves.
 AllToAllPlan agree_plan(const Group& group, const HeadPartition& heads, Layout layout,
                         const std::vector<TensorSpec>& tensors,
                         const c10::optional<SequencePartition>& seq = c10::nullopt,
