@@ -93,8 +93,8 @@ AttentionBench parse(const Argv& argv) {
   o.repeats = static_cast<int>(args.integer("--repeats", 3, 1, 100000));
   o.memory = args.has("--memory");
   o.no_math = args.has("--no-math");
-  o.math_limit_gb =
-      args.real("--math-limit-gb", 0.6 * sysconf(_SC_PHYS_PAGES) * sysconf(_SC_PAGE_SIZE) / 1e9);
+  o.math_limit_gb = args.real("--math-limit-gb",
+                              0.6 * sysconf(_SC_PHYS_PAGES) * sysconf(_SC_PAGE_SIZE) / 1e9, 0.0);
   o.json = args.str("--json", "");
   o.blocks.block_q = args.integer("--block-q", o.blocks.block_q, 1);
   o.blocks.block_k = args.integer("--block-k", o.blocks.block_k, 0);

@@ -1,17 +1,22 @@
 // ulysses._C: the pybind11 module behind the Python package. Thin: it converts arguments and
-// calls the core; every rule lives in C++ once (the planners, the mask rules, the CLI).
+// calls the core's pure planners (head and sequence splits, mask shapes, layouts) and the CLI;
+// tensors reach the core through torch.ops.ulysses (src/ops.cpp), registered when libulysses
+// loads.
 #include <c10/util/Exception.h>
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
 #include <string>
 #include <vector>
 
 #include "commands.h"
+#include "ulysses/distributed_attention.h"
 #include "ulysses/group.h"
 #include "ulysses/mask.h"
+#include "ulysses/mask_decision.h"
 #include "ulysses/partition.h"
 #include "ulysses/ring_attention.h"
 
@@ -153,6 +158,29 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("sizes"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("seq_lens"),
       py::arg("rank"), py::arg("key_len") = -1);
+  auto to_ranges = [](const std::vector<std::pair<int64_t, int64_t>>& rs) {
+    std::vector<Range> out;
+    for (auto [a, b] : rs) out.push_back({a, b});
+    return out;
+  };
+  m.def(
+      "check_head_projection",
+      [to_ranges](const std::vector<int64_t>& x, const std::vector<int64_t>& weight,
+                  const c10::optional<std::vector<int64_t>>& bias,
+                  const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+        check_head_projection(x, weight, bias, to_ranges(ranges));
+      },
+      py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("ranges"));
+  m.def(
+      "check_projection_from_parts",
+      [to_ranges](const std::vector<std::vector<int64_t>>& parts,
+                  const std::vector<int64_t>& weight,
+                  const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+        check_projection_from_parts(parts, weight, to_ranges(ranges));
+      },
+      py::arg("parts"), py::arg("weight"), py::arg("ranges"));
+  m.def("mask_shared_across_heads", &mask_shared_across_heads, py::arg("sizes"),
+        "True when a mask of these sizes is one mask for every head (see mask_decision.h).");
   m.def(
       "layout_dims",
       [](const std::string& layout) {
@@ -188,6 +216,30 @@ PYBIND11_MODULE(_C, m) {
       "Raises `message` on every rank of `group` through the agreement round that the other "
       "ranks' ops run (every agreement round has one shape), so a local mistake found in Python "
       "fails all ranks alike instead of hanging them.");
+  m.def(
+      "cpp_distributed_attention",
+      [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+         const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& positions,
+         const std::string& group, int64_t timeout_ms, int64_t q_heads, int64_t kv_heads,
+         const std::string& layout, bool causal, double scale, const std::string& local) {
+        py::gil_scoped_release release;  // Rank threads run collectives meanwhile.
+        GroupOptions options;
+        options.timeout = std::chrono::milliseconds(timeout_ms);
+        AttentionOptions a;
+        a.q_heads = q_heads;
+        a.kv_heads = kv_heads;
+        a.layout = parse_layout(layout);
+        a.causal = causal;
+        a.scale = scale;
+        a.kernel = parse_local_kernel(local);
+        DistributedAttention attention(Group::resolve(group, options), a);
+        return attention(q, k, v, {mask, positions});
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("positions"),
+      py::arg("group"), py::arg("timeout_ms"), py::arg("q_heads"), py::arg("kv_heads"),
+      py::arg("layout"), py::arg("causal"), py::arg("scale"), py::arg("local"),
+      "One call of the C++ API's DistributedAttention (q_heads/kv_heads 0: from the tensors), "
+      "for tests that hold the Python module to it.");
   m.def("run_cli", &run_cli, py::arg("argv"), py::arg("self"), py::arg("join_world"),
         py::arg("split"));
 }

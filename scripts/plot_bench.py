@@ -79,9 +79,6 @@ def plot_attention(records):
 
 
 def plot_layer(records):
-    for r in records:  # Files written before the layer's time was named layer_ms.
-        if "ms" in r and "peak_bytes" in r:
-            r.setdefault("layer_ms", r["ms"])
     recs = [r for r in records if "peak_bytes" in r and "layer_ms" in r]
     if not recs:
         return

@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <sstream>
 
-#include "detail/autograd.h"
+#include "detail/ops.h"
 #include "detail/wire.h"
+#include "ulysses/call_fingerprint.h"
+#include "ulysses/mask_decision.h"
 
 namespace ulysses {
 namespace {
@@ -48,9 +50,6 @@ bool tiles_in_order(const std::vector<ExchangeBlock>& blocks, const Extent& exte
   }
   return next == extent.tokens;
 }
-
-// The batch dim of `layout`.
-int64_t batch_dim(Layout layout) { return layout == Layout::kSBHD ? 1 : 0; }
 
 // The tensors one side of an exchange reads (or writes), and where each block lies in them:
 // whole tensors, one per fused tensor (a block is a view of its tokens x heads), or parts, one
@@ -277,25 +276,6 @@ ExchangePlan seq_to_heads_plan(const std::vector<at::Tensor>& xs, const std::vec
   return ExchangePlan::seq_to_heads(plan.heads, plan.seq, group.rank(), kinds, elements);
 }
 
-// Runs the exchange `forward` on `xs` (no autograd inside) and records its backward: the same
-// exchange reversed, as c10d's AllToAllSingle swaps its splits. Parts (by peer) on one side
-// are parts on the same side of the backward.
-std::vector<at::Tensor> exchange_with_backward(const char* node, const std::vector<at::Tensor>& xs,
-                                               bool parts_in, const ExchangePlan& forward,
-                                               Layout layout, bool parts_out, const Group& group) {
-  std::vector<at::Tensor> outs;
-  {
-    at::NoGradGuard no_grad;
-    outs = exchange(xs, parts_in, forward, layout, parts_out, group);
-  }
-  detail::attach_backward(xs, outs, node,
-                          [backward = forward.reversed(), layout, parts_in, parts_out,
-                           group](std::vector<at::Tensor>&& grads) {
-                            return exchange(grads, parts_out, backward, layout, parts_in, group);
-                          });
-  return outs;
-}
-
 // Checks that `xs` match the agreed plan on this rank (`seq_sharded`: before scatter).
 void check_against_plan(const char* op, const std::vector<at::Tensor>& xs,
                         const std::vector<Heads>& kinds, const AllToAllPlan& plan,
@@ -373,116 +353,223 @@ int64_t fingerprint(const std::vector<int64_t>& values) {
 
 }  // namespace
 
+void check_4d(const std::vector<TensorSpec>& tensors, Layout layout) {
+  for (const TensorSpec& spec : tensors) {
+    const at::Tensor& x = spec.tensor;
+    TORCH_CHECK_VALUE(x.defined() && x.dim() == 4, "agree_plan: ", spec.name,
+                      " must be a 4-D tensor in layout ", to_string(layout), "; got ",
+                      x.defined() ? shape_str(x.sizes()) : "undefined");
+  }
+}
+
+namespace {
+
+TensorFacts facts_of(const c10::optional<at::Tensor>& t, const at::Tensor& first) {
+  TensorFacts f;
+  if (!t || !t->defined()) return f;
+  f.given = true;
+  f.sizes = t->sizes().vec();
+  f.dtype = static_cast<int64_t>(t->scalar_type());
+  f.device_type = static_cast<int64_t>(t->device().type());
+  f.on_first_device = t->device() == first.device();
+  f.requires_grad = t->requires_grad();
+  return f;
+}
+
+// This rank's checks of one call, before any collective: raises naming the argument.
+void check_call_locally(const HeadPartition& heads, Layout layout,
+                        const std::vector<TensorSpec>& tensors, const CallOptions& call, int P) {
+  const int64_t sdim = seq_dim(layout), hdim = head_dim(layout), bdim = batch_dim(layout);
+  TORCH_CHECK_VALUE(!tensors.empty(), "agree_plan: need at least one tensor");
+  TORCH_CHECK_VALUE(heads.sp_size() == P, "agree_plan: head partition is for ", heads.sp_size(),
+                    " ranks but the SP group has ", P);
+  check_4d(tensors, layout);
+  const at::Tensor& first = tensors[0].tensor;
+  for (const TensorSpec& spec : tensors) {
+    const at::Tensor& x = spec.tensor;
+    TORCH_CHECK_TYPE(x.is_floating_point(), "agree_plan: ", spec.name,
+                     " must be floating point (fp32, bf16, fp16, fp64); got ", x.scalar_type());
+    TORCH_CHECK_TYPE(x.scalar_type() == first.scalar_type(), "agree_plan: ", spec.name, " is ",
+                     x.scalar_type(), " but ", tensors[0].name, " is ", first.scalar_type(),
+                     "; give them one dtype");
+    TORCH_CHECK_VALUE(x.device() == first.device(), "agree_plan: ", spec.name, " is on ",
+                      x.device(), " but ", tensors[0].name, " is on ", first.device(),
+                      "; move them to one device");
+    for (int64_t d = 0; d < 4; ++d) {
+      TORCH_CHECK_VALUE(d == sdim || x.size(d) >= 1, "agree_plan: ", spec.name, " has shape ",
+                        shape_str(x.sizes()), "; every dim but the sequence dim ", sdim,
+                        " must be >= 1 (layout ", to_string(layout), ")");
+    }
+    const int64_t want = spec.heads == Heads::kQuery ? heads.q_heads() : heads.kv_heads();
+    TORCH_CHECK_VALUE(x.size(hdim) == want, "agree_plan: ", spec.name, " must have ", want, " ",
+                      heads_name(spec.heads), " heads in dim ", hdim, " (layout ",
+                      to_string(layout), "); got shape ", shape_str(x.sizes()));
+    TORCH_CHECK_VALUE(x.size(sdim) == first.size(sdim), "agree_plan: ", spec.name, " has ",
+                      x.size(sdim), " tokens but ", tensors[0].name, " has ", first.size(sdim));
+    TORCH_CHECK_VALUE(x.size(bdim) == first.size(bdim), "agree_plan: ", spec.name, " has batch ",
+                      x.size(bdim), " but ", tensors[0].name, " has batch ", first.size(bdim),
+                      " (shapes ", shape_str(x.sizes()), " and ", shape_str(first.sizes()), ")");
+  }
+  if (call.attention) {  // q, k, v: k's head dim is q's (v's may differ).
+    TORCH_CHECK_VALUE(tensors.size() == 3 && tensors[1].tensor.size(3) == first.size(3),
+                      "agree_plan: q and k must have one head dim; got q ",
+                      shape_str(first.sizes()), " and k ", shape_str(tensors[1].tensor.sizes()),
+                      " (layout ", to_string(layout), ")");
+  }
+  const int64_t B = first.size(bdim), tokens = first.size(sdim);
+  if (call.mask) {
+    const at::Tensor& m = *call.mask;
+    TORCH_CHECK_TYPE(m.scalar_type() == at::kBool || m.is_floating_point(),
+                     "agree_plan: mask must be bool (true = attend) or an additive float mask; "
+                     "got ",
+                     m.scalar_type());
+    TORCH_CHECK_VALUE(m.dim() >= 2 && m.dim() <= 4,
+                      "agree_plan: mask must be 2-D [Sq, Sk], 3-D [heads, Sq, Sk] or 4-D [B, "
+                      "heads, Sq, Sk]; got ",
+                      shape_str(m.sizes()));
+    const auto s = mask_sizes_4d(m.sizes().vec(), "mask");
+    TORCH_CHECK_VALUE(s[0] == 1 || s[0] == B, "agree_plan: mask has shape ", shape_str(m.sizes()),
+                      ": its batch dim must be 1 or B = ", B, " (q is ", shape_str(first.sizes()),
+                      ")");
+  }
+  if (call.positions) {
+    const at::Tensor& p = *call.positions;
+    TORCH_CHECK_TYPE(!p.is_floating_point() && p.scalar_type() != at::kBool,
+                     "agree_plan: position_ids must be integers; got ", p.scalar_type());
+    TORCH_CHECK_VALUE(p.dim() == 2 && p.size(0) == B && p.size(1) == tokens,
+                      "agree_plan: position_ids must be [B, S_r] = [", B, ", ", tokens,
+                      "] or [S_r] (this shard's positions); got ", shape_str(p.sizes()));
+  }
+}
+
+}  // namespace
+
+c10::optional<at::Tensor> positions_for_call(const c10::optional<at::Tensor>& positions,
+                                             const at::Tensor& q, Layout layout) {
+  if (!positions || positions->dim() != 1 || q.dim() != 4) return positions;
+  return positions->unsqueeze(0).expand({q.size(batch_dim(layout)), positions->size(0)});
+}
+
+CallFingerprint call_fingerprint(const Group& group, const HeadPartition& heads, Layout layout,
+                                 const std::vector<TensorSpec>& tensors,
+                                 const c10::optional<SequencePartition>& seq,
+                                 const CallOptions& call) {
+  check_call_locally(heads, layout, tensors, call, group.size());
+  const at::Tensor& first = tensors[0].tensor;
+  CallFingerprint f;
+  f.q_heads = heads.q_heads();
+  f.kv_heads = heads.kv_heads();
+  f.sp_size = group.size();
+  f.layout = static_cast<int64_t>(layout);
+  f.seq_split = seq ? fingerprint(seq->lengths()) : -1;
+  // How the exchanges run depends on the group handle's options: ranks that differ would take
+  // different paths (or cut messages differently) and wait on each other.
+  f.pipeline_min_bytes = group.options().pipeline_min_bytes;
+  f.message_bytes = group.options().message_bytes;
+  for (const TensorSpec& spec : tensors) f.tensors.push_back(facts_of(spec.tensor, first));
+  f.mask = facts_of(call.mask, first);
+  f.positions = facts_of(call.positions, first);
+  f.causal = call.causal;
+  f.scale = call.scale;
+  f.step_context = call.step_context;
+  return f;
+}
+
 AllToAllPlan agree_plan(const Group& group, const HeadPartition& heads, Layout layout,
                         const std::vector<TensorSpec>& tensors,
-                        const c10::optional<SequencePartition>& seq,
-                        const std::vector<Agreed>& call_values) {
+                        const c10::optional<SequencePartition>& seq, const CallOptions& call) {
   const int P = group.size();
-  const int64_t sdim = seq_dim(layout), hdim = head_dim(layout);
-  // How the exchanges run depends on the group handle's options: ranks that differ would take
-  // different paths (or cut messages differently) and wait on each other, so they agree too.
-  std::vector<Agreed> same = call_values;
-  same.push_back({"GroupOptions::pipeline_min_bytes", group.options().pipeline_min_bytes});
-  same.push_back({"GroupOptions::message_bytes", group.options().message_bytes});
-  // Per rank: [Hq, Hkv, P, layout, given split (hash or -1), #same, same values..., then per
-  // tensor: 4 sizes, dtype, device type].
-  auto all = group.agree([&]() {
-    TORCH_CHECK_VALUE(!tensors.empty(), "agree_plan: need at least one tensor");
-    TORCH_CHECK_VALUE(heads.sp_size() == P, "agree_plan: head partition is for ", heads.sp_size(),
-                      " ranks but the SP group has ", P);
-    TORCH_CHECK_VALUE(!seq || seq->sp_size() == P, "agree_plan: the given sequence split ", *seq,
-                      " is for ", seq ? seq->sp_size() : 0, " ranks but the SP group has ", P);
-    std::vector<int64_t> meta{heads.q_heads(),
-                              heads.kv_heads(),
-                              P,
-                              static_cast<int64_t>(layout),
-                              seq ? fingerprint(seq->lengths()) : -1,
-                              static_cast<int64_t>(same.size())};
-    for (const Agreed& a : same) meta.push_back(a.value);
-    const at::Tensor& first = tensors[0].tensor;
-    for (const TensorSpec& spec : tensors) {
-      const at::Tensor& x = spec.tensor;
-      TORCH_CHECK_VALUE(x.defined() && x.dim() == 4, "agree_plan: ", spec.name,
-                        " must be a 4-D tensor in layout ", to_string(layout), "; got ",
-                        x.defined() ? shape_str(x.sizes()) : "undefined");
-      TORCH_CHECK_TYPE(x.is_floating_point(), "agree_plan: ", spec.name,
-                       " must be floating point (fp32, bf16, fp16, fp64); got ", x.scalar_type());
-      TORCH_CHECK_TYPE(x.scalar_type() == first.scalar_type(), "agree_plan: ", spec.name, " is ",
-                       x.scalar_type(), " but ", tensors[0].name, " is ", first.scalar_type(),
-                       "; give them one dtype");
-      TORCH_CHECK_VALUE(x.device() == first.device(), "agree_plan: ", spec.name, " is on ",
-                        x.device(), " but ", tensors[0].name, " is on ", first.device(),
-                        "; move them to one device");
-      for (int64_t d = 0; d < 4; ++d) {
-        TORCH_CHECK_VALUE(d == sdim || x.size(d) >= 1, "agree_plan: ", spec.name, " has shape ",
-                          shape_str(x.sizes()), "; every dim but the sequence dim ", sdim,
-                          " must be >= 1 (layout ", to_string(layout), ")");
-      }
-      const int64_t want = spec.heads == Heads::kQuery ? heads.q_heads() : heads.kv_heads();
-      TORCH_CHECK_VALUE(x.size(hdim) == want, "agree_plan: ", spec.name, " must have ", want, " ",
-                        heads_name(spec.heads), " heads in dim ", hdim, " (layout ",
-                        to_string(layout), "); got shape ", shape_str(x.sizes()));
-      TORCH_CHECK_VALUE(x.size(sdim) == first.size(sdim), "agree_plan: ", spec.name, " has ",
-                        x.size(sdim), " tokens but ", tensors[0].name, " has ", first.size(sdim));
-      for (int64_t d = 0; d < 4; ++d) meta.push_back(x.size(d));
-      meta.push_back(static_cast<int64_t>(x.scalar_type()));
-      meta.push_back(static_cast<int64_t>(x.device().type()));
-    }
-    return meta;
-  });
+  const int64_t sdim = seq_dim(layout);
+  auto all = group.agree(
+      [&]() {
+        TORCH_CHECK_VALUE(!seq || seq->sp_size() == P, "agree_plan: the given sequence split ",
+                          *seq, " is for ", seq ? seq->sp_size() : 0,
+                          " ranks but the SP group has ", P);
+        return call_fingerprint(group, heads, layout, tensors, seq, call).encode();
+      },
+      "the call (agree_plan)");
 
   // Every rank now checks the same gathered data, so every rank raises the same error.
-  const auto& first = all[0];
+  std::vector<CallFingerprint> prints;
+  for (const auto& m : all) prints.push_back(CallFingerprint::decode(m));
+  std::vector<std::string> names;
+  for (const TensorSpec& spec : tensors) names.push_back(spec.name);
+  check_alike(prints, names, "agree_plan: ");
   std::vector<int64_t> lengths;
-  for (int r = 0; r < P; ++r) {
-    const auto& m = all[r];
-    TORCH_CHECK_VALUE(m[0] == first[0] && m[1] == first[1],
-                      "agree_plan: ranks disagree on head counts: rank 0 has q_heads=", first[0],
-                      ", kv_heads=", first[1], " but rank ", r, " has q_heads=", m[0],
-                      ", kv_heads=", m[1]);
-    TORCH_CHECK_VALUE(m[3] == first[3], "agree_plan: ranks disagree on the layout: rank 0 has ",
-                      to_string(static_cast<Layout>(first[3])), ", rank ", r, " has ",
-                      to_string(static_cast<Layout>(m[3])));
-    TORCH_CHECK_VALUE(m[4] == first[4], "agree_plan: ranks disagree on the given sequence split ",
-                      "(rank 0 ", first[4] < 0 ? "gives none" : "gives one", ", rank ", r,
-                      m[4] < 0 ? " gives none" : " gives a different one", ")");
-    TORCH_CHECK_VALUE(m[5] == first[5], "agree_plan: ranks disagree on the number of call options");
-    for (size_t i = 0; i < same.size(); ++i) {
-      TORCH_CHECK_VALUE(m[6 + i] == first[6 + i], "agree_plan: ranks disagree on ", same[i].name,
-                        ": rank 0 has ", first[6 + i], ", rank ", r, " has ", m[6 + i]);
-    }
-    for (size_t t = 0; t < tensors.size(); ++t) {
-      const int64_t* a = &first[6 + same.size() + 6 * t];
-      const int64_t* b = &m[6 + same.size() + 6 * t];
-      for (int64_t d = 0; d < 4; ++d) {
-        TORCH_CHECK_VALUE(d == sdim || a[d] == b[d], "agree_plan: ranks disagree on ",
-                          tensors[t].name, "'s dim ", d, ": rank 0 has ", a[d], ", rank ", r,
-                          " has ", b[d], " (only the sequence dim ", sdim, " may differ)");
-      }
-      TORCH_CHECK_TYPE(a[4] == b[4], "agree_plan: ranks disagree on ", tensors[t].name,
-                       "'s dtype: rank 0 has ", static_cast<c10::ScalarType>(a[4]), ", rank ", r,
-                       " has ", static_cast<c10::ScalarType>(b[4]));
-      TORCH_CHECK_VALUE(a[5] == b[5], "agree_plan: ranks disagree on ", tensors[t].name,
-                        "'s device type: rank 0 has ", static_cast<c10::DeviceType>(a[5]),
-                        ", rank ", r, " has ", static_cast<c10::DeviceType>(b[5]));
-    }
-    lengths.push_back(m[6 + same.size() + sdim]);
-  }
+  for (const CallFingerprint& f : prints) lengths.push_back(f.tensors[0].sizes[sdim]);
   if (seq) {
     TORCH_CHECK_VALUE(seq->lengths() == lengths, "agree_plan: local sequence lengths ",
-                      SequencePartition::from_lengths(lengths), " do not match the given ", *seq);
+                      SequencePartition::from_lengths(lengths), " do not match the given ", *seq,
+                      " (seq_lens)");
   }
-  return AllToAllPlan{heads, SequencePartition::from_lengths(lengths), layout};
+  const SequencePartition agreed = SequencePartition::from_lengths(lengths);
+  if (call.mask && call.check_mask) {
+    std::vector<std::array<int64_t, 4>> sizes;
+    for (const CallFingerprint& f : prints) sizes.push_back(mask_sizes_4d(f.mask.sizes, "mask"));
+    check_mask_shapes(sizes, prints[0].tensors[0].sizes[batch_dim(layout)], heads.q_heads(), agreed,
+                      "mask");
+  }
+  return AllToAllPlan{heads, agreed, layout};
 }
+
+namespace detail {
+
+std::vector<at::Tensor> scatter_heads_kernel(const std::vector<at::Tensor>& xs,
+                                             const std::vector<Heads>& kinds,
+                                             const AllToAllPlan& plan, const Group& group) {
+  check_against_plan("scatter_heads", xs, kinds, plan, group, /*seq_sharded=*/true);
+  if (group.size() == 1) return xs;
+  at::NoGradGuard no_grad;
+  return exchange(xs, /*parts_in=*/false, seq_to_heads_plan(xs, kinds, plan, group), plan.layout,
+                  /*parts_out=*/false, group);
+}
+
+std::vector<at::Tensor> gather_heads_kernel(const std::vector<at::Tensor>& ys,
+                                            const std::vector<Heads>& kinds,
+                                            const AllToAllPlan& plan, const Group& group,
+                                            bool parts_out) {
+  check_against_plan(parts_out ? "gather_head_parts" : "gather_heads", ys, kinds, plan, group,
+                     /*seq_sharded=*/false);
+  if (group.size() == 1) {
+    if (!parts_out) return ys;
+    std::vector<at::Tensor> parts;  // One part per rank: the tensor itself.
+    for (const at::Tensor& y : ys) parts.push_back(y);
+    return parts;
+  }
+  at::NoGradGuard no_grad;
+  return exchange(ys, /*parts_in=*/false, seq_to_heads_plan(ys, kinds, plan, group).reversed(),
+                  plan.layout, parts_out, group);
+}
+
+std::vector<at::Tensor> scatter_head_parts_kernel(const std::vector<std::vector<at::Tensor>>& parts,
+                                                  const std::vector<Heads>& kinds,
+                                                  const AllToAllPlan& plan, const Group& group) {
+  TORCH_CHECK_VALUE(!parts.empty() && parts.size() == kinds.size(),
+                    "scatter_head_parts: need one Heads kind per tensor; got ", parts.size(),
+                    " tensors and ", kinds.size(), " kinds");
+  std::vector<at::Tensor> flat, firsts;
+  for (size_t t = 0; t < parts.size(); ++t) {
+    check_parts("scatter_head_parts", parts[t], kinds[t], plan, group);
+    TORCH_CHECK_TYPE(parts[t][0].scalar_type() == parts[0][0].scalar_type(),
+                     "scatter_head_parts: fused tensors must share a dtype; got ",
+                     parts[t][0].scalar_type(), " and ", parts[0][0].scalar_type());
+    flat.insert(flat.end(), parts[t].begin(), parts[t].end());
+    firsts.push_back(parts[t][0]);
+  }
+  if (group.size() == 1) return firsts;
+  at::NoGradGuard no_grad;
+  return exchange(flat, /*parts_in=*/true, seq_to_heads_plan(firsts, kinds, plan, group),
+                  plan.layout, /*parts_out=*/false, group);
+}
+
+}  // namespace detail
 
 std::vector<at::Tensor> scatter_heads(const std::vector<at::Tensor>& xs,
                                       const std::vector<Heads>& kinds, const AllToAllPlan& plan,
                                       const Group& group) {
   check_against_plan("scatter_heads", xs, kinds, plan, group, /*seq_sharded=*/true);
   if (group.size() == 1) return xs;
-  return exchange_with_backward("ScatterHeadsBackward", xs, /*parts_in=*/false,
-                                seq_to_heads_plan(xs, kinds, plan, group), plan.layout,
-                                /*parts_out=*/false, group);
+  return detail::call_scatter_heads(xs, kinds, plan, group);
 }
 
 std::vector<at::Tensor> gather_heads(const std::vector<at::Tensor>& ys,
@@ -490,9 +577,7 @@ std::vector<at::Tensor> gather_heads(const std::vector<at::Tensor>& ys,
                                      const Group& group) {
   check_against_plan("gather_heads", ys, kinds, plan, group, /*seq_sharded=*/false);
   if (group.size() == 1) return ys;
-  return exchange_with_backward("GatherHeadsBackward", ys, /*parts_in=*/false,
-                                seq_to_heads_plan(ys, kinds, plan, group).reversed(), plan.layout,
-                                /*parts_out=*/false, group);
+  return detail::call_gather_heads(ys, kinds, plan, group, /*parts=*/false);
 }
 
 at::Tensor scatter_heads(const at::Tensor& x, Heads heads, const AllToAllPlan& plan,
@@ -508,22 +593,8 @@ at::Tensor gather_heads(const at::Tensor& y, Heads heads, const AllToAllPlan& pl
 std::vector<at::Tensor> scatter_head_parts(const std::vector<std::vector<at::Tensor>>& parts,
                                            const std::vector<Heads>& kinds,
                                            const AllToAllPlan& plan, const Group& group) {
-  TORCH_CHECK_VALUE(!parts.empty() && parts.size() == kinds.size(),
-                    "scatter_head_parts: need one Heads kind per tensor; got ", parts.size(),
-                    " tensors and ", kinds.size(), " kinds");
-  std::vector<at::Tensor> flat, firsts;
-  for (size_t t = 0; t < parts.size(); ++t) {
-    check_parts("scatter_head_parts", parts[t], kinds[t], plan, group);
-    TORCH_CHECK_TYPE(parts[t][0].scalar_type() == parts[0][0].scalar_type(),
-                     "scatter_head_parts: fused tensors must share a dtype; got ",
-                     parts[t][0].scalar_type(), " and ", parts[0][0].scalar_type());
-    flat.insert(flat.end(), parts[t].begin(), parts[t].end());
-    firsts.push_back(parts[t][0]);
-  }
-  if (group.size() == 1) return firsts;
-  return exchange_with_backward("ScatterHeadPartsBackward", flat, /*parts_in=*/true,
-                                seq_to_heads_plan(firsts, kinds, plan, group), plan.layout,
-                                /*parts_out=*/false, group);
+  if (group.size() == 1) return detail::scatter_head_parts_kernel(parts, kinds, plan, group);
+  return detail::call_scatter_head_parts(parts, kinds, plan, group);
 }
 
 at::Tensor scatter_head_parts(const std::vector<at::Tensor>& parts, Heads heads,
@@ -536,9 +607,7 @@ std::vector<at::Tensor> gather_head_parts(const std::vector<at::Tensor>& ys,
                                           const Group& group) {
   check_against_plan("gather_head_parts", ys, kinds, plan, group, /*seq_sharded=*/false);
   if (group.size() == 1) return ys;
-  return exchange_with_backward("GatherHeadPartsBackward", ys, /*parts_in=*/false,
-                                seq_to_heads_plan(ys, kinds, plan, group).reversed(), plan.layout,
-                                /*parts_out=*/true, group);
+  return detail::call_gather_heads(ys, kinds, plan, group, /*parts=*/true);
 }
 
 std::vector<at::Tensor> gather_head_parts(const at::Tensor& y, Heads heads,
@@ -566,16 +635,43 @@ at::Tensor stand_in_for_parts(const std::vector<at::Tensor>& parts, Heads kind,
   return parts[0].new_empty({1, 1, 1, 1}).requires_grad_(grad).expand(shape);
 }
 
+void check_head_projection(const std::vector<int64_t>& x, const std::vector<int64_t>& weight,
+                           const c10::optional<std::vector<int64_t>>& bias,
+                           const std::vector<Range>& ranges) {
+  const int64_t H = ranges.empty() ? 0 : ranges.back().end;
+  TORCH_CHECK_VALUE(x.size() == 3 && weight.size() == 2 && H > 0 && weight[0] % H == 0 &&
+                        weight[1] == x[2] && (!bias || *bias == std::vector<int64_t>{weight[0]}),
+                    "project_head_parts: need x [B, S, E], weight [H x D, E] for the ", H,
+                    " heads of the ranges and bias [H x D] or none; got x ", c10::IntArrayRef(x),
+                    ", weight ", c10::IntArrayRef(weight), bias ? ", bias " : "",
+                    bias ? shape_str(*bias) : "");
+}
+
+void check_projection_from_parts(const std::vector<std::vector<int64_t>>& parts,
+                                 const std::vector<int64_t>& weight,
+                                 const std::vector<Range>& ranges) {
+  TORCH_CHECK_VALUE(!parts.empty() && parts.size() == ranges.size() && weight.size() == 2,
+                    "project_from_head_parts: need one part per head range and a 2-D weight; got ",
+                    parts.size(), " parts, ", ranges.size(), " ranges, weight ",
+                    c10::IntArrayRef(weight));
+  const int64_t H = ranges.back().end;
+  for (size_t j = 0; j < parts.size(); ++j) {
+    const auto& p = parts[j];
+    TORCH_CHECK_VALUE(p.size() == 4 && p[2] == ranges[j].size() && weight[1] % H == 0 &&
+                          weight[1] / H == p[3] && p[0] == parts[0][0] && p[1] == parts[0][1],
+                      "project_from_head_parts: part ", j, " must be [B, S, ", ranges[j].size(),
+                      ", D] with D = weight's columns / heads and part 0's B and S; got ",
+                      c10::IntArrayRef(p), " and weight ", c10::IntArrayRef(weight));
+  }
+}
+
 std::vector<at::Tensor> project_head_parts(const at::Tensor& x, const at::Tensor& weight,
                                            const c10::optional<at::Tensor>& bias,
                                            const std::vector<Range>& ranges) {
-  const int64_t H = ranges.empty() ? 0 : ranges.back().end;
-  TORCH_CHECK_VALUE(x.dim() == 3 && weight.dim() == 2 && H > 0 && weight.size(0) % H == 0 &&
-                        weight.size(1) == x.size(2) && (!bias || bias->sizes() == weight.size(0)),
-                    "project_head_parts: need x [B, S, E], weight [H x D, E] for the ", H,
-                    " heads of the ranges and bias [H x D] or none; got x ", x.sizes(), ", weight ",
-                    weight.sizes(), bias ? ", bias " : "", bias ? shape_str(bias->sizes()) : "");
-  const int64_t D = weight.size(0) / H;
+  check_head_projection(
+      x.sizes().vec(), weight.sizes().vec(),
+      bias ? c10::optional<std::vector<int64_t>>(bias->sizes().vec()) : c10::nullopt, ranges);
+  const int64_t D = weight.size(0) / ranges.back().end;
   std::vector<at::Tensor> parts;
   for (const Range& r : ranges) {
     const at::Tensor w = weight.narrow(0, r.begin * D, r.size() * D);
@@ -588,17 +684,12 @@ std::vector<at::Tensor> project_head_parts(const at::Tensor& x, const at::Tensor
 
 at::Tensor project_from_head_parts(const std::vector<at::Tensor>& parts, const at::Tensor& weight,
                                    const std::vector<Range>& ranges) {
-  TORCH_CHECK_VALUE(!parts.empty() && parts.size() == ranges.size() && weight.dim() == 2,
-                    "project_from_head_parts: need one part per head range and a 2-D weight; got ",
-                    parts.size(), " parts, ", ranges.size(), " ranges, weight ", weight.sizes());
+  std::vector<std::vector<int64_t>> sizes;
+  for (const at::Tensor& p : parts) sizes.push_back(p.sizes().vec());
+  check_projection_from_parts(sizes, weight.sizes().vec(), ranges);
   at::Tensor out;
   for (size_t j = 0; j < parts.size(); ++j) {
     const at::Tensor& p = parts[j];
-    TORCH_CHECK_VALUE(
-        p.dim() == 4 && p.size(2) == ranges[j].size() && weight.size(1) % ranges.back().end == 0 &&
-            weight.size(1) / ranges.back().end == p.size(3),
-        "project_from_head_parts: part ", j, " must be [B, S, ", ranges[j].size(),
-        ", D] with D = weight's columns / heads; got ", p.sizes(), " and weight ", weight.sizes());
     const int64_t D = p.size(3);
     const at::Tensor y =
         at::linear(p.flatten(2), weight.narrow(1, ranges[j].begin * D, p.size(2) * D));

@@ -3,6 +3,9 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <limits>
+
+#include "ulysses/flash_attention.h"
 
 namespace ulysses {
 
@@ -79,6 +82,68 @@ at::Tensor math_attention(const LocalAttentionArgs& a) {
   at::Tensor denom = p.sum(-1, true);
   p = p / denom.masked_fill(denom.eq(0), 1);
   return at::matmul(p, v).to(a.q.scalar_type());
+}
+
+namespace {
+
+// `mask` (bool or additive, or none) further restricted to the `allowed` positions.
+at::Tensor restrict_mask(const c10::optional<at::Tensor>& mask, const at::Tensor& allowed) {
+  if (!mask) return allowed;
+  if (mask->scalar_type() == at::kBool) return mask->logical_and(allowed);
+  return mask->masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+}
+
+constexpr const char* kKernelNames[] = {"auto", "fused", "sdpa", "math"};
+
+}  // namespace
+
+at::Tensor sdpa_attention(const LocalAttentionArgs& a) {
+  at::Tensor map = at::tensor(a.kv_map, a.q.options().dtype(at::kLong));
+  at::Tensor k = a.k.index_select(1, map), v = a.v.index_select(1, map);
+  const c10::optional<double> scale =
+      a.scale > 0 ? c10::optional<double>(a.scale) : c10::optional<double>();
+  // SDPA takes a mask or is_causal, not both: the rules become a mask unless causal is alone.
+  if (!a.mask && !a.positions && !a.rows) {
+    return at::scaled_dot_product_attention(a.q, k, v, {}, 0.0, a.causal, scale);
+  }
+  c10::optional<at::Tensor> mask = a.mask;
+  if (auto rule = structure_mask(a)) mask = restrict_mask(mask, *rule);
+  return at::scaled_dot_product_attention(a.q, k, v, mask, 0.0, false, scale);
+}
+
+LocalKernel parse_local_kernel(const std::string& name) {
+  for (int i = 0; i < 4; ++i)
+    if (name == kKernelNames[i]) return static_cast<LocalKernel>(i);
+  TORCH_CHECK_VALUE(false, "local attention must be \"auto\", \"fused\", \"sdpa\" or \"math\" ",
+                    "(or a callable, from Python); got \"", name, "\"");
+}
+
+std::string to_string(LocalKernel kernel) { return kKernelNames[static_cast<int>(kernel)]; }
+
+LocalKernel choose_local_kernel(const LocalAttentionArgs& a, LocalKernel requested) {
+  const bool cpu = a.q.device().is_cpu(), fp64 = a.q.scalar_type() == at::kDouble;
+  if (requested == LocalKernel::kAuto) {
+    if (!cpu) return LocalKernel::kSdpa;
+    return fp64 ? LocalKernel::kMath : LocalKernel::kFused;
+  }
+  if (requested == LocalKernel::kFused) {
+    TORCH_CHECK_VALUE(cpu, "local attention \"fused\" runs on CPU tensors; got ", a.q.device(),
+                      ": use \"auto\" or \"sdpa\" there");
+    TORCH_CHECK_VALUE(!fp64, "local attention \"fused\" computes fp32, bf16 and fp16 (in fp32); ",
+                      "for fp64 use \"auto\" or \"math\" (exact in fp64)");
+  }
+  return requested;
+}
+
+at::Tensor local_attention(const LocalAttentionArgs& args, LocalKernel kernel) {
+  switch (choose_local_kernel(args, kernel)) {
+    case LocalKernel::kFused:
+      return flash_attention(args);
+    case LocalKernel::kSdpa:
+      return sdpa_attention(args);
+    default:
+      return math_attention(args);
+  }
 }
 
 }  // namespace ulysses

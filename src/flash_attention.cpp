@@ -11,7 +11,7 @@
 #include <cstring>
 #include <limits>
 
-#include "detail/autograd.h"
+#include "detail/ops.h"
 
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
                        const int* k, const float* alpha, const float* a, const int* lda,
@@ -403,8 +403,9 @@ Problem make_problem(const LocalAttentionArgs& a, const FlashOptions& options) {
 std::tuple<at::Tensor, at::Tensor> flash_attention_forward(const LocalAttentionArgs& a,
                                                            const FlashOptions& options) {
   TORCH_CHECK_TYPE(a.q.scalar_type() != at::kDouble,
-                   "flash_attention_forward: fp64 is not "
-                   "supported (flash_attention falls back to math_attention for it)");
+                   "flash_attention: the fused kernel computes fp32, bf16 and fp16 (in fp32); "
+                   "for fp64 use local attention 'math' (ulysses.local_attention(..., "
+                   "kernel=\"math\"), or 'auto', which picks it for fp64)");
   const Problem p = make_problem(a, options);
   at::NoGradGuard no_grad;
   auto [out, lse] = forward(p);
@@ -429,25 +430,7 @@ std::vector<at::Tensor> flash_attention_backward(const at::Tensor& grad_out,
 
 at::Tensor flash_attention(const LocalAttentionArgs& a, const FlashOptions& options) {
   if (a.q.scalar_type() == at::kDouble) return math_attention(a);
-  auto [out, lse] = flash_attention_forward(a, options);
-  const bool mask_grad = a.mask && a.mask->is_floating_point() && a.mask->requires_grad();
-  std::vector<at::Tensor> outs{out};
-  std::vector<at::Tensor> inputs{a.q, a.k, a.v};
-  if (mask_grad) inputs.push_back(*a.mask);
-  // The node keeps detached inputs and a detached alias of its own output: saving `out` itself
-  // would make a reference cycle (out -> grad_fn -> node -> out) and leak every step's graph.
-  LocalAttentionArgs saved = a;
-  saved.q = a.q.detach(), saved.k = a.k.detach(), saved.v = a.v.detach();
-  if (a.mask) saved.mask = a.mask->detach();
-  at::Tensor out_saved = out.detach();
-  detail::attach_backward(inputs, outs, "FlashAttentionBackward",
-                          [saved, out_saved, lse, mask_grad, options](std::vector<at::Tensor>&& g) {
-                            auto grads = flash_attention_backward(g[0], saved, out_saved, lse,
-                                                                  mask_grad, options);
-                            if (!mask_grad) grads.pop_back();
-                            return grads;
-                          });
-  return outs[0];
+  return std::get<0>(detail::call_flash_attention(a, options));
 }
 
 }  // namespace ulysses

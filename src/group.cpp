@@ -238,6 +238,44 @@ Group Group::solo(const GroupOptions& options) {
                options);
 }
 
+std::vector<int64_t> options_to_ints(const GroupOptions& options) {
+  return {options.timeout.count(), options.pipeline_min_bytes, options.message_bytes};
+}
+
+GroupOptions options_from_ints(c10::IntArrayRef values) {
+  GroupOptions o;
+  TORCH_CHECK_VALUE(values.size() <= 3, "Group: group_options has at most 3 values ([timeout ms, ",
+                    "pipeline_min_bytes, message_bytes]); got ", values.size());
+  if (values.size() > 0) o.timeout = std::chrono::milliseconds(values[0]);
+  if (values.size() > 1) o.pipeline_min_bytes = values[1];
+  if (values.size() > 2) o.message_bytes = values[2];
+  return o;
+}
+
+Group Group::from_op(const std::string& name, c10::IntArrayRef options) {
+  const GroupOptions o = options_from_ints(options);
+  return name.empty() ? solo(o) : resolve(name, o);
+}
+
+std::string Group::op_name() const {
+  if (!pg_) return "";
+  std::string name = pg_->getGroupName();
+  try {
+    if (!name.empty() && c10d::resolve_process_group(name).get() == pg_.get()) return name;
+  } catch (const std::exception&) {
+  }
+  // Handed over by a C++ caller without a registered name: register it under one of ours.
+  std::ostringstream os;
+  os << "ulysses:" << static_cast<const void*>(pg_.get());
+  name = os.str();
+  try {
+    if (c10d::resolve_process_group(name).get() == pg_.get()) return name;
+  } catch (const std::exception&) {
+  }
+  c10d::register_process_group(name, pg_);
+  return name;
+}
+
 Group Group::with_options(const GroupOptions& options) const {
   check_options(options);
   return Group(pg_, runtime_, rank_, size_, options);
@@ -404,8 +442,20 @@ at::Device metadata_device(c10d::ProcessGroup* pg) {
 }
 }  // namespace
 
+namespace {
+// A non-negative 63-bit FNV-1a hash of `text`: ranks compare round purposes through it.
+int64_t text_hash(const std::string& text) {
+  uint64_t h = 14695981039346656037ull;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return static_cast<int64_t>(h >> 1);
+}
+}  // namespace
+
 std::vector<std::vector<int64_t>> Group::agree(
-    const std::function<std::vector<int64_t>()>& local_check) const {
+    const std::function<std::vector<int64_t>()>& local_check, const std::string& purpose) const {
   int64_t kind = kNoError;
   std::string message;
   std::vector<int64_t> meta;
@@ -424,45 +474,64 @@ std::vector<std::vector<int64_t>> Group::agree(
   if (kind != kNoError) meta.clear();
 
   // Round 1, the same size on every rank whatever its inputs (Gloo aborts the process on
-  // mismatched sizes): [kind, message length, metadata count, metadata padded to the limit].
-  const int64_t row = 3 + kAgreeMetaLimit;
+  // mismatched sizes): [kind, message length, purpose hash, purpose length, metadata count,
+  // metadata padded to the limit].
+  constexpr int64_t kHeader = 5;
+  const int64_t row = kHeader + kAgreeMetaLimit;
   at::Tensor mine = at::zeros({row}, at::kLong);
   auto* p = mine.data_ptr<int64_t>();
   p[0] = kind;
   p[1] = static_cast<int64_t>(message.size());
-  p[2] = static_cast<int64_t>(meta.size());
-  std::copy(meta.begin(), meta.end(), p + 3);
+  p[2] = text_hash(purpose);
+  p[3] = static_cast<int64_t>(purpose.size());
+  p[4] = static_cast<int64_t>(meta.size());
+  std::copy(meta.begin(), meta.end(), p + kHeader);
   const at::Device device = metadata_device(pg_.get());
   at::Tensor all = all_gather(mine.to(device)).cpu();
   auto acc = all.accessor<int64_t, 2>();
   int failing = -1;
-  int64_t longest = 0;
+  bool same_purpose = true;
+  int64_t longest = 0, longest_purpose = 0;
   for (int r = 0; r < size(); ++r) {
     if (acc[r][0] != kNoError && failing < 0) failing = r;
+    same_purpose = same_purpose && acc[r][2] == acc[0][2];
     longest = std::max(longest, acc[r][1]);
+    longest_purpose = std::max(longest_purpose, acc[r][3]);
   }
-  if (failing < 0) {
-    std::vector<std::vector<int64_t>> out(size());
+  // Round 2 (failures and mixed purposes only; every rank knows the longest text): texts.
+  auto gather_texts = [&](const std::string& text, int64_t longest_text) {
+    at::Tensor t = at::zeros({std::max<int64_t>(1, longest_text)}, at::kByte);
+    std::copy(text.begin(), text.end(), t.data_ptr<uint8_t>());
+    return all_gather(t.to(device)).cpu();
+  };
+  auto text_of = [](const at::Tensor& texts, int r, int64_t length) {
+    const auto* chars = reinterpret_cast<const char*>(texts[r].data_ptr<uint8_t>());
+    return std::string(chars, chars + length);
+  };
+  if (failing >= 0) {
+    // A failure wins over mixed purposes: fail_together's round meets any other round.
+    const at::Tensor texts = gather_texts(message, longest);
+    std::ostringstream msg;
+    msg << text_of(texts, failing, acc[failing][1]) << " [raised on rank " << failing << " of "
+        << size() << "]";
+    throw_kind(acc[failing][0], msg.str());
+  }
+  if (!same_purpose) {
+    const at::Tensor texts = gather_texts(purpose, longest_purpose);
+    std::ostringstream msg;
+    msg << "ranks are in different agreement rounds:";
     for (int r = 0; r < size(); ++r) {
-      TORCH_CHECK_VALUE(acc[r][2] == acc[0][2],
-                        "agree: ranks disagree on the amount of "
-                        "metadata (rank 0 has ",
-                        acc[0][2], " values, rank ", r, " has ", acc[r][2],
-                        "): they called different operations or with different "
-                        "numbers of tensors");
-      out[r].assign(&acc[r][3], &acc[r][3] + acc[r][2]);
+      msg << (r ? "," : "") << " rank " << r << " in " << text_of(texts, r, acc[r][3]);
     }
-    return out;
+    msg << ". An argument given on some ranks only (seq_lens, a mask, position_ids, a "
+           "StepContext) sends ranks down different paths: give it on every rank or on none";
+    TORCH_CHECK_VALUE(false, msg.str());
   }
-  // Round 2 (failures only; every rank knows the longest message): the failing rank's text.
-  at::Tensor text = at::zeros({longest}, at::kByte);
-  std::copy(message.begin(), message.end(), text.data_ptr<uint8_t>());
-  at::Tensor texts = all_gather(text.to(device)).cpu();
-  const auto* chars = reinterpret_cast<const char*>(texts[failing].data_ptr<uint8_t>());
-  std::string failed(chars, chars + acc[failing][1]);
-  std::ostringstream msg;
-  msg << failed << " [raised on rank " << failing << " of " << size() << "]";
-  throw_kind(acc[failing][0], msg.str());
+  // Ranks of one purpose may hold different amounts (a call fingerprint is as long as its
+  // tensors' dims): each caller compares what it gathered, naming the argument that differs.
+  std::vector<std::vector<int64_t>> out(size());
+  for (int r = 0; r < size(); ++r) out[r].assign(&acc[r][kHeader], &acc[r][kHeader] + acc[r][4]);
+  return out;
 }
 
 void Group::fail_together(const std::exception_ptr& error) const {

@@ -4,7 +4,7 @@
 
 #include <sstream>
 
-#include "detail/autograd.h"
+#include "detail/ops.h"
 #include "detail/wire.h"
 
 namespace ulysses {
@@ -58,16 +58,19 @@ namespace {
 int64_t agree_sequence_tensor(const char* op, const at::Tensor& x, int64_t dim, int64_t tokens,
                               const Group& group) {
   int64_t d = 0;
-  auto all = group.agree([&] {
-    TORCH_CHECK_INDEX(x.dim() > 0 && dim >= -x.dim() && dim < x.dim(), op, ": dim ", dim,
-                      " is out of range for shape ", x.sizes());
-    d = wrap_dim(dim, x.dim());
-    TORCH_CHECK_VALUE(x.size(d) == tokens, op, ": dim ", d, " of shape ", x.sizes(), " must hold ",
-                      tokens, " tokens");
-    int64_t per_token = 1;  // From the shape: an empty shard (S_r = 0) has elements per token too.
-    for (int64_t i = 0; i < x.dim(); ++i) per_token *= i == d ? 1 : x.size(i);
-    return std::vector<int64_t>{x.dim(), static_cast<int64_t>(x.scalar_type()), d, per_token};
-  });
+  auto all = group.agree(
+      [&] {
+        TORCH_CHECK_INDEX(x.dim() > 0 && dim >= -x.dim() && dim < x.dim(), op, ": dim ", dim,
+                          " is out of range for shape ", x.sizes());
+        d = wrap_dim(dim, x.dim());
+        TORCH_CHECK_VALUE(x.size(d) == tokens, op, ": dim ", d, " of shape ", x.sizes(),
+                          " must hold ", tokens, " tokens");
+        int64_t per_token =
+            1;  // From the shape: an empty shard (S_r = 0) has elements per token too.
+        for (int64_t i = 0; i < x.dim(); ++i) per_token *= i == d ? 1 : x.size(i);
+        return std::vector<int64_t>{x.dim(), static_cast<int64_t>(x.scalar_type()), d, per_token};
+      },
+      std::string("the sequence tensor (") + op + ")");
   const char* what[] = {"number of dims", "dtype (as c10::ScalarType)", "sequence dim",
                         "elements per token"};
   for (size_t r = 0; r < all.size(); ++r) {
@@ -79,44 +82,38 @@ int64_t agree_sequence_tensor(const char* op, const at::Tensor& x, int64_t dim, 
   return d;
 }
 
-// all_gather_sequence once every rank's shapes are known to match.
-at::Tensor gather_agreed(const at::Tensor& x, int64_t dim, const SequencePartition& seq,
-                         const Group& group) {
-  std::vector<at::Tensor> outs;
-  {
-    at::NoGradGuard no_grad;
-    outs.push_back(gather_impl(x, dim, seq, group));
-  }
-  detail::attach_backward(
-      {x}, outs, "AllGatherSequenceBackward", [dim, seq, group](std::vector<at::Tensor>&& g) {
-        return std::vector<at::Tensor>{reduce_scatter_impl(g[0], dim, seq, group)};
-      });
-  return outs[0];
+}  // namespace
+
+namespace detail {
+
+at::Tensor all_gather_sequence_kernel(const at::Tensor& x, int64_t dim,
+                                      const SequencePartition& seq, const Group& group) {
+  if (group.size() == 1) return x;
+  dim = agree_sequence_tensor("all_gather_sequence", x, dim, seq.length(group.rank()), group);
+  at::NoGradGuard no_grad;
+  return gather_impl(x, dim, seq, group);
 }
 
-}  // namespace
+at::Tensor reduce_scatter_sequence_kernel(const at::Tensor& x, int64_t dim,
+                                          const SequencePartition& seq, const Group& group) {
+  if (group.size() == 1) return x;
+  dim = agree_sequence_tensor("reduce_scatter_sequence", x, dim, seq.seq_len(), group);
+  at::NoGradGuard no_grad;
+  return reduce_scatter_impl(x, dim, seq, group);
+}
+
+}  // namespace detail
 
 at::Tensor all_gather_sequence(const at::Tensor& x, int64_t dim, const SequencePartition& seq,
                                const Group& group) {
   if (group.size() == 1) return x;
-  dim = agree_sequence_tensor("all_gather_sequence", x, dim, seq.length(group.rank()), group);
-  return gather_agreed(x, dim, seq, group);
+  return detail::call_sequence_collective(x, dim, seq, group, /*reduce=*/false);
 }
 
 at::Tensor reduce_scatter_sequence(const at::Tensor& x, int64_t dim, const SequencePartition& seq,
                                    const Group& group) {
   if (group.size() == 1) return x;
-  dim = agree_sequence_tensor("reduce_scatter_sequence", x, dim, seq.seq_len(), group);
-  std::vector<at::Tensor> outs;
-  {
-    at::NoGradGuard no_grad;
-    outs.push_back(reduce_scatter_impl(x, dim, seq, group));
-  }
-  detail::attach_backward({x}, outs, "ReduceScatterSequenceBackward",
-                          [dim, seq, group](std::vector<at::Tensor>&& g) {
-                            return std::vector<at::Tensor>{gather_impl(g[0], dim, seq, group)};
-                          });
-  return outs[0];
+  return detail::call_sequence_collective(x, dim, seq, group, /*reduce=*/true);
 }
 
 at::Tensor as_4d_mask(const at::Tensor& mask) {
@@ -131,13 +128,15 @@ namespace {
 MaskDecision agree_mask(const std::vector<int64_t>& mask_sizes, const c10::ScalarType dtype,
                         bool requires_grad, const AllToAllPlan& plan, const Group& group,
                         const std::string& name, int64_t key_len) {
-  auto all = group.agree([&] {
-    TORCH_CHECK_TYPE(dtype == at::kBool || c10::isFloatingType(dtype), "rebuild_mask: ", name,
-                     " must be bool or floating point; got ", dtype);
-    const auto s = mask_sizes_4d(mask_sizes, name);
-    return std::vector<int64_t>{
-        s[0], s[1], s[2], s[3], static_cast<int64_t>(dtype), requires_grad ? 1 : 0};
-  });
+  auto all = group.agree(
+      [&] {
+        TORCH_CHECK_TYPE(dtype == at::kBool || c10::isFloatingType(dtype), "rebuild_mask: ", name,
+                         " must be bool or floating point; got ", dtype);
+        const auto s = mask_sizes_4d(mask_sizes, name);
+        return std::vector<int64_t>{
+            s[0], s[1], s[2], s[3], static_cast<int64_t>(dtype), requires_grad ? 1 : 0};
+      },
+      "the mask's shape (rebuild_mask)");
   std::vector<std::array<int64_t, 4>> sizes;
   for (size_t r = 0; r < all.size(); ++r) {
     const auto& m = all[r];
@@ -178,7 +177,7 @@ at::Tensor rebuild_mask_backward(const at::Tensor& grad, const std::vector<int64
     g = at::zeros({s[0], s[1], s[2], s[3]}, grad.options());
     g.narrow(1, r.begin, r.size()).copy_(grad);
   } else {
-    g = gather_heads(grad, Heads::kQuery, mask_plan(plan), group);
+    g = detail::gather_heads_kernel({grad}, {Heads::kQuery}, mask_plan(plan), group, false)[0];
   }
   return g.reshape(mask_sizes);
 }
@@ -186,23 +185,32 @@ at::Tensor rebuild_mask_backward(const at::Tensor& grad, const std::vector<int64
 at::Tensor rebuild_mask(const at::Tensor& mask, const AllToAllPlan& plan, const Group& group,
                         const std::string& name, int64_t key_len) {
   if (group.size() == 1) return mask;
+  (void)name;  // The op names it "mask".
+  return detail::call_rebuild_mask(mask, plan, group, key_len);
+}
+
+at::Tensor detail::rebuild_mask_kernel(const at::Tensor& mask, const AllToAllPlan& plan,
+                                       const Group& group, const std::string& name,
+                                       int64_t key_len) {
+  if (group.size() == 1) return mask;
+  at::NoGradGuard no_grad;
   const int me = group.rank();
   const MaskDecision d = agree_mask(mask.sizes().vec(), mask.scalar_type(), mask.requires_grad(),
                                     plan, group, name, key_len);
   const at::Tensor m4 = as_4d_mask(mask);
   if (d.heads == MaskHeads::kShared) {
     // The agreement above covered the mask's shape and dtype on every rank.
-    return d.rows == MaskRows::kSharded ? gather_agreed(m4, 2, plan.seq, group) : m4;
+    return d.rows == MaskRows::kSharded ? gather_impl(m4, 2, plan.seq, group) : m4;
   }
   if (d.rows != MaskRows::kSharded) {
     const Range r = plan.heads.q_range(me);
     return m4.narrow(1, r.begin, r.size());
   }
   const AllToAllPlan bhsd = mask_plan(plan);
-  if (m4.scalar_type() == at::kBool) {
-    return scatter_heads(m4.view(at::kByte), Heads::kQuery, bhsd, group).view(at::kBool);
-  }
-  return scatter_heads(m4, Heads::kQuery, bhsd, group);
+  const bool flag = m4.scalar_type() == at::kBool;
+  const at::Tensor moved = detail::scatter_heads_kernel({flag ? m4.view(at::kByte) : m4},
+                                                        {Heads::kQuery}, bhsd, group)[0];
+  return flag ? moved.view(at::kBool) : moved;
 }
 
 }  // namespace ulysses

@@ -14,14 +14,14 @@ namespace {
 struct LayoutFacts {
   Layout layout;
   const char* name;
-  int64_t seq_dim, head_dim;
+  int64_t seq_dim, head_dim, batch_dim;
   std::array<int64_t, 4> to_bhsd;  // Permutation taking the layout to BHSD.
 };
 
 constexpr LayoutFacts kLayouts[] = {
-    {Layout::kBSHD, "BSHD", 1, 2, {0, 2, 1, 3}},
-    {Layout::kSBHD, "SBHD", 0, 2, {1, 2, 0, 3}},
-    {Layout::kBHSD, "BHSD", 2, 1, {0, 1, 2, 3}},
+    {Layout::kBSHD, "BSHD", 1, 2, 0, {0, 2, 1, 3}},
+    {Layout::kSBHD, "SBHD", 0, 2, 1, {1, 2, 0, 3}},
+    {Layout::kBHSD, "BHSD", 2, 1, 0, {0, 1, 2, 3}},
 };
 
 const LayoutFacts& facts(Layout layout) {
@@ -34,6 +34,7 @@ const LayoutFacts& facts(Layout layout) {
 
 int64_t seq_dim(Layout layout) { return facts(layout).seq_dim; }
 int64_t head_dim(Layout layout) { return facts(layout).head_dim; }
+int64_t batch_dim(Layout layout) { return facts(layout).batch_dim; }
 std::string to_string(Layout layout) { return facts(layout).name; }
 
 std::vector<int64_t> to_bhsd(Layout layout) {

@@ -6,7 +6,7 @@
 #include <limits>
 #include <sstream>
 
-#include "detail/autograd.h"
+#include "detail/ops.h"
 #include "ulysses/flash_attention.h"
 #include "ulysses/mask.h"
 
@@ -304,24 +304,7 @@ std::vector<at::Tensor> ring_attention_backward(const at::Tensor& grad_out,
 
 at::Tensor ring_attention(const LocalAttentionArgs& args, const RingLayout& layout,
                           const at::Tensor& docs, const Group& group) {
-  auto [out, lse] = ring_attention_forward(args, layout, docs, group);
-  std::vector<at::Tensor> outs{out};
-  LocalAttentionArgs saved = args;  // Detached: the node must not keep the inputs' history.
-  saved.q = args.q.detach(), saved.k = args.k.detach(), saved.v = args.v.detach();
-  if (args.mask) saved.mask = args.mask->detach();
-  const bool mask_grad = args.mask && args.mask->is_floating_point() && args.mask->requires_grad();
-  std::vector<at::Tensor> inputs{args.q, args.k, args.v};
-  if (mask_grad) inputs.push_back(*args.mask);
-  at::Tensor out_saved = out.detach();
-  detail::attach_backward(
-      inputs, outs, "RingAttentionBackward",
-      [saved, layout, docs, group, out_saved, lse, mask_grad](std::vector<at::Tensor>&& g) {
-        auto grads =
-            ring_attention_backward(g[0], saved, layout, docs, group, out_saved, lse, mask_grad);
-        if (!mask_grad) grads.pop_back();
-        return grads;
-      });
-  return outs[0];
+  return std::get<0>(detail::call_ring_attention(args, layout, docs, group));
 }
 
 at::Tensor rebuild_ring_mask(const at::Tensor& mask, const AllToAllPlan& plan,

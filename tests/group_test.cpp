@@ -73,12 +73,22 @@ TEST(Group, AgreeRaisesTheSameErrorOfTheSameTypeOnEveryRank) {
   expect_ranks_fail_alike(errors, "check: rank 2 is bad [raised on rank 2 of 4]");
 }
 
-TEST(Group, AgreeWithDifferentAmountsOfMetadataFailsAlikeOnEveryRank) {
+TEST(Group, AgreeWithDifferentAmountsOfMetadataReturnsEachRanks) {
   // Gloo aborts the process on an all-gather of mismatched sizes: the agreement round must
-  // never post one, whatever each rank's metadata.
-  auto errors = run_ranks(
-      3, [](Group& g) { g.agree([&] { return std::vector<int64_t>(1 + g.rank(), 7); }); });
-  expect_ranks_fail_alike(errors, "agree: ranks disagree on the amount of metadata");
+  // never post one, whatever each rank's metadata; every rank gets every rank's values.
+  expect_ranks_succeed(3, [](Group& g) {
+    auto all = g.agree([&] { return std::vector<int64_t>(1 + g.rank(), 7); });
+    for (int r = 0; r < 3; ++r) EXPECT_EQ(all[r], std::vector<int64_t>(1 + r, 7));
+  });
+}
+
+TEST(Group, RoundsOfDifferentPurposesFailAlikeNamingEachRanks) {
+  auto errors = run_ranks(2, [](Group& g) {
+    g.agree([] { return std::vector<int64_t>{1}; }, g.rank() == 0 ? "round A" : "round B");
+  });
+  expect_ranks_fail_alike(errors,
+                          "ranks are in different agreement rounds: rank 0 in round A, rank 1 in "
+                          "round B");
 }
 
 TEST(Group, MeshSpGroupsAreConsecutiveRanks) {

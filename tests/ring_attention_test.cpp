@@ -237,9 +237,11 @@ void check_case(const Case& c) {
     at::Tensor O = math_attention(ref).permute({0, 2, 1, 3});
     (O * W).sum().backward();
     EXPECT_LT(rel_error(o, shard(O)), 1e-4) << "output " << where(world, o);
-    EXPECT_LT(rel_error(q.grad(), shard(Qr.grad())), 1e-4) << "dq " << where(world, q);
-    EXPECT_LT(rel_error(k.grad(), shard(Kr.grad())), 1e-4) << "dk " << where(world, k);
-    EXPECT_LT(rel_error(v.grad(), shard(Vr.grad())), 1e-4) << "dv " << where(world, v);
+    // Absolute below 1: a rank whose only query sees only itself has dq = 0 exactly in the
+    // reference and ~1e-7 in fp32 (seen at 1 x 4, S = 5, causal, with and without this change).
+    EXPECT_LT(rel_error(q.grad(), shard(Qr.grad()), 1.0), 1e-4) << "dq " << where(world, q);
+    EXPECT_LT(rel_error(k.grad(), shard(Kr.grad()), 1.0), 1e-4) << "dk " << where(world, k);
+    EXPECT_LT(rel_error(v.grad(), shard(Vr.grad()), 1.0), 1e-4) << "dv " << where(world, v);
     if (learnable && sharded_rows) {
       EXPECT_LT(rel_error(m.grad(), layout.shard(Mr.grad(), 2, p)), 1e-4) << "dmask";
     } else if (learnable) {  // Every rank's share of a full mask's gradient: their sum.

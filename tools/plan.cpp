@@ -71,7 +71,7 @@ int plan_main(const Argv& argv) {
   const int64_t hq = args.required_integer("--q-heads", 1, kMaxHeads);
   const int64_t hkv = args.integer("--kv-heads", hq, 1, kMaxHeads);
   const int64_t sp = args.required_integer("--sp", 1, kMaxRanks);
-  const int64_t seq_len = args.integer("--seq-len", -1, 0);
+  const int64_t seq_len = args.integer("--seq-len", -1, 1);
   LayerShape shape;
   shape.q_heads = hq, shape.kv_heads = hkv;
   shape.seq_len = seq_len >= 0 ? seq_len : 32768;

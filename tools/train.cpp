@@ -224,8 +224,11 @@ void save_checkpoint(Transformer& model, torch::optim::AdamW& optimizer, const T
     state << "file " << name << " " << fs::file_size(dir / name) << " " << std::hex
           << file_hash(dir / name) << std::dec << "\n";
   }
-  // Test hook: die as a crash would, after the new files but before the commit point.
+#ifdef ULYSSES_TEST_HOOKS
+  // Test hook (builds with the tests only): die as a crash would, after the new files but
+  // before the commit point.
   if (std::getenv("ULYSSES_TEST_CRASH_BEFORE_COMMIT")) std::_Exit(9);
+#endif
   const fs::path tmp = dir / "state.txt.tmp";
   std::ofstream(tmp) << state.str();
   sync_file(tmp);
@@ -287,7 +290,7 @@ TrainOptions parse(const Argv& argv) {
   o.ring = static_cast<int>(args.integer("--ring", 1, 1, kMaxRanks));
   o.seq_len = args.integer("--seq-len", o.seq_len, 1);
   o.batch = args.integer("--batch", o.batch, 1);
-  o.steps = args.integer("--steps", o.steps, 0);
+  o.steps = args.integer("--steps", o.steps, 1);
   o.pairs = args.integer("--pairs", o.pairs, 1);
   o.lr = args.real("--lr", o.lr, 0.0, 10.0);
   o.clip = args.real("--clip", o.clip, 0.0);

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "ulysses/call_fingerprint.h"
 #include "ulysses/exchange_plan.h"
 #include "ulysses/group.h"
 #include "ulysses/partition.h"
@@ -43,24 +44,46 @@ struct AllToAllPlan {
   int64_t total(Heads h) const { return h == Heads::kQuery ? heads.q_heads() : heads.kv_heads(); }
 };
 
-// A value of a call that every rank must hold alike (whether a mask is given, its dtype, the
-// causal flag...), named for the error message.
-struct Agreed {
-  std::string name;
-  int64_t value = 0;
+// The options of a call that every rank must hold alike besides its tensors: for an attention
+// call its mask and position ids (facts, not data), causal flag, scale and whether a
+// StepContext is used. A bare exchange leaves the defaults.
+struct CallOptions {
+  bool attention = false;               // The tensors are q, k, v (k's head dim is q's).
+  c10::optional<at::Tensor> mask;       // Checked against every rank's shape (mask_decision.h).
+  c10::optional<at::Tensor> positions;  // [B, S_r] (positions_for_call expands [S_r]).
+  bool causal = false;
+  double scale = 0.0;
+  bool step_context = false;
+  bool check_mask = true;  // false: the caller checks the mask (the ring's rules).
 };
 
 // Checks `tensors` on every rank and agrees on the plan in one small collective: each must be a
-// floating-point 4-D tensor in `layout` with all Hq (or Hkv) heads, on one device, and every
-// rank must agree on head counts, layout, batch, head dims, dtypes, device types, the given
-// `seq` (if any), every value in `same` and the group handle's exchange options
-// (GroupOptions::pipeline_min_bytes, message_bytes). Local sequence lengths are gathered (or
-// checked against `seq` when given). Any violation raises the same error on every rank before
-// data moves.
+// floating-point 4-D tensor in `layout` with all Hq (or Hkv) heads, one batch size, on one
+// device, and every rank must hold the same CallFingerprint (call_fingerprint.h): head counts,
+// layout, batch, head dims, dtypes, device types, the given `seq` (if any), the call's options
+// and the group handle's exchange options (GroupOptions::pipeline_min_bytes, message_bytes).
+// Local sequence lengths are gathered (or checked against `seq` when given); a mask's shape is
+// checked against every rank's (mask_decision.h). Any violation raises the same error on every
+// rank before data moves, naming the argument and every rank's value.
 AllToAllPlan agree_plan(const Group& group, const HeadPartition& heads, Layout layout,
                         const std::vector<TensorSpec>& tensors,
                         const c10::optional<SequencePartition>& seq = c10::nullopt,
-                        const std::vector<Agreed>& same = {});
+                        const CallOptions& call = {});
+
+// Raises c10::ValueError naming the first of `tensors` that is not 4-D (in `layout`).
+void check_4d(const std::vector<TensorSpec>& tensors, Layout layout);
+
+// This rank's CallFingerprint of a call after its local checks (those of agree_plan that need
+// no other rank; raises naming the argument): what agree_plan moves.
+CallFingerprint call_fingerprint(const Group& group, const HeadPartition& heads, Layout layout,
+                                 const std::vector<TensorSpec>& tensors,
+                                 const c10::optional<SequencePartition>& seq,
+                                 const CallOptions& call);
+
+// Position ids in the one form a call agrees on: [S_r] (the same positions for every batch
+// row) expanded to q's [B, S_r]; [B, S_r] and anything else as given.
+c10::optional<at::Tensor> positions_for_call(const c10::optional<at::Tensor>& positions,
+                                             const at::Tensor& q, Layout layout);
 
 // [S_r, all heads] -> [S, this rank's heads] (in `plan.layout`). Differentiable.
 at::Tensor scatter_heads(const at::Tensor& x, Heads heads, const AllToAllPlan& plan,
@@ -120,6 +143,15 @@ std::vector<at::Tensor> project_head_parts(const at::Tensor& x, const at::Tensor
 // assembling it. Differentiable.
 at::Tensor project_from_head_parts(const std::vector<at::Tensor>& parts, const at::Tensor& weight,
                                    const std::vector<Range>& ranges);
+
+// The shape rules of the two projections (raising c10::ValueError with the shapes), for
+// callers that project otherwise (Python's traceable F.linear form).
+void check_head_projection(const std::vector<int64_t>& x, const std::vector<int64_t>& weight,
+                           const c10::optional<std::vector<int64_t>>& bias,
+                           const std::vector<Range>& ranges);
+void check_projection_from_parts(const std::vector<std::vector<int64_t>>& parts,
+                                 const std::vector<int64_t>& weight,
+                                 const std::vector<Range>& ranges);
 
 // Convenience: agree_plan for `x` alone, then scatter_heads.
 at::Tensor scatter_heads(const at::Tensor& x, const HeadPartition& partition, Heads heads,

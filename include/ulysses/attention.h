@@ -12,6 +12,7 @@
 #include <c10/util/Optional.h>
 
 #include <functional>
+#include <string>
 #include <vector>
 
 namespace ulysses {
@@ -43,6 +44,26 @@ struct LocalAttentionArgs {
 
 // A local attention implementation.
 using LocalAttention = std::function<at::Tensor(const LocalAttentionArgs&)>;
+
+// The exact local kernels, and the rule that picks one per case.
+enum class LocalKernel {
+  kAuto,   // The rule below.
+  kFused,  // flash_attention: CPU; fp32, bf16, fp16 (computed in fp32); every mask and rule.
+  kSdpa,   // at::scaled_dot_product_attention: any device; rules folded into a mask.
+  kMath,   // math_attention: any device and dtype (fp64 exact); materialises the scores.
+};
+// "auto", "fused", "sdpa" or "math"; throws c10::ValueError naming the choices otherwise.
+LocalKernel parse_local_kernel(const std::string& name);
+std::string to_string(LocalKernel kernel);
+// Note [Local attention by case]: the kernel a case runs on. kAuto: CPU tensors take the fused
+// kernel, fp64 the math kernel (exact in fp64), other devices SDPA (flash or memory-efficient
+// backends on CUDA). A requested kernel that cannot run the case raises c10::ValueError
+// saying which kernels can.
+LocalKernel choose_local_kernel(const LocalAttentionArgs& args, LocalKernel requested);
+// Local attention on choose_local_kernel(args, kernel). Differentiable.
+at::Tensor local_attention(const LocalAttentionArgs& args, LocalKernel kernel = LocalKernel::kAuto);
+// SDPA with the kv map, causal and document rules as one mask.
+at::Tensor sdpa_attention(const LocalAttentionArgs& args);
 
 // Reference attention on libtorch ops: materialises [B, Hq_r, S, S] scores, computes in fp32
 // (or fp64 for fp64 inputs) and is differentiated by autograd. The test reference.

@@ -71,11 +71,12 @@ struct AttentionOptions {
   int64_t q_heads = 0;
   // Total kv heads Hkv, >= 0; 0: taken from the first call's k. Hq must be a multiple of Hkv.
   int64_t kv_heads = 0;
-  Layout layout = Layout::kBSHD;  // Dimension order of q, k, v and the output.
-  bool causal = false;            // Causal attention (within each document when packed).
-  double scale = 0.0;             // Softmax scale; 0 means 1/sqrt(D).
-  bool fuse_qkv = true;           // Move q, k, v in one all-to-all (else three).
-  LocalAttention local;           // Local attention; empty means the library default.
+  Layout layout = Layout::kBSHD;            // Dimension order of q, k, v and the output.
+  bool causal = false;                      // Causal attention (within each document when packed).
+  double scale = 0.0;                       // Softmax scale; 0 means 1/sqrt(D).
+  bool fuse_qkv = true;                     // Move q, k, v in one all-to-all (else three).
+  LocalKernel kernel = LocalKernel::kAuto;  // Local attention's kernel (attention.h).
+  LocalAttention local;                     // A local attention of the caller's; empty: `kernel`.
 };
 
 // Optional per-call inputs.
@@ -85,6 +86,48 @@ struct AttentionInputs {
   StepContext* context = nullptr;        // Shares rebuilt masks/positions across layers.
   c10::optional<SequencePartition> seq;  // Known sequence split (checked); else learned.
 };
+
+// One attention call as the orchestration takes it (every field but the tensors).
+struct AttentionCall {
+  Group group;                 // The Ulysses (SP) group.
+  Group ring = Group::solo();  // Hybrid attention's ring group (1 rank: none).
+  int64_t q_heads = 0;         // Totals; 0: read from the call's q (or k).
+  int64_t kv_heads = 0;
+  c10::optional<SequencePartition> seq;  // A known split (checked); else learned in the round.
+  Layout layout = Layout::kBSHD;
+  bool causal = false;
+  double scale = 0.0;
+  bool fuse_qkv = true;
+  LocalKernel kernel = LocalKernel::kAuto;
+  const LocalAttention* local = nullptr;  // Overrides `kernel`.
+  StepContext* step = nullptr;            // Shares rebuilt masks and positions across layers.
+  bool mask_rebuilt = false;              // The mask is rebuild_mask's output for these heads.
+};
+
+// Attention's inputs after the exchange: q, k, v on this rank's heads over the whole sequence
+// (BHSD), the mask rebuilt and the position ids gathered, with the agreed plan.
+struct AttentionHeads {
+  LocalAttentionArgs args;
+  AllToAllPlan plan;
+  c10::optional<RingLayout> ring;  // Hybrid attention's layout (then args.positions is unset
+  at::Tensor ring_documents;       // and these are the ring's document ids, if any).
+};
+
+// Note [One orchestration]: the body of every attention call, from C++ (DistributedAttention)
+// and from Python (torch.ops.ulysses.attention, whose kernel calls it). `qkv` holds q, k, v as
+// one tensor each, or (`parts`) as head parts. Steps: agree (the call fingerprint, before any
+// data moves) -> exchange -> mask and positions -> local attention -> exchange back. With a
+// known split and no ring every collective runs inside a dispatcher op, so torch.compile
+// traces the whole call. Returns o (one tensor, or o's parts).
+std::vector<at::Tensor> attend(const AttentionCall& call,
+                               const std::vector<std::vector<at::Tensor>>& qkv, bool parts,
+                               const c10::optional<at::Tensor>& mask,
+                               const c10::optional<at::Tensor>& positions);
+// attend's first half, for a local attention of the caller's.
+AttentionHeads attend_heads(const AttentionCall& call,
+                            const std::vector<std::vector<at::Tensor>>& qkv, bool parts,
+                            const c10::optional<at::Tensor>& mask,
+                            const c10::optional<at::Tensor>& positions);
 
 class DistributedAttention {
  public:
@@ -122,21 +165,11 @@ class DistributedAttention {
   const Group& ring() const { return ring_; }
 
  private:
-  // forward's body. With `parts` ({q, k, v} parts), q, k, v are stand-ins (their full shapes,
-  // dtype and device, no data) for the checks, and o comes back as parts.
-  std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const std::vector<std::vector<at::Tensor>>* parts,
-                                 const AttentionInputs& in);
-  // The ring ranks' agreement on a call (raising alike on every rank), and its layout.
-  RingLayout agree_ring(const AllToAllPlan& plan, const at::Tensor& q, const at::Tensor& k,
-                        const at::Tensor& v, const AttentionInputs& in) const;
+  AttentionCall call(const AttentionInputs& in) const;
   Group group_;
   Group ring_ = Group::solo();
   AttentionOptions options_;
   c10::optional<HeadPartition> partition_;  // Fixed once known; every call must match it.
 };
-
-// The library's default local attention.
-LocalAttention default_local_attention();
 
 }  // namespace ulysses

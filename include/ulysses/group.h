@@ -12,6 +12,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/ArrayRef.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <chrono>
@@ -45,6 +46,11 @@ struct GroupOptions {
   int64_t pipeline_min_bytes = int64_t{4} << 20;
   int64_t message_bytes = int64_t{4} << 20;
 };
+
+// GroupOptions as dispatcher ops carry them (an `int[]`): [timeout ms, pipeline_min_bytes,
+// message_bytes]; a shorter list leaves the rest at their defaults.
+std::vector<int64_t> options_to_ints(const GroupOptions& options);
+GroupOptions options_from_ints(c10::IntArrayRef values);
 
 // Most metadata values one rank contributes to Group::agree.
 constexpr int64_t kAgreeMetaLimit = 96;
@@ -88,6 +94,8 @@ class Group {
   static Group resolve(const std::string& name, const GroupOptions& options = {});
   // A group of this rank alone: every collective is a local copy.
   static Group solo(const GroupOptions& options = {});
+  // The group an op names: "" is solo(); options as options_to_ints writes them.
+  static Group from_op(const std::string& name, c10::IntArrayRef options);
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -96,6 +104,9 @@ class Group {
   Group with_options(const GroupOptions& options) const;
   // The c10d group name ("" for solo()).
   std::string name() const;
+  // The name dispatcher ops find this group by (from_op): its c10d name, registered with c10d
+  // first if the process group was handed over without one; "" for solo().
+  std::string op_name() const;
   // The wrapped process group (null for solo()).
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
 
@@ -128,9 +139,11 @@ class Group {
   // most kAgreeMetaLimit integers) or throws. Then the ranks exchange outcomes in one small
   // collective of a fixed size: if any rank threw, every rank throws the same error (the lowest
   // failing rank's, of the same c10 error type, naming that rank); otherwise returns every
-  // rank's metadata, in rank order (ranks returning different amounts is itself an error).
-  std::vector<std::vector<int64_t>> agree(
-      const std::function<std::vector<int64_t>()>& local_check) const;
+  // rank's metadata, in rank order (amounts may differ: the caller compares them).
+  // `purpose` names the round: ranks in rounds of different purposes (an argument given on
+  // some ranks only sends them down different paths) raise an error naming each rank's.
+  std::vector<std::vector<int64_t>> agree(const std::function<std::vector<int64_t>()>& local_check,
+                                          const std::string& purpose = "an agreement") const;
 
   // Raises `error` on every rank through the agreement round that the other ranks run next
   // (every round has one shape, whatever each rank's check): a mistake only this rank can see

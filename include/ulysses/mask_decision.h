@@ -50,6 +50,14 @@ MaskDecision decide_mask(const std::vector<std::array<int64_t, 4>>& sizes, int64
                          const SequencePartition& seq, const std::string& name = "mask",
                          int64_t key_len = -1);
 
+// Every rank's mask sizes checked against the rules above, at any P (P == 1 included), with
+// the batch dim 1 or `batch`. Throws c10::ValueError like decide_mask.
+void check_mask_shapes(const std::vector<std::array<int64_t, 4>>& sizes, int64_t batch,
+                       int64_t q_heads, const SequencePartition& seq,
+                       const std::string& name = "mask", int64_t key_len = -1);
+// True when a mask of `sizes` (2-4 dims) is one mask for every head (no head dim, or 1): its
+// rebuilt form does not depend on the head split, so layers with other heads can share it.
+bool mask_shared_across_heads(const std::vector<int64_t>& sizes);
 // The 4-D sizes [Bm, Hm, Sq, Sk] of a 2-D [Sq, Sk], 3-D [heads, Sq, Sk] or 4-D mask's sizes.
 // Throws c10::ValueError naming `name` for any other number of dims.
 std::array<int64_t, 4> mask_sizes_4d(const std::vector<int64_t>& sizes, const std::string& name);

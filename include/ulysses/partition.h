@@ -30,6 +30,8 @@ enum class Layout {
 int64_t seq_dim(Layout layout);
 // The head dimension of `layout` (0..3).
 int64_t head_dim(Layout layout);
+// The batch dimension of `layout` (0..3).
+int64_t batch_dim(Layout layout);
 // "BSHD", "SBHD" or "BHSD".
 std::string to_string(Layout layout);
 // The permutation taking a tensor in `layout` to BHSD (x.permute(to_bhsd(layout))), and back.

@@ -16,6 +16,7 @@ from .ops import (
     flash_attention,
     gather_head_parts,
     gather_heads,
+    local_attention,
     project_from_head_parts,
     project_head_parts,
     rebuild_mask,
@@ -58,6 +59,7 @@ def plan_sp_mesh(sp: int, q_heads: int, kv_heads: int, seq_len: int, head_dim: i
 __all__ = [
     "DistributedAttention",
     "StepContext",
+    "local_attention",
     "all_gather_sequence",
     "all_reduce_gradients",
     "autosp",

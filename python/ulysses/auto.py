@@ -47,7 +47,6 @@ from torch.fx.node import map_arg
 
 from . import _C
 from . import ops as O
-from .attention import _agreed_call_values, _local_kv_map, local_attention
 
 _MARK = "_ulysses_autosp_dim"
 _SDPA = torch._C._nn.scaled_dot_product_attention
@@ -417,16 +416,12 @@ class _Rewriter:
         causal, scale = bool(call.get("is_causal", False)), call.get("scale")
         group, t, lens = self.owner.group, self.owner.timeout_ms, self.seq_lens
         probes = [self.probe[n] for n in (q, k, v)]
-        names, values = _agreed_call_values(probes, None if mask is None else self.probe[mask],
-                                            None, causal, None)
-        heads = self._insert(O._ops.scatter_heads, ([q, k, v], ["q", "kv", "kv"], hq, hkv, lens,
-                                                    "BHSD", group, t, names, values))
-        qh, kh, vh = (self._insert(operator.getitem, (heads, i)) for i in range(3))
+        # The one orchestration (torch.ops.ulysses.attention), given the mask this graph
+        # rebuilt once for every layer that shares it.
         rebuilt = self._rebuilt_mask(node, mask, hq, hkv) if mask is not None else None
-        kv_map = _local_kv_map(hq, hkv, self.owner.size, self.owner.rank)
-        o = self._insert(local_attention, (qh, kh, vh, kv_map, rebuilt, None, causal, scale))
-        gathered = self._insert(O._ops.gather_heads, ([o], ["q"], hq, hkv, lens, "BHSD", group, t))
-        out = self.new[node] = self._insert(operator.getitem, (gathered, 0))
+        out = self.new[node] = self._insert(torch.ops.ulysses.attention, (
+            q, k, v, rebuilt, None, hq, hkv, lens, "BHSD", causal, 0.0 if scale is None else float(scale),
+            "auto", group, [t], None, None, mask is not None))
         with self.mode:
             probe = full.new_empty((*full.shape[:2], self.A, full.shape[3]))
         self._record(out, full, probe.requires_grad_(any(p.requires_grad for p in probes)), Shard(2))
@@ -460,11 +455,10 @@ class _Rewriter:
             _C.rebuilt_mask_shape(local, hq, hkv, self.seq_lens, self.owner.rank)
         except ValueError as e:
             raise AutoSPError(_where(node, str(e))) from None
-        per_head = full.dim() >= 3 and full.shape[-3] != 1
-        key = (mask, (hq, hkv) if per_head else None)
+        key = (mask, None if _C.mask_shared_across_heads(list(full.shape)) else (hq, hkv))
         if key not in self.rebuilt_masks:
-            self.rebuilt_masks[key] = self._insert(O._ops.rebuild_mask, (
-                mask, hq, hkv, self.seq_lens, self.owner.group, self.owner.timeout_ms))
+            self.rebuilt_masks[key] = self._insert(torch.ops.ulysses.rebuild_mask, (
+                mask, hq, hkv, self.seq_lens, self.owner.group, [self.owner.timeout_ms]))
         return self.rebuilt_masks[key]
 
     # ---- losses and token means ---------------------------------------------------------------
@@ -493,12 +487,12 @@ class _Rewriter:
                                      "reduction='sum' and divide by the global weight"))
         local_sum = self._insert(node.target, (), dict(call, reduction="sum"))
         if reduction == "sum":
-            out = self._insert(O._ops.sum_over_group, (local_sum, self.owner.group))
+            out = self._insert(torch.ops.ulysses.sum_over_group, (local_sum, self.owner.group, [self.owner.timeout_ms]))
         else:
             kept = self._insert(operator.ne, (call["target"], call.get("ignore_index", -100)))
             count = self._insert(torch.sum, (kept,), {"dtype": full.dtype})
             stats = self._insert(torch.stack, ([local_sum, count],))
-            total = self._insert(O._ops.sum_over_group, (stats, self.owner.group))
+            total = self._insert(torch.ops.ulysses.sum_over_group, (stats, self.owner.group, [self.owner.timeout_ms]))
             out = self._insert(operator.truediv, (self._insert(operator.getitem, (total, 0)),
                                                   self._insert(operator.getitem, (total, 1))))
         self.new[node] = out
@@ -509,7 +503,7 @@ class _Rewriter:
         the full element count)."""
         src = args[0][0]
         local = self._insert(torch.sum, (src,), args[1])
-        out = self._insert(O._ops.sum_over_group, (local, self.owner.group))
+        out = self._insert(torch.ops.ulysses.sum_over_group, (local, self.owner.group, [self.owner.timeout_ms]))
         if node.target == "mean":
             out = self._insert(operator.truediv, (out, self.full[src].numel()))
         self.new[node] = out

@@ -1,9 +1,10 @@
-"""Functional ops over ``torch.ops.ulysses`` with their autograd formulas and fake kernels.
+"""Functional ops over ``torch.ops.ulysses`` and their fake kernels.
 
-The C++ kernels (bindings/ops.cpp) do the work; this file registers, for each op, the fake
-kernel torch.compile traces with (output shapes from the C++ planners) and the backward (the
-adjoint op). A process group is passed to the ops by its name, as torch's functional
-collectives do; the wrappers accept a ProcessGroup, a DeviceMesh dimension or a name.
+The ops, their kernels and their autograd are C++ (src/ops.cpp: one registration serves C++
+and Python); this file registers, for each op, the fake kernel torch.compile traces with
+(output shapes from the C++ planners). A process group is passed to the ops by its name, as
+torch's functional collectives do, with the handle's options as integers (``[timeout ms]``);
+the wrappers accept a ProcessGroup, a DeviceMesh dimension or a name.
 """
 
 from __future__ import annotations
@@ -50,7 +51,14 @@ def process_group(name: str) -> dist.ProcessGroup:
     return torch._C._distributed_c10d._resolve_process_group(name)
 
 
+def group_options(timeout) -> list[int]:
+    """The ops' ``group_options`` for a timeout (timedelta, seconds or None)."""
+    return [timeout_ms(timeout)]
+
+
 def _rank_size(name: str) -> tuple[int, int]:
+    if not name:  # This rank alone.
+        return 0, 1
     pg = process_group(name)
     return pg.rank(), pg.size()
 
@@ -69,13 +77,13 @@ def _dims(layout: str) -> tuple[int, int]:
 
 
 @torch.library.register_fake("ulysses::sequence_lengths")
-def _(x, dim, group, timeout_ms):
+def _(x, dim, group, group_options):
     return torch.empty((_rank_size(group)[1],), dtype=torch.long, device="cpu")  # as the kernel
 
 
 def sequence_lengths(x: torch.Tensor, dim: int, group: GroupLike = None, timeout=None) -> list[int]:
     """Every rank's length of ``x`` along ``dim`` (one small collective; eager only)."""
-    return _ops.sequence_lengths(x, dim, group_name(group), timeout_ms(timeout)).tolist()
+    return _ops.sequence_lengths(x, dim, group_name(group), group_options(timeout)).tolist()
 
 
 # ---- scatter_heads / gather_heads -----------------------------------------------------------
@@ -99,54 +107,28 @@ def _a2a_shapes(xs, heads, q_heads, kv_heads, seq_lens, layout, group, to_heads:
 
 
 @torch.library.register_fake("ulysses::scatter_heads")
-def _(xs, heads, q_heads, kv_heads, seq_lens, layout, group, timeout_ms, same_names, same_values):
+def _(xs, heads, q_heads, kv_heads, seq_lens, layout, group, group_options, agree=True, mask=None,
+      positions=None, causal=False, scale=0.0, step=False, check_mask=True):
     return _a2a_shapes(xs, heads, q_heads, kv_heads, seq_lens, layout, group, True)
 
 
 @torch.library.register_fake("ulysses::gather_heads")
-def _(ys, heads, q_heads, kv_heads, seq_lens, layout, group, timeout_ms):
+def _(ys, heads, q_heads, kv_heads, seq_lens, layout, group, group_options):
     return _a2a_shapes(ys, heads, q_heads, kv_heads, seq_lens, layout, group, False)
-
-
-def _setup_a2a(ctx, inputs, output):
-    ctx.args = tuple(inputs[1:8])  # The plan's arguments (not scatter's values to agree on).
-    # No gradient for the other inputs; an empty list must come back as one (pytree structure).
-    ctx.no_grads = tuple([] if isinstance(a, (list, tuple)) and not a else None for a in inputs[1:])
-    ctx.shapes = [(x.shape, x.dtype, x.device) for x in output]
-
-
-def _defined(grads, ctx):
-    # Outputs that did not reach the loss have no gradient: zeros keep the collective whole.
-    return [g if g is not None else torch.zeros(s, dtype=d, device=dev)
-            for g, (s, d, dev) in zip(grads, ctx.shapes)]
-
-
-def _scatter_backward(ctx, grads):
-    return (_ops.gather_heads(_defined(grads, ctx), *ctx.args),) + ctx.no_grads
-
-
-def _gather_backward(ctx, grads):
-    return (_ops.scatter_heads(_defined(grads, ctx), *ctx.args, [], []),) + ctx.no_grads
-
-
-torch.library.register_autograd("ulysses::scatter_heads", _scatter_backward, setup_context=_setup_a2a)
-torch.library.register_autograd("ulysses::gather_heads", _gather_backward, setup_context=_setup_a2a)
 
 
 def scatter_heads(xs: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int, kv_heads: int,
                   seq_lens: Sequence[int], layout: str = "BSHD", group: GroupLike = None,
-                  timeout=None, same: dict[str, int] | None = None) -> list[torch.Tensor]:
+                  timeout=None) -> list[torch.Tensor]:
     """Sequence-sharded ``[B, S_r, H, D]`` tensors to head-sharded ``[B, S, H_r, D]`` (BSHD shown).
 
     ``heads[i]`` is ``"q"`` (Hq heads) or ``"kv"`` (Hkv heads) for ``xs[i]``; all tensors move in
     one all-to-all. ``seq_lens`` is every rank's token count. Every rank checks every rank's
-    inputs first (one small collective), so a mismatch raises the same error everywhere;
-    ``same`` adds named integers every rank must hold alike to that round.
+    inputs first (one small collective), so a mismatch raises the same error everywhere.
     Differentiable: the backward is ``gather_heads``.
     """
-    same = same or {}
     return _ops.scatter_heads(list(xs), list(heads), q_heads, kv_heads, list(seq_lens), layout,
-                              group_name(group), timeout_ms(timeout), list(same), list(same.values()))
+                              group_name(group), group_options(timeout))
 
 
 def gather_heads(ys: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int, kv_heads: int,
@@ -158,20 +140,21 @@ def gather_heads(ys: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int,
     exact adjoint of ``scatter_heads``.
     """
     return _ops.gather_heads(list(ys), list(heads), q_heads, kv_heads, list(seq_lens), layout,
-                             group_name(group), timeout_ms(timeout))
+                             group_name(group), group_options(timeout))
 
 
 # ---- head parts: heads split by rank beforehand (no pack, no unpack) -------------------------
 
 
 @torch.library.register_fake("ulysses::scatter_head_parts")
-def _(parts, heads, q_heads, kv_heads, seq_lens, layout, group, timeout_ms, same_names, same_values):
+def _(parts, heads, q_heads, kv_heads, seq_lens, layout, group, group_options, agree=True,
+      mask=None, positions=None, causal=False, scale=0.0, step=False, check_mask=True):
     size = _rank_size(group)[1]
     return _a2a_shapes(parts[::size], heads, q_heads, kv_heads, seq_lens, layout, group, True)
 
 
 @torch.library.register_fake("ulysses::gather_head_parts")
-def _(ys, heads, q_heads, kv_heads, seq_lens, layout, group, timeout_ms):
+def _(ys, heads, q_heads, kv_heads, seq_lens, layout, group, group_options):
     rank, size = _rank_size(group)
     counts = _plan(q_heads, kv_heads, size)
     sdim, hdim = _dims(layout)
@@ -185,33 +168,16 @@ def _(ys, heads, q_heads, kv_heads, seq_lens, layout, group, timeout_ms):
     return outs
 
 
-def _scatter_parts_backward(ctx, grads):
-    return (_ops.gather_head_parts(_defined(grads, ctx), *ctx.args),) + ctx.no_grads
-
-
-def _gather_parts_backward(ctx, grads):
-    return (_ops.scatter_head_parts(_defined(grads, ctx), *ctx.args, [], []),) + ctx.no_grads
-
-
-torch.library.register_autograd("ulysses::scatter_head_parts", _scatter_parts_backward,
-                                setup_context=_setup_a2a)
-torch.library.register_autograd("ulysses::gather_head_parts", _gather_parts_backward,
-                                setup_context=_setup_a2a)
-
-
 def scatter_head_parts(parts: Sequence[Sequence[torch.Tensor]], heads: Sequence[str], q_heads: int,
                        kv_heads: int, seq_lens: Sequence[int], layout: str = "BSHD",
-                       group: GroupLike = None, timeout=None,
-                       same: dict[str, int] | None = None) -> list[torch.Tensor]:
+                       group: GroupLike = None, timeout=None) -> list[torch.Tensor]:
     """``scatter_heads`` from head parts: ``parts[i][j]`` holds the heads rank ``j`` gets of
     tensor ``i`` (``[B, S_r, H_j, D]`` in BSHD, as ``project_head_parts`` makes them), so nothing
     is packed: each part is the message to its rank. Returns what ``scatter_heads`` returns for
     the whole tensors; differentiable (the backward is ``gather_head_parts``)."""
-    same = same or {}
     flat = [p for tensor_parts in parts for p in tensor_parts]
     return _ops.scatter_head_parts(flat, list(heads), q_heads, kv_heads, list(seq_lens), layout,
-                                   group_name(group), timeout_ms(timeout), list(same),
-                                   list(same.values()))
+                                   group_name(group), group_options(timeout))
 
 
 def gather_head_parts(ys: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int, kv_heads: int,
@@ -221,7 +187,7 @@ def gather_head_parts(ys: Sequence[torch.Tensor], heads: Sequence[str], q_heads:
     this rank's tokens (``project_from_head_parts`` takes them), so nothing is unpacked.
     Replicated kv heads stay in their own parts. Differentiable."""
     flat = _ops.gather_head_parts(list(ys), list(heads), q_heads, kv_heads, list(seq_lens), layout,
-                                  group_name(group), timeout_ms(timeout))
+                                  group_name(group), group_options(timeout))
     n = len(flat) // max(1, len(ys))
     return [flat[i * n:(i + 1) * n] for i in range(len(ys))]
 
@@ -232,6 +198,9 @@ def project_head_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     ranges[j]], bias[same])`` viewed ``[B, S_r, heads, D]``, for ``x [B, S_r, E]`` and
     ``weight [H * D, E]`` with head-major rows (an ``nn.Linear``'s). ``ranges``: the
     ``(start, end)`` head ranges by rank (``ulysses.plan(...)["q_ranges"]``)."""
+    if not torch.compiler.is_compiling():  # The C++ rule (a compiled graph was checked eagerly or not at all).
+        _C.check_head_projection(list(x.shape), list(weight.shape), None if bias is None else list(bias.shape),
+                                 [tuple(r) for r in ranges])
     D = weight.shape[0] // ranges[-1][1]
     return [F.linear(x, weight[a * D:b * D], None if bias is None else bias[a * D:b * D])
             .unflatten(-1, (b - a, D)) for a, b in ranges]
@@ -242,6 +211,8 @@ def project_from_head_parts(parts: Sequence[torch.Tensor], weight: torch.Tensor,
     """The output projection of head parts: ``sum_j F.linear(parts[j].flatten(-2),
     weight[:, columns of heads ranges[j]])`` for ``weight [E, H * D]``: an ``nn.Linear`` of the
     whole gathered tensor without assembling it."""
+    if not torch.compiler.is_compiling():
+        _C.check_projection_from_parts([list(p.shape) for p in parts], list(weight.shape), [tuple(r) for r in ranges])
     D = parts[0].shape[-1]
     out = None
     for p, (a, b) in zip(parts, ranges):
@@ -261,27 +232,13 @@ def _seq_shape(x, dim, seq_lens, group, gathered: bool):
 
 
 @torch.library.register_fake("ulysses::all_gather_sequence")
-def _(x, dim, seq_lens, group, timeout_ms):
+def _(x, dim, seq_lens, group, group_options):
     return _seq_shape(x, dim, seq_lens, group, True)
 
 
 @torch.library.register_fake("ulysses::reduce_scatter_sequence")
-def _(x, dim, seq_lens, group, timeout_ms):
+def _(x, dim, seq_lens, group, group_options):
     return _seq_shape(x, dim, seq_lens, group, False)
-
-
-def _setup_seq(ctx, inputs, output):
-    ctx.args = tuple(inputs[1:])
-
-
-torch.library.register_autograd(
-    "ulysses::all_gather_sequence",
-    lambda ctx, g: (_ops.reduce_scatter_sequence(g, *ctx.args),) + (None,) * 4,
-    setup_context=_setup_seq)
-torch.library.register_autograd(
-    "ulysses::reduce_scatter_sequence",
-    lambda ctx, g: (_ops.all_gather_sequence(g, *ctx.args),) + (None,) * 4,
-    setup_context=_setup_seq)
 
 
 def all_gather_sequence(x: torch.Tensor, dim: int, seq_lens: Sequence[int], group: GroupLike = None,
@@ -290,42 +247,29 @@ def all_gather_sequence(x: torch.Tensor, dim: int, seq_lens: Sequence[int], grou
 
     Backward: ``reduce_scatter_sequence`` (sum over the group, keep this rank's rows).
     """
-    return _ops.all_gather_sequence(x, dim, list(seq_lens), group_name(group), timeout_ms(timeout))
+    return _ops.all_gather_sequence(x, dim, list(seq_lens), group_name(group), group_options(timeout))
 
 
 def reduce_scatter_sequence(x: torch.Tensor, dim: int, seq_lens: Sequence[int],
                             group: GroupLike = None, timeout=None) -> torch.Tensor:
     """Sum of ``x`` ``[.., S, ..]`` over the group, this rank's rows ``[.., S_r, ..]`` kept."""
     return _ops.reduce_scatter_sequence(x, dim, list(seq_lens), group_name(group),
-                                        timeout_ms(timeout))
+                                        group_options(timeout))
 
 
 # ---- rebuild_mask ------------------------------------------------------------------------------
 
 
 @torch.library.register_fake("ulysses::rebuild_mask")
-def _(mask, q_heads, kv_heads, seq_lens, group, timeout_ms, key_len=-1):
+def _(mask, q_heads, kv_heads, seq_lens, group, group_options, key_len=-1):
     rank, _ = _rank_size(group)
     shape = _C.rebuilt_mask_shape(list(mask.shape), q_heads, kv_heads, list(seq_lens), rank, key_len)
     return mask.new_empty(shape)
 
 
 @torch.library.register_fake("ulysses::rebuild_mask_backward")
-def _(grad, mask_sizes, q_heads, kv_heads, seq_lens, group, timeout_ms, key_len=-1):
+def _(grad, mask_sizes, q_heads, kv_heads, seq_lens, group, group_options, key_len=-1):
     return grad.new_empty(mask_sizes)
-
-
-def _setup_mask(ctx, inputs, output):
-    mask = inputs[0]
-    ctx.sizes = list(mask.shape)
-    ctx.args = tuple(inputs[1:])
-
-
-def _mask_backward(ctx, grad):
-    return (_ops.rebuild_mask_backward(grad, ctx.sizes, *ctx.args),) + (None,) * len(ctx.args)
-
-
-torch.library.register_autograd("ulysses::rebuild_mask", _mask_backward, setup_context=_setup_mask)
 
 
 def rebuild_mask(mask: torch.Tensor, q_heads: int, kv_heads: int, seq_lens: Sequence[int],
@@ -337,41 +281,23 @@ def rebuild_mask(mask: torch.Tensor, q_heads: int, kv_heads: int, seq_lens: Sequ
     Returns a 4-D mask broadcastable to ``[B, H_r, S, S]``. Differentiable for float masks.
     """
     return _ops.rebuild_mask(mask, q_heads, kv_heads, list(seq_lens), group_name(group),
-                             timeout_ms(timeout))
+                             group_options(timeout))
 
 
 # ---- flash_attention ---------------------------------------------------------------------------
 
 
 @torch.library.register_fake("ulysses::flash_attention")
-def _(q, k, v, kv_map, mask, positions, causal, scale):
+def _(q, k, v, kv_map, mask, positions, causal, scale, rows, block_q=128, block_k=0):
     B, H, S, _ = q.shape
     return q.new_empty((B, H, S, v.shape[-1])), q.new_empty((B, H, S), dtype=torch.float32)
 
 
 @torch.library.register_fake("ulysses::flash_attention_backward")
-def _(grad_out, q, k, v, out, lse, kv_map, mask, positions, causal, scale, mask_grad):
+def _(grad_out, q, k, v, out, lse, kv_map, mask, positions, causal, scale, mask_grad, rows,
+      block_q=128, block_k=0):
     dmask = mask.new_empty(mask.shape) if mask_grad else q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask
-
-
-def _setup_flash(ctx, inputs, output):
-    q, k, v, kv_map, mask, positions, causal, scale = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask, positions)
-    ctx.meta = (list(kv_map), causal, scale)
-    ctx.mask_grad = mask is not None and mask.is_floating_point() and mask.requires_grad
-
-
-def _flash_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, mask, positions = ctx.saved_tensors
-    kv_map, causal, scale = ctx.meta
-    dq, dk, dv, dmask = _ops.flash_attention_backward(
-        grad_out, q, k, v, out, lse, kv_map, mask, positions, causal, scale, ctx.mask_grad)
-    return dq, dk, dv, None, (dmask if ctx.mask_grad else None), None, None, None
-
-
-torch.library.register_autograd("ulysses::flash_attention", _flash_backward, setup_context=_setup_flash)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: Sequence[int],
@@ -383,28 +309,28 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: S
     global position ids (packed documents restart at 0). Never materialises the S x S scores.
     """
     out, _ = _ops.flash_attention(q, k, v, list(kv_map), mask, positions, causal,
-                                  0.0 if scale is None else float(scale))
+                                  0.0 if scale is None else float(scale), [])
     return out
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: Sequence[int],
+                    mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                    causal: bool = False, scale: float | None = None,
+                    kernel: str = "auto") -> torch.Tensor:
+    """Local attention (BHSD, as ``flash_attention``) on the exact kernel ``kernel`` names:
+    ``"fused"`` (the CPU kernel), ``"sdpa"`` (torch's SDPA, any device), ``"math"`` (any dtype,
+    fp64 exact) or ``"auto"``, the library's rule (Note [Local attention by case] in
+    include/ulysses/attention.h): the fused kernel on CPU, math for fp64, SDPA elsewhere."""
+    return _ops.local_attention(q, k, v, list(kv_map), mask, positions, causal,
+                                0.0 if scale is None else float(scale), kernel)
 
 
 # ---- sum_over_group ----------------------------------------------------------------------------
 
 
-@torch.library.custom_op("ulysses::sum_over_group", mutates_args=())
-def _sum_over_group(x: torch.Tensor, group: str) -> torch.Tensor:
-    out = x.contiguous().clone()
-    process_group(group).allreduce([out]).wait()
-    return out
-
-
-@_sum_over_group.register_fake
-def _(x, group):
+@torch.library.register_fake("ulysses::sum_over_group")
+def _(x, group, group_options):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-# Each rank backpropagates its own part of a sum over the group: the gradient passes through
-# unchanged, and summing parameter gradients over the group afterwards gives the exact total.
-_sum_over_group.register_autograd(lambda ctx, grad: (grad, None))
 
 
 def sum_over_group(x: torch.Tensor, group: GroupLike = None) -> torch.Tensor:
@@ -412,7 +338,7 @@ def sum_over_group(x: torch.Tensor, group: GroupLike = None) -> torch.Tensor:
 
     Backward passes the gradient through unchanged: each rank's gradient is its own part of
     the total, so gradients summed over the group afterwards are exact."""
-    return _ops.sum_over_group(x, group_name(group))
+    return _ops.sum_over_group(x, group_name(group), group_options(None))
 
 
 def all_reduce_gradients(model: torch.nn.Module, group=None) -> None:
@@ -432,37 +358,6 @@ def all_reduce_gradients(model: torch.nn.Module, group=None) -> None:
 
 
 # ---- ring attention ----------------------------------------------------------------------------
-
-
-@torch.library.register_fake("ulysses::ring_attention")
-def _(q, k, v, kv_map, mask, docs, causal, scale, seq_len, ulysses, ring_group, timeout_ms):
-    B, H, S, _ = q.shape
-    return q.new_empty((B, H, S, v.shape[-1])), q.new_empty((B, H, S), dtype=torch.float32)
-
-
-@torch.library.register_fake("ulysses::ring_attention_backward")
-def _(grad_out, q, k, v, out, lse, kv_map, mask, docs, causal, scale, seq_len, ulysses, ring_group,
-      timeout_ms, mask_grad):
-    dmask = mask.new_empty(mask.shape) if mask_grad else q.new_empty((0,))
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask
-
-
-def _setup_ring(ctx, inputs, output):
-    q, k, v, kv_map, mask, docs, *meta = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask, docs)
-    ctx.kv_map, ctx.meta = list(kv_map), meta
-    ctx.mask_grad = mask is not None and mask.is_floating_point() and mask.requires_grad
-
-
-def _ring_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, mask, docs = ctx.saved_tensors
-    dq, dk, dv, dmask = _ops.ring_attention_backward(grad_out, q, k, v, out, lse, ctx.kv_map, mask, docs,
-                                                     *ctx.meta, ctx.mask_grad)
-    return (dq, dk, dv, None, dmask if ctx.mask_grad else None) + (None,) * 7
-
-
-torch.library.register_autograd("ulysses::ring_attention", _ring_backward, setup_context=_setup_ring)
 
 
 def shard_sequence(x: torch.Tensor, dim: int, sp_rank: int, sp_size: int, ring: int = 1) -> torch.Tensor:

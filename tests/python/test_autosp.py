@@ -94,8 +94,8 @@ def llama(group, mark_positions, arch="llama"):
     backend = ulysses.autosp(group)
     loss = sp_step(model, backend, **kwargs)
     # transformers repeats kv heads before SDPA; the all-to-all moves the 2 kv heads only.
-    moved = {n.args[3] for n in backend.graphs[0].graph.nodes
-             if n.target is torch.ops.ulysses.scatter_heads}
+    moved = {n.args[6] for n in backend.graphs[0].graph.nodes  # attention(q, k, v, mask, pos, hq, hkv, ...)
+             if n.target is torch.ops.ulysses.attention}
     return compare(model, *ref, loss, group) + (moved,)
 
 

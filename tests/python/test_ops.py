@@ -10,6 +10,7 @@ from conftest import run_processes, run_ranks, seq_lens, shard
 
 ops = torch.ops.ulysses
 TIMEOUT_MS = 30_000
+OPTIONS = [TIMEOUT_MS]  # group_options: [timeout ms]
 
 
 def collective_op_calls(rank: int, group: str, world: int) -> list:
@@ -26,24 +27,25 @@ def collective_op_calls(rank: int, group: str, world: int) -> list:
     y = torch.randn(2, 7, nq, 8, generator=g, requires_grad=True)
     calls = [
         (ops.scatter_heads.default,
-         ([q, k], ["q", "kv"], 4, 2, lens, "BSHD", group, TIMEOUT_MS, ["causal"], [1])),
-        (ops.gather_heads.default, ([y], ["q"], 4, 2, lens, "BSHD", group, TIMEOUT_MS)),
+         ([q, k], ["q", "kv"], 4, 2, lens, "BSHD", group, OPTIONS, True, None, None, True)),
+        (ops.gather_heads.default, ([y], ["q"], 4, 2, lens, "BSHD", group, OPTIONS)),
         # Head parts: q's and k's heads split by rank, flattened [tensor][rank].
         (ops.scatter_head_parts.default,
          ([q.detach()[:, :, a:b].clone().requires_grad_() for a, b in plan["q_ranges"]] +
           [k.detach()[:, :, a:b].clone().requires_grad_() for a, b in plan["kv_ranges"]],
-          ["q", "kv"], 4, 2, lens, "BSHD", group, TIMEOUT_MS, [], [])),
-        (ops.gather_head_parts.default, ([y], ["q"], 4, 2, lens, "BSHD", group, TIMEOUT_MS)),
+          ["q", "kv"], 4, 2, lens, "BSHD", group, OPTIONS)),
+        (ops.gather_head_parts.default, ([y], ["q"], 4, 2, lens, "BSHD", group, OPTIONS)),
         (ops.all_gather_sequence.default,
-         (torch.randn(3, lens[rank], 2, requires_grad=True), 1, lens, group, TIMEOUT_MS)),
+         (torch.randn(3, lens[rank], 2, requires_grad=True), 1, lens, group, OPTIONS)),
         (ops.reduce_scatter_sequence.default,
-         (torch.randn(3, 7, 2, requires_grad=True), 1, lens, group, TIMEOUT_MS)),
+         (torch.randn(3, 7, 2, requires_grad=True), 1, lens, group, OPTIONS)),
     ]
+    calls.append((ops.sum_over_group.default, (torch.randn(3, requires_grad=True), group, OPTIONS)))
     for heads in (1, 4):
         m = torch.randn(2, heads, lens[rank], 7, generator=g, requires_grad=True)
-        calls.append((ops.rebuild_mask.default, (m, 4, 2, lens, group, TIMEOUT_MS)))
+        calls.append((ops.rebuild_mask.default, (m, 4, 2, lens, group, OPTIONS)))
     calls.append((ops.rebuild_mask.default,  # a full (not sharded) per-head mask
-                  (torch.randn(1, 4, 7, 7, requires_grad=True), 4, 2, lens, group, TIMEOUT_MS)))
+                  (torch.randn(1, 4, 7, 7, requires_grad=True), 4, 2, lens, group, OPTIONS)))
     return calls
 
 
@@ -59,7 +61,7 @@ def _opcheck_collectives(rank: int, group: str, world: int) -> int:
 def test_opcheck_collective_ops(tmp_path, world):
     """opcheck (schema, autograd registration, fake tensors, AOT dispatch with dynamic shapes)
     of every collective op, on real Gloo groups of `world` processes."""
-    assert run_processes(world, _opcheck_collectives, world, tmp_dir=str(tmp_path)) == [9] * world
+    assert run_processes(world, _opcheck_collectives, world, tmp_dir=str(tmp_path)) == [10] * world
 
 
 @pytest.mark.parametrize("with_mask", [False, True])
@@ -69,21 +71,21 @@ def test_opcheck_flash_attention(with_mask):
     v = torch.randn(1, 2, 9, 6, requires_grad=True)
     mask = torch.randn(1, 1, 9, 9, requires_grad=True) if with_mask else None
     pos = torch.tensor([0, 1, 2, 3, 0, 1, 2, 0, 1])
-    torch.library.opcheck(ops.flash_attention.default, (q, k, v, [0, 0, 1, 1], mask, pos, True, 0.0))
-    out, lse = ops.flash_attention(q, k, v, [0, 0, 1, 1], mask, pos, True, 0.0)
+    torch.library.opcheck(ops.flash_attention.default, (q, k, v, [0, 0, 1, 1], mask, pos, True, 0.0, []))
+    out, lse = ops.flash_attention(q, k, v, [0, 0, 1, 1], mask, pos, True, 0.0, [])
     g = torch.randn_like(out)
     torch.library.opcheck(ops.flash_attention_backward.default,
                           (g, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
                            [0, 0, 1, 1], None if mask is None else mask.detach(), pos, True, 0.0,
-                           with_mask))
+                           with_mask, []))
 
 
 def test_opcheck_sequence_lengths():
     def body(rank, group):
         x = torch.randn(2, 3 + rank)
-        torch.library.opcheck(ops.sequence_lengths.default, (x, 1, group, TIMEOUT_MS),
+        torch.library.opcheck(ops.sequence_lengths.default, (x, 1, group, OPTIONS),
                               test_utils=("test_schema", "test_faketensor"))
-        return ops.sequence_lengths(x, 1, group, TIMEOUT_MS).tolist()
+        return ops.sequence_lengths(x, 1, group, OPTIONS).tolist()
 
     assert run_ranks(3, body) == [[3, 4, 5]] * 3
 
@@ -122,4 +124,4 @@ def test_scatter_heads_values_and_gradients(world, hq, hkv):
 def test_ops_reject_unknown_group():
     x = torch.randn(2, 3)
     with pytest.raises(ValueError, match="no live process group is registered under the name 'nope'"):
-        ops.sequence_lengths(x, 1, "nope", TIMEOUT_MS)
+        ops.sequence_lengths(x, 1, "nope", OPTIONS)

@@ -89,7 +89,7 @@ def test_wrong_part_on_one_rank_fails_alike():
 
     errors = run_ranks_errors(2, body)
     assert errors[0] == errors[1] != ""
-    assert "scatter_head_parts: tensor 0 part 0 must be 4-D (BSHD) with 2 heads in dim 2" in errors[0]
+    assert "scatter_head_parts: q part 0 must be 4-D (BSHD) with 2 heads in dim 2" in errors[0]
 
 
 def test_forward_parts_compiles_to_the_eager_result():
@@ -111,3 +111,14 @@ def test_forward_parts_compiles_to_the_eager_result():
         return max(rel(a, b) for a, b in zip(eager, compiled))
 
     assert max(run_ranks(world, body, timeout_s=120)) < 1e-6
+
+
+def test_projections_check_their_shapes_as_the_cpp_api_does():
+    import ulysses
+
+    # A weight whose rows are not a whole number of heads per range: refused, not misshaped.
+    with pytest.raises(ValueError, match=r"project_head_parts: need x \[B, S, E\], weight \[H x D, E\]"):
+        ulysses.project_head_parts(torch.randn(1, 4, 64), torch.randn(250, 64), None, [(0, 16), (16, 32)])
+    parts = ulysses.project_head_parts(torch.randn(1, 4, 8), torch.randn(16, 8), None, [(0, 2), (2, 4)])
+    with pytest.raises(ValueError, match="project_from_head_parts: part 1 must be"):
+        ulysses.project_from_head_parts([parts[0], parts[1][:, :, :1]], torch.randn(8, 16), [(0, 2), (2, 4)])

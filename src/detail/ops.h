@@ -1,0 +1,74 @@
+// The library's calls into its own dispatcher ops (torch.ops.ulysses, registered in
+// src/ops.cpp), and the kernels those ops run.
+//
+// Note [One autograd]: every differentiable step of the library is a dispatcher op whose
+// autograd kernel (src/ops.cpp) records the backward, the adjoint op. The C++ API functions
+// (scatter_heads, rebuild_mask, flash_attention, ...) call these ops, as Python does, so one
+// formula serves both, and torch.compile traces every step through the ops' fake kernels.
+// The kernels below run without autograd.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "ulysses/all_to_all.h"
+#include "ulysses/attention.h"
+#include "ulysses/flash_attention.h"
+#include "ulysses/group.h"
+#include "ulysses/partition.h"
+#include "ulysses/ring_attention.h"
+
+namespace ulysses::detail {
+
+// ---- op calls (with autograd) ----
+std::vector<at::Tensor> call_scatter_heads(const std::vector<at::Tensor>& xs,
+                                           const std::vector<Heads>& kinds,
+                                           const AllToAllPlan& plan, const Group& group);
+std::vector<at::Tensor> call_scatter_head_parts(const std::vector<std::vector<at::Tensor>>& parts,
+                                                const std::vector<Heads>& kinds,
+                                                const AllToAllPlan& plan, const Group& group);
+// scatter_heads (or, with `parts`, scatter_head_parts of qkv[t]'s parts) whose op agrees on the
+// call first: the attention path whose every collective runs inside an op.
+std::vector<at::Tensor> call_scatter_agreed(const std::vector<std::vector<at::Tensor>>& qkv,
+                                            bool parts, const std::vector<Heads>& kinds,
+                                            int64_t q_heads, int64_t kv_heads,
+                                            const SequencePartition& seq, Layout layout,
+                                            const Group& group, const CallOptions& options);
+// gather_heads, or with `parts` gather_head_parts (tensor t's part j at t * P + j).
+std::vector<at::Tensor> call_gather_heads(const std::vector<at::Tensor>& ys,
+                                          const std::vector<Heads>& kinds, const AllToAllPlan& plan,
+                                          const Group& group, bool parts);
+// all_gather_sequence, or with `reduce` reduce_scatter_sequence.
+at::Tensor call_sequence_collective(const at::Tensor& x, int64_t dim, const SequencePartition& seq,
+                                    const Group& group, bool reduce);
+at::Tensor call_rebuild_mask(const at::Tensor& mask, const AllToAllPlan& plan, const Group& group,
+                             int64_t key_len);
+std::tuple<at::Tensor, at::Tensor> call_flash_attention(const LocalAttentionArgs& args,
+                                                        const FlashOptions& options);
+std::tuple<at::Tensor, at::Tensor> call_ring_attention(const LocalAttentionArgs& args,
+                                                       const RingLayout& layout,
+                                                       const at::Tensor& docs, const Group& ring);
+
+// ---- kernels (no autograd) ----
+std::vector<at::Tensor> scatter_heads_kernel(const std::vector<at::Tensor>& xs,
+                                             const std::vector<Heads>& kinds,
+                                             const AllToAllPlan& plan, const Group& group);
+std::vector<at::Tensor> gather_heads_kernel(const std::vector<at::Tensor>& ys,
+                                            const std::vector<Heads>& kinds,
+                                            const AllToAllPlan& plan, const Group& group,
+                                            bool parts_out);
+std::vector<at::Tensor> scatter_head_parts_kernel(const std::vector<std::vector<at::Tensor>>& parts,
+                                                  const std::vector<Heads>& kinds,
+                                                  const AllToAllPlan& plan, const Group& group);
+at::Tensor all_gather_sequence_kernel(const at::Tensor& x, int64_t dim,
+                                      const SequencePartition& seq, const Group& group);
+at::Tensor reduce_scatter_sequence_kernel(const at::Tensor& x, int64_t dim,
+                                          const SequencePartition& seq, const Group& group);
+at::Tensor rebuild_mask_kernel(const at::Tensor& mask, const AllToAllPlan& plan, const Group& group,
+                               const std::string& name, int64_t key_len);
+
+}  // namespace ulysses::detail
