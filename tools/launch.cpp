@@ -1,14 +1,17 @@
 // `ulysses launch`: starts N local ranks of a command, like torchrun on one machine.
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -22,6 +25,29 @@
 
 namespace ulysses::cli {
 namespace {
+
+// `addr` must be a numeric IPv4/IPv6 address, or a host name this machine resolves: checked
+// before any rank starts, so a typo is one line and exit 2, not c10d's retries for seconds.
+void check_address(const std::string& addr) {
+  addrinfo hints{};
+  hints.ai_flags = AI_NUMERICHOST;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(addr.c_str(), nullptr, &hints, &found) == 0) {
+    ::freeaddrinfo(found);
+    return;
+  }
+  const bool name_like =
+      !addr.empty() && addr.size() <= 253 && std::all_of(addr.begin(), addr.end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.';
+      });
+  hints.ai_flags = 0;
+  if (name_like && ::getaddrinfo(addr.c_str(), nullptr, &hints, &found) == 0) {
+    ::freeaddrinfo(found);
+    return;
+  }
+  throw UsageError("option --addr must be an IP address or a host name that resolves here; got '" +
+                   addr + "'");
+}
 
 // Asks the kernel for a free loopback port.
 int free_port() {
@@ -77,9 +103,14 @@ void take_lines(std::string& buf, bool flush_all, Emit&& emit) {
 Child start_rank(int r, const LaunchOptions& options, int port, const Argv& command) {
   int out[2], err[2];
   if (::pipe(out) != 0 || ::pipe(err) != 0) throw std::runtime_error("launch: pipe() failed");
+  const pid_t launcher = ::getpid();
   const pid_t pid = ::fork();
   if (pid < 0) throw std::runtime_error("launch: fork() failed");
   if (pid == 0) {
+    // A rank dies with its launcher, however the launcher ends (SIGKILL included): no orphan
+    // keeps training. (A launcher gone before this line is caught by the parent check.)
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != launcher) ::_exit(1);
     ::setpgid(0, 0);  // Its own process group, so stopping a rank stops what it started.
     ::dup2(out[1], STDOUT_FILENO);
     ::dup2(err[1], STDERR_FILENO);
@@ -275,6 +306,7 @@ int launch_main(const Argv& args) {
   options.nproc = static_cast<int>(parsed.integer("-n", 1, 1, kMaxRanks));
   options.master_port = static_cast<int>(parsed.integer("--port", 0, 0, 65535));
   options.master_addr = parsed.str("--addr", "127.0.0.1");
+  check_address(options.master_addr);
   parsed.finish();
   if (sep == args.end()) throw UsageError("expected -- <command> after the options");
   return launch(options, Argv(sep + 1, args.end()));

@@ -9,7 +9,6 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
 from .attention import DistributedAttention, StepContext
-from .auto import autosp, mark_sequence
 from .ops import (
     all_gather_sequence,
     all_reduce_gradients,
@@ -30,7 +29,18 @@ from .ops import (
 
 __version__ = "0.2.0"
 
-import os as _os
+import os as _os  # noqa: E402
+
+
+def __getattr__(name: str):
+    # The compile backend loads torch's compiler stack (torch._dynamo, fake tensors): only when
+    # used, so `import ulysses` (every rank's start-up) does not pay for it.
+    if name in ("autosp", "mark_sequence"):
+        from . import auto
+
+        return getattr(auto, name)
+    raise AttributeError(f"module 'ulysses' has no attribute {name!r}")
+
 
 #: CMAKE_PREFIX_PATH entry for C++ users: find_package(ulysses) then links ulysses::ulysses
 #: (the library this package loads), with torch.utils.cmake_prefix_path for Torch.

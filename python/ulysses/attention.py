@@ -27,12 +27,6 @@ LocalAttention = Callable[..., torch.Tensor]
 _KERNELS = ("auto", "fused", "sdpa", "math")
 
 
-@torch.compiler.assume_constant_result
-def _local_kv_map(q_heads: int, kv_heads: int, sp: int, rank: int) -> list[int]:
-    # A pure function of integers: torch.compile evaluates it once while tracing.
-    return O._plan(q_heads, kv_heads, sp)["kv_map"][rank]
-
-
 class StepContext:
     """Per-forward-step cache shared by the attention layers of one model.
 
@@ -119,8 +113,11 @@ class DistributedAttention(nn.Module):
         self.local = local
         self.timeout_ms = O.timeout_ms(timeout)
         self.q_heads, self.kv_heads = q_heads, kv_heads
+        self._kv_maps: dict[tuple[int, int], list[int]] = {}  # This rank's kv map by head counts.
         if q_heads is not None:  # Fail fast on an invalid setup (kv heads may come later).
             _C.plan(q_heads, kv_heads if kv_heads is not None else 1, self.sp_size)
+            if kv_heads is not None:
+                self._kv_map(q_heads, kv_heads)  # Known before any compiled call reads it.
 
     def extra_repr(self) -> str:
         ring = f", ring={self.ring_name!r} ({self.ring_size} ranks)" if self.ring_size > 1 else ""
@@ -198,6 +195,12 @@ class DistributedAttention(nn.Module):
             raise ValueError("DistributedAttention: hybrid Ulysses x ring attention runs in eager mode only")
         return None if step is None or torch.compiler.is_compiling() else step._handle
 
+    def _kv_map(self, hq: int, hkv: int) -> list[int]:
+        """This rank's local kv head of each local query head (for a callable local attention)."""
+        if (hq, hkv) not in self._kv_maps:
+            self._kv_maps[(hq, hkv)] = list(O._plan(hq, hkv, self.sp_size)["kv_map"][self.rank])
+        return self._kv_maps[(hq, hkv)]
+
     def _forward_with(self, local, q, k, v, mask, positions, hq, hkv, seq_lens, step):
         """forward with a local attention of the caller's: the orchestration's first half
         (``attention_heads``), ``local``, then the exchange back."""
@@ -209,7 +212,7 @@ class DistributedAttention(nn.Module):
         qh, kh, vh, rest = heads[0], heads[1], heads[2], list(heads[3:])
         m = rest.pop(0) if mask is not None else None
         p = rest.pop(0) if positions is not None else None
-        kv_map = _local_kv_map(hq, hkv, self.sp_size, self.rank)
+        kv_map = self._kv_map(hq, hkv)
         o = local(qh, kh, vh, kv_map, m, p, self.causal, self.scale).permute(self._from_bhsd)
         self.q_heads, self.kv_heads = hq, hkv
         return torch.ops.ulysses.gather_heads([o], ["q"], hq, hkv, seq_lens, self.layout, self.group_name,
