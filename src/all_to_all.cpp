@@ -55,7 +55,7 @@ bool tiles_in_order(const std::vector<ExchangeBlock>& blocks, const Extent& exte
 // whole tensors, one per fused tensor (a block is a view of its tokens x heads), or parts, one
 // per peer (the block for peer j is all of parts[j]: its heads were split off beforehand, e.g.
 // by a projection per destination).
-struct Side {
+struct BlockTensors {
   std::vector<at::Tensor> tensors;
   bool by_peer = false;
   Layout layout = Layout::kBSHD;
@@ -85,9 +85,10 @@ Shapes shapes_of(const std::vector<at::Tensor>& xs, bool parts, int64_t peers) {
 
 // Fresh tensors for the receiving side of `plan`: whole outputs (zeroed where received blocks
 // are summed), or one part per peer. `like` gives the other dims, per fused tensor.
-Side new_outputs(const Shapes& like, const at::TensorOptions& options, const ExchangePlan& plan,
-                 Layout layout, bool by_peer, const Group& group) {
-  Side out{{}, by_peer, layout, group.size()};
+BlockTensors new_outputs(const Shapes& like, const at::TensorOptions& options,
+                         const ExchangePlan& plan, Layout layout, bool by_peer,
+                         const Group& group) {
+  BlockTensors out{{}, by_peer, layout, group.size()};
   if (by_peer) {
     out.tensors.resize(like.size() * group.size());
     for (const ExchangeBlock& b : plan.recv()) {
@@ -106,7 +107,8 @@ Side new_outputs(const Shapes& like, const at::TensorOptions& options, const Exc
 }
 
 // Copies `src` into `dst`, or adds it where `out` sums received blocks.
-void land(const at::Tensor& dst, const at::Tensor& src, const Side& out, const ExchangePlan& plan) {
+void put_block(const at::Tensor& dst, const at::Tensor& src, const BlockTensors& out,
+               const ExchangePlan& plan) {
   if (out.sums(plan)) {
     dst.add_(src);
   } else {
@@ -117,7 +119,7 @@ void land(const at::Tensor& dst, const at::Tensor& src, const Side& out, const E
 // Executes `plan` in one collective: packs the send blocks, exchanges them and unpacks (or
 // sums) the received blocks. A single whole tensor laid out block after block is sent or
 // received in place, without a copy.
-void exchange_collective(const Side& in, const Side& out, const ExchangePlan& plan,
+void exchange_collective(const BlockTensors& in, const BlockTensors& out, const ExchangePlan& plan,
                          const Group& group) {
   const int64_t sdim = seq_dim(in.layout);
   auto flat = [](const at::Tensor& buffer, const ExchangeBlock& b, const at::Tensor& like) {
@@ -147,7 +149,7 @@ void exchange_collective(const Side& in, const Side& out, const ExchangePlan& pl
   if (direct) return;
   for (const ExchangeBlock& b : plan.recv()) {
     const at::Tensor dst = out.view(b);
-    land(dst, flat(recv, b, dst), out, plan);
+    put_block(dst, flat(recv, b, dst), out, plan);
   }
 }
 
@@ -186,7 +188,7 @@ std::vector<Message> messages(const std::vector<ExchangeBlock>& blocks, int64_t 
 // into the output where a message lands contiguously; then each message is packed (unless
 // contiguous already) and sent at once, so packing the next overlaps the transfer of this one;
 // this rank's own blocks are copied across meanwhile, and each arrival is unpacked as it comes.
-void exchange_pipelined(const Side& in, const Side& out, const ExchangePlan& plan,
+void exchange_pipelined(const BlockTensors& in, const BlockTensors& out, const ExchangePlan& plan,
                         const Group& group) {
   const int P = group.size(), me = group.rank();
   const at::Tensor& first = in.tensors[0];
@@ -237,11 +239,11 @@ void exchange_pipelined(const Side& in, const Side& out, const ExchangePlan& pla
   };
   const auto own_send = own(plan.send()), own_recv = own(plan.recv());
   for (size_t i = 0; i < own_send.size(); ++i) {
-    land(out.view(*own_recv[i]), in.view(*own_send[i]), out, plan);
+    put_block(out.view(*own_recv[i]), in.view(*own_send[i]), out, plan);
   }
   for (Arrival& a : arrivals) {
     a.exchange.wait();
-    if (a.staged.defined()) land(a.dst, a.staged, out, plan);
+    if (a.staged.defined()) put_block(a.dst, a.staged, out, plan);
   }
   for (Exchange& d : departures) d.wait();
 }
@@ -253,9 +255,9 @@ void exchange_pipelined(const Side& in, const Side& out, const ExchangePlan& pla
 std::vector<at::Tensor> exchange(const std::vector<at::Tensor>& xs, bool parts_in,
                                  const ExchangePlan& plan, Layout layout, bool parts_out,
                                  const Group& group) {
-  const Side in{xs, parts_in, layout, group.size()};
-  Side out = new_outputs(shapes_of(xs, parts_in, group.size()), xs[0].options(), plan, layout,
-                         parts_out, group);
+  const BlockTensors in{xs, parts_in, layout, group.size()};
+  BlockTensors out = new_outputs(shapes_of(xs, parts_in, group.size()), xs[0].options(), plan,
+                                 layout, parts_out, group);
   const int64_t bytes_per_rank = plan.total_elements() * xs[0].element_size() / group.size();
   if (xs[0].device().is_cpu() && bytes_per_rank >= group.options().pipeline_min_bytes) {
     exchange_pipelined(in, out, plan, group);

@@ -56,15 +56,6 @@ at::Tensor StepContext::ring_documents(const at::Tensor& positions, const RingLa
 
 namespace {
 
-template <typename Fn>
-auto fail_together_on_error(const Group& group, Fn&& prepare) {
-  try {
-    return prepare();
-  } catch (const std::exception&) {
-    group.fail_together(std::current_exception());
-  }
-}
-
 // Every ring rank must run the same ring: the ring ranks agree on the call's fingerprint (as the
 // Ulysses ranks did, but for the split, which differs between Ulysses groups) and learn each
 // ring rank's token count (the zigzag layout fixes them once S is known). Before data moves.
@@ -130,6 +121,62 @@ int64_t heads_of(const at::Tensor& t, Layout layout) {
   return t.defined() && t.dim() == 4 ? t.size(head_dim(layout)) : 0;
 }
 
+// The exchange when some collective runs outside an op (a split to learn, a ring, unfused
+// exchanges; eager only): agree_plan (and the ring's agreement), then the API's exchanges.
+std::vector<at::Tensor> agree_and_exchange(
+    const AttentionCall& call, const std::vector<std::vector<at::Tensor>>& qkv, bool parts,
+    int64_t hq, int64_t hkv, CallOptions& options, const c10::optional<at::Tensor>& mask,
+    const c10::optional<at::Tensor>& positions, c10::optional<AllToAllPlan>& plan,
+    c10::optional<RingLayout>& ring_layout) {
+  const Group& group = call.group;
+  const Layout L = call.layout;
+  const bool ring = call.ring.size() > 1;
+  std::vector<at::Tensor> heads;
+  std::vector<TensorSpec> specs;
+  const HeadPartition partition = fail_together_on_error(group, [&] {
+    if (!parts) check_4d(specs_of(qkv[0][0], qkv[1][0], qkv[2][0]), L);
+    HeadPartition p = HeadPartition::make(hq, hkv, group.size());
+    if (parts) {
+      const std::string who = "DistributedAttention::forward_parts: ";
+      specs = specs_of(stand_in_for_parts(qkv[0], Heads::kQuery, p, L, who + "q"),
+                       stand_in_for_parts(qkv[1], Heads::kKeyValue, p, L, who + "k"),
+                       stand_in_for_parts(qkv[2], Heads::kKeyValue, p, L, who + "v"));
+    } else {
+      specs = specs_of(qkv[0][0], qkv[1][0], qkv[2][0]);
+    }
+    return p;
+  });
+  if (parts) options.positions = positions_for_call(positions, specs[0].tensor, L);
+  plan = agree_plan(group, partition, L, specs, call.seq, options);
+  if (ring) {
+    // A ring group that refuses the call fails its Ulysses groups too (and through them every
+    // rank of the SP group), with the same text: no rank is left waiting in an all-to-all.
+    std::exception_ptr refused;
+    try {
+      ring_layout = agree_ring(call, *plan, specs, options, mask);
+    } catch (const std::exception&) {
+      refused = std::current_exception();
+    }
+    group.agree(
+        [&] {
+          if (refused) std::rethrow_exception(refused);
+          return std::vector<int64_t>{};
+        },
+        "the ring's outcome (DistributedAttention)");
+  }
+  if (parts && call.fuse_qkv) {
+    heads = scatter_head_parts(qkv, kQKV, *plan, group);
+  } else if (parts) {
+    for (size_t i = 0; i < 3; ++i)
+      heads.push_back(scatter_head_parts(qkv[i], kQKV[i], *plan, group));
+  } else if (call.fuse_qkv) {
+    heads = scatter_heads({qkv[0][0], qkv[1][0], qkv[2][0]}, kQKV, *plan, group);
+  } else {
+    for (size_t i = 0; i < 3; ++i) heads.push_back(scatter_heads(qkv[i][0], kQKV[i], *plan, group));
+  }
+  return heads;
+}
+
 }  // namespace
 
 AttentionHeads attend_heads(const AttentionCall& call,
@@ -164,49 +211,8 @@ AttentionHeads attend_heads(const AttentionCall& call,
     heads = detail::call_scatter_agreed(qkv, parts, kQKV, hq, hkv, *call.seq, L, group, options);
     plan = AllToAllPlan{HeadPartition::make(hq, hkv, group.size()), *call.seq, L};
   } else {
-    std::vector<TensorSpec> specs;
-    const HeadPartition partition = fail_together_on_error(group, [&] {
-      if (!parts) check_4d(specs_of(qkv[0][0], qkv[1][0], qkv[2][0]), L);
-      HeadPartition p = HeadPartition::make(hq, hkv, group.size());
-      if (parts) {
-        const std::string who = "DistributedAttention::forward_parts: ";
-        specs = specs_of(stand_in_for_parts(qkv[0], Heads::kQuery, p, L, who + "q"),
-                         stand_in_for_parts(qkv[1], Heads::kKeyValue, p, L, who + "k"),
-                         stand_in_for_parts(qkv[2], Heads::kKeyValue, p, L, who + "v"));
-      } else {
-        specs = specs_of(qkv[0][0], qkv[1][0], qkv[2][0]);
-      }
-      return p;
-    });
-    if (parts) options.positions = positions_for_call(positions, specs[0].tensor, L);
-    plan = agree_plan(group, partition, L, specs, call.seq, options);
-    if (ring) {
-      // A ring group that refuses the call fails its Ulysses groups too (and through them every
-      // rank of the SP group), with the same text: no rank is left waiting in an all-to-all.
-      std::exception_ptr refused;
-      try {
-        ring_layout = agree_ring(call, *plan, specs, options, mask);
-      } catch (const std::exception&) {
-        refused = std::current_exception();
-      }
-      group.agree(
-          [&] {
-            if (refused) std::rethrow_exception(refused);
-            return std::vector<int64_t>{};
-          },
-          "the ring's outcome (DistributedAttention)");
-    }
-    if (parts && call.fuse_qkv) {
-      heads = scatter_head_parts(qkv, kQKV, *plan, group);
-    } else if (parts) {
-      for (size_t i = 0; i < 3; ++i)
-        heads.push_back(scatter_head_parts(qkv[i], kQKV[i], *plan, group));
-    } else if (call.fuse_qkv) {
-      heads = scatter_heads({qkv[0][0], qkv[1][0], qkv[2][0]}, kQKV, *plan, group);
-    } else {
-      for (size_t i = 0; i < 3; ++i)
-        heads.push_back(scatter_heads(qkv[i][0], kQKV[i], *plan, group));
-    }
+    heads =
+        agree_and_exchange(call, qkv, parts, hq, hkv, options, mask, positions, plan, ring_layout);
   }
   AttentionHeads out{LocalAttentionArgs{}, *plan, ring_layout, at::Tensor()};
   LocalAttentionArgs& args = out.args;

@@ -66,17 +66,6 @@ AllToAllPlan plan_of(int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_len
                       SequencePartition::from_lengths(seq_lens.vec()), parse_layout(layout)};
 }
 
-// Runs `prepare` (argument parsing that can fail on one rank only); a failure is raised on
-// every rank through Group::fail_together.
-template <typename Fn>
-auto fail_together_on_error(const Group& group, Fn&& prepare) {
-  try {
-    return prepare();
-  } catch (const std::exception&) {
-    group.fail_together(std::current_exception());
-  }
-}
-
 // Outputs of an op must not alias its inputs (the single-rank paths return them as they are)
 // and are contiguous, as the fake kernels promise the compiler.
 at::Tensor unaliased(const at::Tensor& out, c10::ArrayRef<at::Tensor> inputs) {

@@ -175,6 +175,17 @@ class Group {
   GroupOptions options_;
 };
 
+// Runs `prepare` (work that can fail on this rank alone, e.g. parsing its arguments) and
+// returns its result; a failure is raised on every rank of `group` through fail_together.
+template <typename Fn>
+auto fail_together_on_error(const Group& group, Fn&& prepare) {
+  try {
+    return prepare();
+  } catch (const std::exception&) {
+    group.fail_together(std::current_exception());
+  }
+}
+
 // World = DP x SP. SP groups are consecutive blocks of `sp_size` ranks; DP groups take one
 // rank of each SP group.
 struct Mesh {

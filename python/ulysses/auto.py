@@ -190,7 +190,7 @@ class _Rewriter:
     """One pass over the original graph, building the sequence-parallel one node by node.
 
     Every node of the new graph carries its value on fake tensors with the full sequence
-    (``full``: what the original graph computes there) and with a probe length A != S standing
+    (``full``: what the original graph computes there) and with a probe length (probe_len) != S standing
     in for this rank's tokens (``probe``), and which dim, if any, is sharded (``shard``)."""
 
     def __init__(self, owner: AutoSP, gm: fx.GraphModule, args: Sequence[Any]) -> None:
@@ -217,7 +217,7 @@ class _Rewriter:
         self.offset = sum(self.seq_lens[:owner.rank])
         self.local_len = self.seq_lens[owner.rank]
         # The probe length differs from S on every rank alike, so every rank decides alike.
-        self.A = max(self.seq_lens) if max(self.seq_lens) < self.S else 0
+        self.probe_len = max(self.seq_lens) if max(self.seq_lens) < self.S else 0
 
     # ---- the pass -----------------------------------------------------------------------------
 
@@ -274,7 +274,7 @@ class _Rewriter:
             self._global_sum(node, args, full)
         elif node.op == "call_method" and node.target in _RESHAPES:
             self._copy(node, self._reshape_args(node, args, full, self.local_len), full,
-                       self._reshape_args(node, args, full, self.A))
+                       self._reshape_args(node, args, full, self.probe_len))
         elif node.op == "call_method" and node.target == "expand":
             self._copy(node, self._expand_args(args), full)
         else:
@@ -335,7 +335,7 @@ class _Rewriter:
                                      "F.scaled_dot_product_attention)"))
         d = changed[0]
         k, rest = divmod(full.shape[d], self.S)
-        if rest or probe.shape[d] != k * self.A:
+        if rest or probe.shape[d] != k * self.probe_len:
             raise AutoSPError(_where(node, f"changes the length of the sharded sequence dim {d} "
                                      "(a shift or pad along it?); leave such inputs unmarked: "
                                      "replicated tensors are cut where they meet sharded ones"))
@@ -374,7 +374,7 @@ class _Rewriter:
             cut = self._insert(torch.flatten, (part, s.dim, s.dim + 2))
         full = self.full[n]
         with self.mode:
-            probe = full.unflatten(s.dim, (s.outer, self.S, s.inner)).narrow(s.dim + 1, 0, self.A)
+            probe = full.unflatten(s.dim, (s.outer, self.S, s.inner)).narrow(s.dim + 1, 0, self.probe_len)
             self._record(cut, full, probe.flatten(s.dim, s.dim + 2), s)
         self.cuts[(n, s)] = cut
         return cut
@@ -423,7 +423,7 @@ class _Rewriter:
             q, k, v, rebuilt, None, hq, hkv, lens, "BHSD", causal, 0.0 if scale is None else float(scale),
             "auto", group, [t], None, None, mask is not None))
         with self.mode:
-            probe = full.new_empty((*full.shape[:2], self.A, full.shape[3]))
+            probe = full.new_empty((*full.shape[:2], self.probe_len, full.shape[3]))
         self._record(out, full, probe.requires_grad_(any(p.requires_grad for p in probes)), Shard(2))
 
     def _repeat_source(self, n: fx.Node) -> fx.Node | None:
