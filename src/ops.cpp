@@ -23,6 +23,7 @@
 #include "ulysses/mask.h"
 #include "ulysses/partition.h"
 #include "ulysses/ring_attention.h"
+#include "ulysses/sharding.h"
 
 namespace ulysses {
 namespace {
@@ -578,6 +579,47 @@ at::Tensor sum_over_group_autograd(const at::Tensor& x, const std::string& group
   return outs[0];
 }
 
+// ---- training: batch sharding, the global loss, gradient reduction (sharding.h) -----------
+
+// [input ids, targets, position ids] and the padding mask when given, of SP rank `rank` of
+// `world` (ring > 1: the hybrid layout's zigzag tokens).
+std::vector<at::Tensor> shard_batch_op(const at::Tensor& input_ids, const OptTensor& labels,
+                                       const OptTensor& attention_mask,
+                                       const OptTensor& position_ids, int64_t rank, int64_t world,
+                                       int64_t ring, int64_t ignore_index) {
+  TORCH_CHECK_VALUE(world >= 1 && ring >= 1 && world % ring == 0 && rank >= 0 && rank < world,
+                    "shard_batch: need 0 <= rank < world and ring dividing world; got rank ", rank,
+                    ", world ", world, ", ring ", ring);
+  TORCH_CHECK_VALUE(input_ids.dim() == 2, "shard_batch: input_ids must be [B, S]; got ",
+                    input_ids.sizes());
+  const TokenBatch global{input_ids, labels.value_or(at::Tensor()),
+                          position_ids.value_or(at::Tensor()),
+                          attention_mask.value_or(at::Tensor())};
+  const int64_t S = input_ids.size(1);
+  const TokenBatch shard =
+      ring == 1 ? shard_batch(global, SequencePartition::even(S, world), rank, ignore_index)
+                : shard_batch(global, RingLayout::make(S, world / ring, ring), rank, ignore_index);
+  std::vector<at::Tensor> out{shard.input_ids, shard.labels, shard.position_ids};
+  if (shard.attention_mask.defined()) out.push_back(shard.attention_mask);
+  return out;
+}
+
+// (this rank's loss to backpropagate, the global mean as a detached 0-dim tensor).
+std::tuple<at::Tensor, at::Tensor> sharded_cross_entropy_op(const at::Tensor& logits,
+                                                            const at::Tensor& targets,
+                                                            const std::string& group_name,
+                                                            c10::IntArrayRef group_options,
+                                                            int64_t ignore_index) {
+  const ShardedLoss loss = sharded_cross_entropy(
+      logits, targets, Group::from_op(group_name, group_options), ignore_index);
+  return {loss.loss, at::scalar_tensor(loss.global_loss, loss.loss.options())};
+}
+
+void all_reduce_gradients_op(at::TensorList grads, const std::string& group_name,
+                             c10::IntArrayRef group_options) {
+  all_reduce_gradients(grads.vec(), Group::from_op(group_name, group_options));
+}
+
 // ---- local_attention and attention (composite: the one orchestration) ----------------------
 
 at::Tensor local_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -816,6 +858,16 @@ TORCH_LIBRARY(ulysses, m) {
       "ring_document_ids(Tensor positions, int seq_len, int ulysses, str ring_group, "
       "int[] group_options) -> Tensor");
   m.def("sum_over_group(Tensor x, str group, int[] group_options) -> Tensor", pt2);
+  // Training (sharding.h): a global causal-LM batch's shard for SP rank `rank` of `world`,
+  // the exact global mean loss, and gradients summed in place.
+  m.def(
+      "shard_batch(Tensor input_ids, Tensor? labels, Tensor? attention_mask, "
+      "Tensor? position_ids, int rank, int world, int ring=1, int ignore_index=-100) "
+      "-> Tensor[]");
+  m.def(
+      "sharded_cross_entropy(Tensor logits, Tensor targets, str group, int[] group_options, "
+      "int ignore_index=-100) -> (Tensor, Tensor)");
+  m.def("all_reduce_gradients(Tensor(a!)[] grads, str group, int[] group_options) -> ()");
   // Local attention on the exact kernel `kernel` picks ("auto": the rule in attention.h).
   m.def(
       "local_attention(Tensor q, Tensor k, Tensor v, int[] kv_map, Tensor? mask, "
@@ -856,6 +908,7 @@ TORCH_LIBRARY_IMPL(ulysses, CompositeExplicitAutograd, m) {
   m.impl("rebuild_mask_backward", &rebuild_mask_backward_op);
   m.impl("ring_document_ids", &ring_document_ids_op);
   m.impl("sum_over_group", &sum_over_group_op);
+  m.impl("all_reduce_gradients", &all_reduce_gradients_op);
 }
 
 // The fused kernels are CPU code (other devices take SDPA: the local-attention rule).
@@ -883,6 +936,8 @@ TORCH_LIBRARY_IMPL(ulysses, Autograd, m) {
 // traces those ops (their fake kernels and autograd).
 TORCH_LIBRARY_IMPL(ulysses, CompositeImplicitAutograd, m) {
   m.impl("local_attention", &local_attention_op);
+  m.impl("shard_batch", &shard_batch_op);
+  m.impl("sharded_cross_entropy", &sharded_cross_entropy_op);
   m.impl("attention", &attention_op);
   m.impl("attention_parts", &attention_parts_op);
   m.impl("attention_heads", &attention_heads_op);

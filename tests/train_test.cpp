@@ -4,7 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "model.h"
-#include "sharding.h"
+#include "ulysses/sharding.h"
 #include "testing.h"
 
 namespace ulysses {
@@ -40,6 +40,35 @@ TEST(ShardBatch, IgnoredLabelsStayIgnored) {
       at::tensor(std::vector<int64_t>{kIgnoreIndex, kIgnoreIndex, 42}).unsqueeze(0)));
 }
 
+TEST(ShardBatch, PaddingNeitherPredictsNorIsPredicted) {
+  // Row 0 left-padded by 2, row 1 right-padded by 1: a target is ignored where its input or
+  // itself is padding; the mask is cut like the ids.
+  at::Tensor ids = at::arange(12, at::kLong).view({2, 6});
+  at::Tensor mask = at::ones({2, 6}, at::kLong);
+  mask[0][0] = 0, mask[0][1] = 0, mask[1][5] = 0;
+  const auto seq = SequencePartition::even(6, 2);
+  std::vector<at::Tensor> targets, masks;
+  for (int64_t r = 0; r < 2; ++r) {
+    TokenBatch shard = shard_batch({ids, at::Tensor(), at::Tensor(), mask}, seq, r);
+    targets.push_back(shard.labels);
+    masks.push_back(shard.attention_mask);
+  }
+  const int64_t I = kIgnoreIndex;
+  EXPECT_TRUE(at::cat(targets, 1).equal(
+      at::tensor(std::vector<int64_t>{I, I, 3, 4, 5, I, 7, 8, 9, 10, I, I}).view({2, 6})));
+  EXPECT_TRUE(at::cat(masks, 1).equal(mask));
+}
+
+TEST(ShardBatch, RingLayoutTakesZigzagTokens) {
+  // Ulysses 1 x ring 2 over 8 tokens: chunks of 2, ring rank 0 holds chunks 0 and 3.
+  at::Tensor ids = at::arange(8, at::kLong).unsqueeze(0);
+  TokenBatch shard = shard_batch({ids, at::Tensor(), at::Tensor()}, RingLayout::make(8, 1, 2), 0);
+  EXPECT_TRUE(shard.input_ids.equal(at::tensor(std::vector<int64_t>{0, 1, 6, 7}).unsqueeze(0)));
+  EXPECT_TRUE(shard.position_ids.equal(shard.input_ids));
+  EXPECT_TRUE(shard.labels.equal(
+      at::tensor(std::vector<int64_t>{1, 2, 7, kIgnoreIndex}).unsqueeze(0)));
+}
+
 ModelConfig tiny() {
   ModelConfig c;
   c.vocab = 40;
@@ -66,7 +95,7 @@ void check_against_single_rank(int P, int64_t S) {
     ShardedLoss loss = sharded_cross_entropy(
         model->forward(shard.input_ids, shard.position_ids, &ctx), shard.labels, g);
     loss.loss.backward();
-    all_reduce_gradients(model->parameters(), g);
+    all_reduce_gradients(gradients_of(model->parameters()), g);
 
     Group solo = Group::solo();
     Transformer reference(tiny(), solo, 11);

@@ -19,7 +19,7 @@
 #include "commands.h"
 #include "model.h"
 #include "proc_status.h"
-#include "sharding.h"
+#include "ulysses/sharding.h"
 #include "train_data.h"
 
 namespace ulysses::cli {
@@ -111,7 +111,7 @@ ShardedLoss forward_backward(Transformer& model, const TokenBatch& shard, const 
   at::Tensor logits = model->forward(shard.input_ids, shard.position_ids, &context);
   ShardedLoss loss = sharded_cross_entropy(logits, shard.labels, mesh.world);
   loss.loss.backward();
-  all_reduce_gradients(model->parameters(), mesh.world);
+  all_reduce_gradients(gradients_of(model->parameters()), mesh.world);
   return loss;
 }
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "sharding.h"
+#include "ulysses/sharding.h"
 
 namespace ulysses::cli {
 

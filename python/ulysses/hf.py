@@ -25,7 +25,6 @@ import datetime
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -124,28 +123,16 @@ def shard_batch(batch: Mapping[str, torch.Tensor], group=None, *,
     model as ``ulysses_seq_lens=``: each attention layer then skips the small collective that
     learns every rank's token count).
     """
-    name = O.group_name(group)
-    pg = O.process_group(name)
+    pg = O.process_group(O.group_name(group))
     rank, P = pg.rank(), pg.size()
-    input_ids = batch["input_ids"]
-    B, S = input_ids.shape
-    labels = batch.get("labels", input_ids)
-    shift = torch.full_like(labels, ignore_index)
-    shift[:, :-1] = labels[:, 1:]
     mask = batch.get("attention_mask")
-    if mask is not None:  # Neither a padding target nor a padding input (it has no context).
-        pad = ~mask.bool()
-        shift[:, :-1] = shift[:, :-1].masked_fill(pad[:, 1:] | pad[:, :-1], ignore_index)
-    positions = batch.get("position_ids")
-    if positions is None:
-        positions = torch.arange(S, device=input_ids.device).expand(B, S)
-    lens = _C.sequence_split(S, P)
-    start = sum(lens[:rank])
-    cut = lambda t: t[:, start:start + lens[rank]]  # noqa: E731
-    out = {"input_ids": cut(input_ids), "position_ids": cut(positions), "shift_labels": cut(shift),
-           "seq_lens": lens}
+    # The rule (targets before the cut, padding, the split) has one home: C++ sharding.h.
+    parts = torch.ops.ulysses.shard_batch(batch["input_ids"], batch.get("labels"), mask,
+                                          batch.get("position_ids"), rank, P, 1, ignore_index)
+    out = {"input_ids": parts[0], "position_ids": parts[2], "shift_labels": parts[1],
+           "seq_lens": _C.sequence_split(batch["input_ids"].shape[1], P)}
     if mask is not None:
-        out["attention_mask"] = cut(mask)
+        out["attention_mask"] = parts[3]
     return out
 
 
@@ -156,14 +143,8 @@ def sequence_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, gro
     returned loss is the exact global token mean (ignored labels excluded). Returns ``(loss to
     backpropagate on this rank, the global mean, detached)``; sum gradients over the group with
     :func:`all_reduce_gradients`."""
-    name = O.group_name(group)
-    pg = O.process_group(name)
-    local_sum = F.cross_entropy(logits.float().flatten(0, 1), shift_labels.flatten(),
-                                ignore_index=ignore_index, reduction="sum")
-    stats = torch.stack([local_sum.detach(), (shift_labels != ignore_index).sum().to(local_sum.dtype)])
-    pg.allreduce([stats]).wait()
-    count = stats[1].clamp_min(1)
-    return local_sum / count, stats[0] / count
+    return torch.ops.ulysses.sharded_cross_entropy(logits, shift_labels, O.group_name(group),
+                                                   O.group_options(None), ignore_index)
 
 
 __all__ = ["IMPLEMENTATION", "sequence_parallel", "shard_batch", "sequence_parallel_loss",

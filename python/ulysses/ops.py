@@ -346,15 +346,8 @@ def all_reduce_gradients(model: torch.nn.Module, group=None) -> None:
     normalised together: ``ulysses.hf.sequence_parallel_loss``, ``ulysses.autosp``), in one flat
     collective."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    pg = process_group(group_name(group))
-    pg.allreduce([flat]).wait()
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    if grads:  # One flat all-reduce per dtype (C++ sharding.h).
+        _ops.all_reduce_gradients(grads, group_name(group), group_options(None))
 
 
 # ---- ring attention ----------------------------------------------------------------------------

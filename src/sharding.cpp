@@ -1,6 +1,8 @@
-#include "sharding.h"
+#include "ulysses/sharding.h"
 
 #include <c10/util/Exception.h>
+
+#include <map>
 
 namespace ulysses {
 
@@ -13,16 +15,33 @@ TokenBatch take_tokens(const TokenBatch& global, int64_t seq_len, const at::Tens
   const int64_t B = ids.size(0), S = ids.size(1);
   TORCH_CHECK_VALUE(seq_len == S, "shard_batch: the sequence split covers ", seq_len,
                     " tokens but the batch has ", S);
-  at::Tensor labels = global.labels.defined() ? global.labels : ids;
-  TORCH_CHECK_VALUE(labels.sizes() == ids.sizes(), "shard_batch: labels must be ", ids.sizes(),
-                    "; got ", labels.sizes());
+  auto check_like_ids = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(!t.defined() || t.sizes() == ids.sizes(), "shard_batch: ", name,
+                      " must be ", ids.sizes(), " like input_ids; got ", t.sizes());
+  };
+  const at::Tensor labels = global.labels.defined() ? global.labels : ids;
+  check_like_ids(labels, "labels");
+  check_like_ids(global.attention_mask, "attention_mask");
+  TORCH_CHECK_VALUE(!global.position_ids.defined() || global.position_ids.dim() <= 2,
+                    "shard_batch: position_ids must be [B, S] or [S]; got ",
+                    global.position_ids.sizes());
   at::Tensor targets = at::full({B, S}, ignore_index, labels.options());
-  if (S > 1) targets.narrow(1, 0, S - 1).copy_(labels.narrow(1, 1, S - 1));
-  at::Tensor positions = global.position_ids.defined()
-                             ? global.position_ids.expand({B, S})
-                             : at::arange(S, ids.options()).unsqueeze(0).expand({B, S});
+  if (S > 1) {
+    targets.narrow(1, 0, S - 1).copy_(labels.narrow(1, 1, S - 1));
+    if (global.attention_mask.defined()) {
+      const at::Tensor pad = global.attention_mask.eq(0);
+      const at::Tensor no_target = pad.narrow(1, 1, S - 1).logical_or(pad.narrow(1, 0, S - 1));
+      targets.narrow(1, 0, S - 1).masked_fill_(no_target, ignore_index);
+    }
+  }
+  const at::Tensor positions = global.position_ids.defined()
+                                   ? global.position_ids.expand({B, S})
+                                   : at::arange(S, ids.options()).unsqueeze(0).expand({B, S});
   const at::Tensor i = index.to(ids.device());
-  return {ids.index_select(1, i), targets.index_select(1, i), positions.index_select(1, i)};
+  TokenBatch shard{ids.index_select(1, i), targets.index_select(1, i),
+                   positions.index_select(1, i), at::Tensor()};
+  if (global.attention_mask.defined()) shard.attention_mask = global.attention_mask.index_select(1, i);
+  return shard;
 }
 }  // namespace
 
@@ -59,21 +78,29 @@ ShardedLoss sharded_cross_entropy(const at::Tensor& logits, const at::Tensor& ta
   return out;
 }
 
-void all_reduce_gradients(const std::vector<at::Tensor>& params, const Group& group) {
-  if (group.size() == 1) return;
+std::vector<at::Tensor> gradients_of(const std::vector<at::Tensor>& params) {
   std::vector<at::Tensor> grads;
   for (const at::Tensor& p : params) {
     if (p.grad().defined()) grads.push_back(p.grad());
   }
-  if (grads.empty()) return;
-  std::vector<at::Tensor> flat_parts;
-  for (const at::Tensor& g : grads) flat_parts.push_back(g.reshape({-1}));
-  at::Tensor flat = at::cat(flat_parts);
-  group.all_reduce_sum(flat);
-  int64_t offset = 0;
-  for (at::Tensor g : grads) {
-    g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
-    offset += g.numel();
+  return grads;
+}
+
+void all_reduce_gradients(const std::vector<at::Tensor>& grads, const Group& group) {
+  if (group.size() == 1 || grads.empty()) return;
+  // One flat buffer per (device, dtype): a collective needs one dtype.
+  std::map<std::pair<std::string, at::ScalarType>, std::vector<at::Tensor>> buckets;
+  for (const at::Tensor& g : grads) buckets[{g.device().str(), g.scalar_type()}].push_back(g);
+  for (auto& [key, members] : buckets) {
+    std::vector<at::Tensor> flat_parts;
+    for (const at::Tensor& g : members) flat_parts.push_back(g.reshape({-1}));
+    at::Tensor flat = at::cat(flat_parts);
+    group.all_reduce_sum(flat);
+    int64_t offset = 0;
+    for (at::Tensor g : members) {
+      g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
+      offset += g.numel();
+    }
   }
 }
 

@@ -1,10 +1,16 @@
 // Sequence-sharded training: the data adapter, the exact global loss and gradient reduction.
+// The one home of these rules: the C++ main job calls them directly and Python (ulysses.hf,
+// ulysses.all_reduce_gradients) through the ops shard_batch, sharded_cross_entropy and
+// all_reduce_gradients.
 //
 // Next-token targets are made on the global sequence, before sharding:
 //   target[b, i] = labels[b, i + 1] (i < S - 1),  target[b, S - 1] = ignore_index,
-// so the last token of shard r keeps its target, the first token of shard r + 1. Then rank r
-// takes tokens [o_r, o_r + S_r) of input ids, targets and position ids. The loss is the exact
-// global token mean: sum over ranks of local CE sums / global count of non-ignored targets.
+// and, with a padding mask, target[b, i] = ignore_index where token i or i + 1 is padding (a
+// padding target is no label; a padding input has no context). So the last token of shard r
+// keeps its target, the first token of shard r + 1. Then rank r takes its tokens of input ids,
+// targets, position ids and padding mask: [o_r, o_r + S_r) in Ulysses' contiguous split, or
+// its zigzag tokens in a hybrid Ulysses x ring layout. The loss is the exact global token mean:
+// sum over ranks of local CE sums / global count of non-ignored targets.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -19,15 +25,16 @@ namespace ulysses {
 
 constexpr int64_t kIgnoreIndex = -100;
 
-// Token ids with labels and position ids, [B, S] (global) or [B, S_r] (a shard).
+// Token ids with labels, position ids and padding, [B, S] (global) or [B, S_r] (a shard).
 struct TokenBatch {
-  at::Tensor input_ids;     // int64.
-  at::Tensor labels;        // int64; for a global batch, unshifted (usually == input_ids).
-  at::Tensor position_ids;  // int64; undefined in a global batch means 0..S-1.
+  at::Tensor input_ids;       // int64.
+  at::Tensor labels;          // int64; global: unshifted (undefined: input_ids); shard: targets.
+  at::Tensor position_ids;    // int64; undefined in a global batch means 0..S-1.
+  at::Tensor attention_mask;  // [B, S] nonzero at real tokens, zero at padding; or undefined.
 };
 
-// Shifts labels to next-token targets on the global batch, then cuts out `rank`'s shard of
-// the sequence partition `seq`. The shard's labels are the targets.
+// Makes next-token targets on the global batch, then cuts out `rank`'s shard of the sequence
+// partition `seq`. The shard's labels are the targets.
 TokenBatch shard_batch(const TokenBatch& global, const SequencePartition& seq, int64_t rank,
                        int64_t ignore_index = kIgnoreIndex);
 // The same for SP rank `rank` of a hybrid Ulysses x ring layout (its zigzag tokens).
@@ -47,7 +54,9 @@ struct ShardedLoss {
 ShardedLoss sharded_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
                                   const Group& group, int64_t ignore_index = kIgnoreIndex);
 
-// Sums the gradients of `params` over `group` in one coalesced all-reduce.
-void all_reduce_gradients(const std::vector<at::Tensor>& params, const Group& group);
+// Sums `grads` over `group` in place, in one coalesced all-reduce per dtype.
+void all_reduce_gradients(const std::vector<at::Tensor>& grads, const Group& group);
+// The gradients of `params` (those defined).
+std::vector<at::Tensor> gradients_of(const std::vector<at::Tensor>& params);
 
 }  // namespace ulysses
