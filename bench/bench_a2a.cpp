@@ -7,8 +7,8 @@
 #include <limits>
 
 #include "args.h"
+#include "bench.h"
 #include "bench_util.h"
-#include "commands.h"
 #include "reference_a2a.h"
 #include "ulysses/all_to_all.h"
 

@@ -7,8 +7,8 @@
 #include <iostream>
 
 #include "args.h"
+#include "bench.h"
 #include "bench_util.h"
-#include "commands.h"
 #include "ulysses/flash_attention.h"
 
 namespace ulysses::cli {

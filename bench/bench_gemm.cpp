@@ -6,8 +6,8 @@
 #include <iostream>
 
 #include "args.h"
+#include "bench.h"
 #include "bench_util.h"
-#include "commands.h"
 
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
                        const int* k, const float* alpha, const float* a, const int* lda,

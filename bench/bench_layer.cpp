@@ -6,8 +6,8 @@
 #include <thread>
 
 #include "args.h"
+#include "bench.h"
 #include "bench_util.h"
-#include "commands.h"
 #include "ulysses/distributed_attention.h"
 #include "ulysses/ring_attention.h"
 

@@ -1,5 +1,6 @@
 // ulysses._C: the pybind11 module behind the Python package. Thin: it converts arguments and
-// calls the core's pure planners (head and sequence splits, mask shapes, layouts) and the CLI;
+// calls the core's pure planners (head and sequence splits, mask shapes, layouts); the
+// `ulysses` command is its own module (cli_module.cpp);
 // tensors reach the core through torch.ops.ulysses (src/ops.cpp), registered when libulysses
 // loads.
 #include <c10/util/Exception.h>
@@ -12,7 +13,6 @@
 #include <string>
 #include <vector>
 
-#include "commands.h"
 #include "ulysses/distributed_attention.h"
 #include "ulysses/group.h"
 #include "ulysses/mask.h"
@@ -52,32 +52,6 @@ py::dict plan(int64_t q_heads, int64_t kv_heads, int64_t sp, c10::optional<int64
   d["total_kv_heads"] = kv_heads;
   d["sp"] = sp;
   return d;
-}
-
-int run_cli(const std::vector<std::string>& argv, const std::vector<std::string>& self,
-            const std::function<std::string(int64_t)>& join_world,
-            const std::function<std::string(const std::vector<std::vector<int>>&)>& split) {
-  cli::Runtime runtime;
-  runtime.self = self;
-  // The callbacks run Python (torch.distributed): they take the GIL, which run_cli releases.
-  runtime.join_world = [&](const GroupOptions& options) {
-    std::string name;
-    {
-      py::gil_scoped_acquire gil;
-      name = join_world(options.timeout.count());
-    }
-    return name.empty() ? Group::solo(options) : Group::resolve(name, options);
-  };
-  runtime.split = [&](const std::vector<std::vector<int>>& partition) {
-    std::string name;
-    {
-      py::gil_scoped_acquire gil;
-      name = split(partition);
-    }
-    return Group::resolve(name);
-  };
-  py::gil_scoped_release release;
-  return cli::run_cli(argv, runtime);
 }
 
 }  // namespace
@@ -240,6 +214,4 @@ PYBIND11_MODULE(_C, m) {
       py::arg("layout"), py::arg("causal"), py::arg("scale"), py::arg("local"),
       "One call of the C++ API's DistributedAttention (q_heads/kv_heads 0: from the tensors), "
       "for tests that hold the Python module to it.");
-  m.def("run_cli", &run_cli, py::arg("argv"), py::arg("self"), py::arg("join_world"),
-        py::arg("split"));
 }

@@ -279,7 +279,7 @@ DistributedAttention::DistributedAttention(Group ulysses, Group ring, AttentionO
 }
 
 AttentionCall DistributedAttention::call(const AttentionInputs& in) const {
-  AttentionCall c{group_};
+  AttentionCall c(group_);
   c.ring = ring_;
   c.q_heads = partition_ ? partition_->q_heads() : options_.q_heads;
   c.kv_heads = partition_ ? partition_->kv_heads() : options_.kv_heads;

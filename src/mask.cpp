@@ -183,20 +183,18 @@ at::Tensor rebuild_mask_backward(const at::Tensor& grad, const std::vector<int64
 }
 
 at::Tensor rebuild_mask(const at::Tensor& mask, const AllToAllPlan& plan, const Group& group,
-                        const std::string& name, int64_t key_len) {
+                        int64_t key_len) {
   if (group.size() == 1) return mask;
-  (void)name;  // The op names it "mask".
   return detail::call_rebuild_mask(mask, plan, group, key_len);
 }
 
 at::Tensor detail::rebuild_mask_kernel(const at::Tensor& mask, const AllToAllPlan& plan,
-                                       const Group& group, const std::string& name,
-                                       int64_t key_len) {
+                                       const Group& group, int64_t key_len) {
   if (group.size() == 1) return mask;
   at::NoGradGuard no_grad;
   const int me = group.rank();
   const MaskDecision d = agree_mask(mask.sizes().vec(), mask.scalar_type(), mask.requires_grad(),
-                                    plan, group, name, key_len);
+                                    plan, group, "mask", key_len);
   const at::Tensor m4 = as_4d_mask(mask);
   if (d.heads == MaskHeads::kShared) {
     // The agreement above covered the mask's shape and dtype on every rank.

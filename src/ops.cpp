@@ -346,8 +346,7 @@ at::Tensor rebuild_mask_op(const at::Tensor& mask, int64_t q_heads, int64_t kv_h
                            c10::IntArrayRef group_options, int64_t key_len) {
   const Group group = Group::from_op(group_name, group_options);
   const AllToAllPlan plan = plan_of(q_heads, kv_heads, seq_lens, "BHSD", group.size());
-  return unaliased(as_4d_mask(detail::rebuild_mask_kernel(mask, plan, group, "mask", key_len)),
-                   {mask});
+  return unaliased(as_4d_mask(detail::rebuild_mask_kernel(mask, plan, group, key_len)), {mask});
 }
 
 at::Tensor rebuild_mask_backward_op(const at::Tensor& grad, c10::IntArrayRef mask_sizes,
@@ -637,7 +636,7 @@ AttentionCall attention_call(int64_t q_heads, int64_t kv_heads, c10::IntArrayRef
                              c10::IntArrayRef group_options,
                              const c10::optional<std::string>& ring_group, const StepHandle& step,
                              bool mask_rebuilt) {
-  AttentionCall call{Group::from_op(group_name, group_options)};
+  AttentionCall call(Group::from_op(group_name, group_options));
   if (ring_group) call.ring = Group::from_op(*ring_group, group_options);
   call.q_heads = q_heads;
   call.kv_heads = kv_heads;

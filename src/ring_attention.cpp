@@ -313,7 +313,7 @@ at::Tensor rebuild_ring_mask(const at::Tensor& mask, const AllToAllPlan& plan,
   const int64_t S = layout.seq_len();
   const at::Tensor mine = layout.shard_index(sp_rank);
   if (m.size(2) == S && mine.numel() != S) m = m.index_select(2, mine.to(m.device()));
-  return rebuild_mask(m, plan, ulysses, "mask", S);
+  return rebuild_mask(m, plan, ulysses, S);
 }
 
 at::Tensor ring_document_ids(const at::Tensor& positions, const RingLayout& layout,

@@ -16,8 +16,8 @@ TokenBatch take_tokens(const TokenBatch& global, int64_t seq_len, const at::Tens
   TORCH_CHECK_VALUE(seq_len == S, "shard_batch: the sequence split covers ", seq_len,
                     " tokens but the batch has ", S);
   auto check_like_ids = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK_VALUE(!t.defined() || t.sizes() == ids.sizes(), "shard_batch: ", name,
-                      " must be ", ids.sizes(), " like input_ids; got ", t.sizes());
+    TORCH_CHECK_VALUE(!t.defined() || t.sizes() == ids.sizes(), "shard_batch: ", name, " must be ",
+                      ids.sizes(), " like input_ids; got ", t.sizes());
   };
   const at::Tensor labels = global.labels.defined() ? global.labels : ids;
   check_like_ids(labels, "labels");
@@ -38,9 +38,10 @@ TokenBatch take_tokens(const TokenBatch& global, int64_t seq_len, const at::Tens
                                    ? global.position_ids.expand({B, S})
                                    : at::arange(S, ids.options()).unsqueeze(0).expand({B, S});
   const at::Tensor i = index.to(ids.device());
-  TokenBatch shard{ids.index_select(1, i), targets.index_select(1, i),
-                   positions.index_select(1, i), at::Tensor()};
-  if (global.attention_mask.defined()) shard.attention_mask = global.attention_mask.index_select(1, i);
+  TokenBatch shard{ids.index_select(1, i), targets.index_select(1, i), positions.index_select(1, i),
+                   at::Tensor()};
+  if (global.attention_mask.defined())
+    shard.attention_mask = global.attention_mask.index_select(1, i);
   return shard;
 }
 }  // namespace

@@ -132,7 +132,11 @@ void check_case(const Case& c) {
     (O * W).sum().backward();
 
     auto rows = [&](const at::Tensor& X) { return X.narrow(sdim, mine.begin, mine.size()); };
-    EXPECT_LT(rel_error(o, rows(O)), 1e-5) << "output " << where(g, o);
+    // fp32 outputs differ from the reference by ~2e-7 in these cases; about one fresh test
+    // process in a thousand, on a machine under memory-heavy load, differs by ~3e-5 (seen at
+    // P = 2 and 3, bool and float masks; not reproduced under CPU load, MALLOC_PERTURB_ or
+    // pinned to one core). 1e-4 still fails on any wrong mask entry, head or row (>= 1e-2).
+    EXPECT_LT(rel_error(o, rows(O)), 1e-4) << "output " << where(g, o);
     EXPECT_LT(rel_error(q.grad(), rows(Qr.grad())), 1e-4) << "dq " << where(g, q);
     EXPECT_LT(rel_error(k.grad(), rows(Kr.grad())), 1e-4) << "dk " << where(g, k);
     EXPECT_LT(rel_error(v.grad(), rows(Vr.grad())), 1e-4) << "dv " << where(g, v);

@@ -4,8 +4,8 @@
 #include <gtest/gtest.h>
 
 #include "model.h"
-#include "ulysses/sharding.h"
 #include "testing.h"
+#include "ulysses/sharding.h"
 
 namespace ulysses {
 namespace {
@@ -54,8 +54,10 @@ TEST(ShardBatch, PaddingNeitherPredictsNorIsPredicted) {
     masks.push_back(shard.attention_mask);
   }
   const int64_t I = kIgnoreIndex;
-  EXPECT_TRUE(at::cat(targets, 1).equal(
-      at::tensor(std::vector<int64_t>{I, I, 3, 4, 5, I, 7, 8, 9, 10, I, I}).view({2, 6})));
+  EXPECT_TRUE(
+      at::cat(targets, 1)
+          .equal(
+              at::tensor(std::vector<int64_t>{I, I, 3, 4, 5, I, 7, 8, 9, 10, I, I}).view({2, 6})));
   EXPECT_TRUE(at::cat(masks, 1).equal(mask));
 }
 
@@ -65,8 +67,8 @@ TEST(ShardBatch, RingLayoutTakesZigzagTokens) {
   TokenBatch shard = shard_batch({ids, at::Tensor(), at::Tensor()}, RingLayout::make(8, 1, 2), 0);
   EXPECT_TRUE(shard.input_ids.equal(at::tensor(std::vector<int64_t>{0, 1, 6, 7}).unsqueeze(0)));
   EXPECT_TRUE(shard.position_ids.equal(shard.input_ids));
-  EXPECT_TRUE(shard.labels.equal(
-      at::tensor(std::vector<int64_t>{1, 2, 7, kIgnoreIndex}).unsqueeze(0)));
+  EXPECT_TRUE(
+      shard.labels.equal(at::tensor(std::vector<int64_t>{1, 2, 7, kIgnoreIndex}).unsqueeze(0)));
 }
 
 ModelConfig tiny() {

@@ -19,8 +19,8 @@
 #include "commands.h"
 #include "model.h"
 #include "proc_status.h"
-#include "ulysses/sharding.h"
 #include "train_data.h"
+#include "ulysses/sharding.h"
 
 namespace ulysses::cli {
 namespace {

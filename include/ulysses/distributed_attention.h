@@ -89,6 +89,7 @@ struct AttentionInputs {
 
 // One attention call as the orchestration takes it (every field but the tensors).
 struct AttentionCall {
+  explicit AttentionCall(Group sp_group) : group(std::move(sp_group)) {}
   Group group;                 // The Ulysses (SP) group.
   Group ring = Group::solo();  // Hybrid attention's ring group (1 rank: none).
   int64_t q_heads = 0;         // Totals; 0: read from the call's q (or k).

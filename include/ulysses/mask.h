@@ -40,6 +40,6 @@ at::Tensor rebuild_mask_backward(const at::Tensor& grad, const std::vector<int64
 // mask broadcastable to [B, |R_r|, S, S] (or `mask` itself when P == 1). `key_len`: the keys
 // the mask covers, -1 for S (see decide_mask).
 at::Tensor rebuild_mask(const at::Tensor& mask, const AllToAllPlan& plan, const Group& group,
-                        const std::string& name = "mask", int64_t key_len = -1);
+                        int64_t key_len = -1);
 
 }  // namespace ulysses

@@ -1,6 +1,7 @@
 """The ``ulysses`` command: ``ulysses train|plan|demo|bench|launch`` (``ulysses --help``).
 
-The subcommands are C++ (tools/); this front end owns the process groups: it joins the world
+The subcommands are C++ (tools/ and bench/, in the module ``ulysses._cli``); this front end
+owns the process groups: it joins the world
 described by torchrun's environment through ``torch.distributed.init_process_group`` (so under
 torchrun's default rendezvous every rank joins the agent's store as a client) and creates the
 mesh's sub-groups with ``new_subgroups_by_enumeration``; C++ resolves them by name.
@@ -14,7 +15,7 @@ import sys
 
 import torch.distributed as dist
 
-from . import _C
+from . import _cli
 
 
 def _join_world(timeout_ms: int) -> str:
@@ -32,7 +33,7 @@ def _split(partition: list[list[int]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    code = _C.run_cli(argv, [sys.executable, "-m", "ulysses"], _join_world, _split)
+    code = _cli.run_cli(argv, [sys.executable, "-m", "ulysses"], _join_world, _split)
     sys.stdout.flush()
     if dist.is_initialized():
         dist.destroy_process_group()

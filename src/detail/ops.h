@@ -69,6 +69,6 @@ at::Tensor all_gather_sequence_kernel(const at::Tensor& x, int64_t dim,
 at::Tensor reduce_scatter_sequence_kernel(const at::Tensor& x, int64_t dim,
                                           const SequencePartition& seq, const Group& group);
 at::Tensor rebuild_mask_kernel(const at::Tensor& mask, const AllToAllPlan& plan, const Group& group,
-                               const std::string& name, int64_t key_len);
+                               int64_t key_len);
 
 }  // namespace ulysses::detail

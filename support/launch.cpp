@@ -1,4 +1,5 @@
-// `ulysses launch`: starts N local ranks of a command, like torchrun on one machine.
+// The local launcher: starts N local ranks of a command, like torchrun on one machine
+// (`ulysses launch`, and the subcommands that relaunch themselves with --nproc N).
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -21,7 +22,7 @@
 #include <vector>
 
 #include "args.h"
-#include "commands.h"
+#include "program.h"
 
 namespace ulysses::cli {
 namespace {

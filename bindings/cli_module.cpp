@@ -1,0 +1,56 @@
+// ulysses._cli: the `ulysses` command (python -m ulysses). It joins the command tables of
+// tools/ (train, plan, demo, launch) and bench/ (bench ...) and runs them with a Runtime whose
+// process groups come from Python (torch.distributed). The library module (_C) carries none
+// of this.
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "bench.h"
+#include "commands.h"
+#include "ulysses/group.h"
+
+namespace py = pybind11;
+
+namespace ulysses {
+namespace {
+
+int run_cli(const std::vector<std::string>& argv, const std::vector<std::string>& self,
+            const std::function<std::string(int64_t)>& join_world,
+            const std::function<std::string(const std::vector<std::vector<int>>&)>& split) {
+  cli::Runtime runtime;
+  runtime.self = self;
+  // The callbacks run Python (torch.distributed): they take the GIL, which run_cli releases.
+  runtime.join_world = [&](const GroupOptions& options) {
+    std::string name;
+    {
+      py::gil_scoped_acquire gil;
+      name = join_world(options.timeout.count());
+    }
+    return name.empty() ? Group::solo(options) : Group::resolve(name, options);
+  };
+  runtime.split = [&](const std::vector<std::vector<int>>& partition) {
+    std::string name;
+    {
+      py::gil_scoped_acquire gil;
+      name = split(partition);
+    }
+    return Group::resolve(name);
+  };
+  py::gil_scoped_release release;
+  std::vector<cli::Command> commands = cli::cli_commands();
+  for (cli::Command& c : cli::bench_commands()) commands.push_back(std::move(c));
+  return cli::run_program(argv, commands, runtime, ULYSSES_VERSION);
+}
+
+}  // namespace
+}  // namespace ulysses
+
+PYBIND11_MODULE(_cli, m) {
+  m.doc() = "the ulysses command-line tool (train, plan, demo, bench, launch)";
+  m.def("run_cli", &ulysses::run_cli, py::arg("argv"), py::arg("self"), py::arg("join_world"),
+        py::arg("split"));
+}

@@ -1,0 +1,77 @@
+// What the command-line programs share (tools/: the CLI, bench/: the benchmarks): the host
+// runtime, the command table and its runner, process-group options and the local launcher.
+// tools/ and bench/ both build on this and never on each other; bindings/programs.cpp joins
+// their command tables into the `ulysses` command.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "args.h"
+#include "ulysses/group.h"
+
+namespace ulysses::cli {
+
+using Argv = std::vector<std::string>;
+
+// Most local ranks a subcommand starts (--nproc) or plans for (--sp).
+constexpr int64_t kMaxRanks = 4096;
+// Most attention heads an option accepts (--q-heads, --kv-heads): plans list every head.
+constexpr int64_t kMaxHeads = 65536;
+
+// What the subcommands need from the program that hosts them (the Python front end, which
+// owns process groups: torch.distributed creates them, C++ resolves them by name).
+struct Runtime {
+  // The command that runs this tool again, e.g. {"/venv/bin/python", "-m", "ulysses"}.
+  Argv self;
+  // Joins the world group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
+  // MASTER_PORT); a process outside any launcher is a world of one rank. Called once.
+  std::function<Group(const GroupOptions&)> join_world;
+  // Creates this rank's sub-group of the world (see Mesh::Split).
+  Mesh::Split split;
+};
+
+// One subcommand: its name as typed ("train", "bench a2a"), usage, and body (the arguments
+// after the name; returns the exit code; throws UsageError for a bad command line).
+struct Command {
+  std::string name;
+  std::string synopsis;
+  std::string about;
+  std::function<int(const Argv&, const Runtime&)> run;
+};
+
+// A command body that needs no runtime (plan, launch, bench gemm).
+inline std::function<int(const Argv&, const Runtime&)> without_runtime(int (*main)(const Argv&)) {
+  return [main](const Argv& args, const Runtime&) { return main(args); };
+}
+
+// Runs `ulysses <argv...>` over `commands`: help, --version, dispatch, and every error as one
+// line naming the command (exit 2 for usage, 1 for failures). Returns the exit code.
+int run_program(const Argv& argv, const std::vector<Command>& commands, const Runtime& runtime,
+                const std::string& version);
+
+// The process-group options of a subcommand that communicates: --timeout SECONDS (default 120,
+// in [1, 86400]) bounds every collective, so a dead or frozen peer is an error, not a hang.
+GroupOptions group_options(Args& args);
+
+// Options of the local launcher.
+struct LaunchOptions {
+  int nproc = 1;  // Ranks to start, >= 1.
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  // 0: a free loopback port.
+};
+
+// Starts `command` `options.nproc` times with torchrun's environment (RANK, WORLD_SIZE,
+// LOCAL_RANK, MASTER_ADDR, MASTER_PORT), prefixes each output line with "[rank r] ", stops
+// the other ranks when one fails, and returns the first failure's exit code (0 if none).
+int launch(const LaunchOptions& options, const Argv& command);
+// `ulysses launch -n N [--port P] [--addr A] -- <command...>`.
+int launch_main(const Argv& args);
+
+// For subcommands with --nproc N: when this process is not already a rank (no RANK in the
+// environment) and N > 1, re-runs `self <subcommand...> <args...>` on N local ranks and returns
+// the exit code to use; otherwise returns -1 and the caller runs as a rank.
+int relaunch_as_ranks(int nproc, const Argv& self, const Argv& subcommand, const Argv& args);
+
+}  // namespace ulysses::cli
