@@ -8,6 +8,7 @@ echo "build: compiling ulysses (the first build takes several minutes on 2 cores
 # Editable install: Python sources are used from python/, the extension is built in build/.
 # The compiler's progress lines ([n/N] ...) and errors are shown; the full log is build/pip.log.
 mkdir -p build
+: >build/pip.log  # Exists before tail opens it (pip's redirection runs in the background).
 set +e
 .venv/bin/pip install -v --disable-pip-version-check --no-build-isolation --no-deps \
   -Cbuild-dir=build -Ccmake.define.ULYSSES_BUILD_TESTS=ON \

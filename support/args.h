@@ -35,22 +35,32 @@ inline std::string shown(const std::string& text) {
 
 class Args {
  public:
-  // Parses `args`; `flags` take no value, every other `--name` (or `-n`) takes one.
+  // Parses `args`: `--name value`, `--name=value`, and the `flags`, which take no value. A token
+  // starting with "--" is never taken as a value, so an unknown option is reported as unknown
+  // (by finish) rather than swallowing the next option; "-5" still is a value.
   Args(const std::vector<std::string>& args, std::set<std::string> flags)
       : flags_(std::move(flags)) {
     for (size_t i = 0; i < args.size(); ++i) {
       const std::string& a = args[i];
       if (a.size() < 2 || a[0] != '-') throw UsageError("unexpected argument '" + shown(a) + "'");
-      if (flags_.count(a)) {
+      const size_t eq = a.rfind("--", 0) == 0 ? a.find('=') : std::string::npos;
+      if (eq != std::string::npos) {
+        const std::string name = a.substr(0, eq);
+        if (flags_.count(name)) throw UsageError("option " + shown(name) + " takes no value");
+        values_[name] = a.substr(eq + 1);
+      } else if (flags_.count(a)) {
         values_[a] = "1";
-      } else {
-        if (i + 1 >= args.size()) throw UsageError("option " + shown(a) + " needs a value");
+      } else if (i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0) {
         values_[a] = args[++i];
+      } else {
+        missing_value_.insert(a);  // An error once someone asks for it (else: unknown).
+        values_[a] = "";
       }
     }
   }
   bool has(const std::string& name) {
     used_.insert(name);
+    if (missing_value_.count(name)) throw UsageError("option " + shown(name) + " needs a value");
     return values_.count(name) > 0;
   }
   std::string str(const std::string& name, const std::string& fallback) {
@@ -131,6 +141,7 @@ class Args {
   std::set<std::string> flags_;
   std::map<std::string, std::string> values_;
   std::set<std::string> used_;
+  std::set<std::string> missing_value_;  // Options given last, or before another option.
 };
 
 }  // namespace ulysses::cli

@@ -1,4 +1,5 @@
 // `ulysses plan`: prints the head (and sequence) partition of every rank.
+#include <algorithm>
 #include <iostream>
 #include <sstream>
 
@@ -31,6 +32,22 @@ std::string mib(int64_t bytes) {
   return os.str();
 }
 
+// Rows of cells in left-aligned columns two spaces apart, each as wide as its widest cell.
+void print_table(const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> width;
+  for (const auto& row : rows)
+    for (size_t c = 0; c < row.size(); ++c) {
+      if (width.size() <= c) width.push_back(0);
+      width[c] = std::max(width[c], row[c].size());
+    }
+  for (const auto& row : rows) {
+    std::string line;
+    for (size_t c = 0; c < row.size(); ++c)
+      line += c + 1 < row.size() ? row[c] + std::string(width[c] - row[c].size() + 2, ' ') : row[c];
+    std::cout << line << "\n";
+  }
+}
+
 // The U x R splits of sp ranks, best first (see plan_sp_mesh). In JSON: the tail of an object.
 void print_meshes(const std::vector<MeshCost>& meshes, const LayerShape& s, int64_t sp, bool json) {
   if (json) {
@@ -52,14 +69,14 @@ void print_meshes(const std::vector<MeshCost>& meshes, const LayerShape& s, int6
   std::cout << "sp " << sp << " = Ulysses U x ring R, per rank and attention layer (forward + "
             << "backward) at seq_len " << s.seq_len << ", head_dim " << s.head_dim << ", batch "
             << s.batch << ", " << s.elem_bytes << "-byte elements:\n";
-  std::printf("%-7s %-10s %-9s %-9s %-11s %-9s %s\n", "U x R", "kv copies", "a2a MiB", "ring MiB",
-              "ring sends", "total MiB", "peak MiB");
+  std::vector<std::vector<std::string>> table{
+      {"U x R", "kv copies", "a2a MiB", "ring MiB", "ring sends", "total MiB", "peak MiB"}};
   for (const MeshCost& c : meshes) {
-    std::printf("%-7s %-10ld %-9s %-9s %-11ld %-9s %s\n", c.describe().c_str(),
-                static_cast<long>(c.kv_replicas), mib(c.a2a_bytes).c_str(),
-                mib(c.ring_bytes).c_str(), static_cast<long>(c.ring_messages),
-                mib(c.a2a_bytes + c.ring_bytes).c_str(), mib(c.peak_bytes).c_str());
+    table.push_back({c.describe(), std::to_string(c.kv_replicas), mib(c.a2a_bytes),
+                     mib(c.ring_bytes), std::to_string(c.ring_messages),
+                     mib(c.a2a_bytes + c.ring_bytes), mib(c.peak_bytes)});
   }
+  print_table(table);
   std::cout << "recommended: " << meshes.front().describe()
             << " (fewest bytes moved; ties to the smaller peak)\n";
 }
@@ -83,6 +100,10 @@ int plan_main(const Argv& argv) {
 
   const std::vector<MeshCost> meshes = plan_sp_mesh(sp, shape);
   if (hq < sp) {  // Only hybrid splits exist: no partition of every head over sp ranks.
+    if (json) {
+      std::cout << "{\"total_q_heads\": " << hq << ", \"total_kv_heads\": " << hkv
+                << ", \"sp\": " << sp << ", ";
+    }
     print_meshes(meshes, shape, sp, json);
     return 0;
   }
@@ -107,19 +128,18 @@ int plan_main(const Argv& argv) {
     return 0;
   }
   std::cout << heads << "\n";
-  std::cout << "rank  q_heads  q_range   kv_heads  kv_range  kv_map"
-            << (seq.empty() ? "" : "  seq_len") << "\n";
+  std::vector<std::vector<std::string>> table{
+      {"rank", "q_heads", "q_range", "kv_heads", "kv_range", "kv_map"}};
+  if (!seq.empty()) table[0].push_back("seq_len");
   for (int64_t r = 0; r < sp; ++r) {
     std::ostringstream q, kv;
     q << heads.q_range(r);
     kv << heads.kv_range(r);
-    std::printf("%-5ld %-8ld %-9s %-9ld %-9s %-7s", static_cast<long>(r),
-                static_cast<long>(heads.q_range(r).size()), q.str().c_str(),
-                static_cast<long>(heads.kv_range(r).size()), kv.str().c_str(),
-                json_list(heads.kv_map(r), num).c_str());
-    if (!seq.empty()) std::printf(" %ld", static_cast<long>(seq[r]));
-    std::printf("\n");
+    table.push_back({num(r), size_of(heads.q_range(r)), q.str(), size_of(heads.kv_range(r)),
+                     kv.str(), json_list(heads.kv_map(r), num)});
+    if (!seq.empty()) table.back().push_back(num(seq[r]));
   }
+  print_table(table);
   if (heads.replicates_kv())
     std::cout << "kv heads are replicated (Hkv < P); their gradients are summed over replicas\n";
   std::cout << "\n";

@@ -335,6 +335,28 @@ int sp_size_of(const TrainOptions& o, int world_size) {
   return o.sp > 0 ? o.sp : o.dp > 0 ? W / o.dp : W;
 }
 
+// The checks that need no rank, run before any rank starts: a bad command line exits 2 at once,
+// not after every rank has started and joined (the ranks would raise the same errors later).
+void check_before_launch(const TrainOptions& o) {
+  const char* world_env = std::getenv("WORLD_SIZE");
+  const int world = std::getenv("RANK") && world_env ? std::atoi(world_env) : o.nproc;
+  try {
+    const int sp = sp_size_of(o, world);
+    TORCH_CHECK_VALUE(sp % o.ring == 0, "train: --ring ", o.ring,
+                      " must divide the sequence-parallel size (", sp, ")");
+    TORCH_CHECK_VALUE(o.model.q_heads % o.model.kv_heads == 0, "train: --q-heads ", o.model.q_heads,
+                      " must be a multiple of --kv-heads ", o.model.kv_heads);
+    TORCH_CHECK_VALUE(o.model.dim % o.model.q_heads == 0 && o.model.head_dim() % 2 == 0,
+                      "train: --dim ", o.model.dim, " must split into ", o.model.q_heads,
+                      " heads of an even size");
+    const Data data(o);  // The task's rules, or the --data file's.
+  } catch (const c10::Error& e) {
+    std::string what = e.what_without_backtrace();
+    if (what.rfind("train: ", 0) == 0) what.erase(0, 7);
+    throw UsageError(what);
+  }
+}
+
 // The step --resume continues from (0 without --resume). Every rank reads the checkpoint; a
 // bad file raises the same error on every rank.
 int64_t resume_step(Transformer& model, torch::optim::AdamW& optimizer, const TrainOptions& o,
@@ -431,6 +453,7 @@ void print_activation_memory(const Mesh& mesh, int64_t setup_rss) {
 
 int train_main(const Argv& argv, const Runtime& runtime) {
   TrainOptions o = parse(argv);
+  check_before_launch(o);
   const int code = relaunch_as_ranks(o.nproc, runtime.self, {"train"}, argv);
   if (code >= 0) return code;
 

@@ -150,7 +150,7 @@ def test_data_file_too_small_for_a_held_out_split(tmp_path):
     small = tmp_path / "small.txt"
     small.write_bytes(b"x" * 300)
     r = run(ULYSSES, "train", "--nproc", "1", "--seq-len", "48", "--data", str(small), "--steps", "1")
-    assert r.returncode == 1
+    assert r.returncode == 2
     assert "need at least 10 x (seq-len + 1) = 490" in r.stderr
 
 
@@ -175,7 +175,11 @@ def test_version_and_help_per_command():
     (["bench", "attention", "--repeats", "0"], "option --repeats must be in [1, 100000]; got 0"),
     (["bench", "attention", "--head-dim", "0"], "option --head-dim must be >= 1; got 0"),
     (["bench", "layer", "--seq-lens", "0"], "option --seq-lens must be >= 1; got 0"),
-    (["train", "--help-me"], "option --help-me needs a value"),
+    (["train", "--help-me"], "unknown option --help-me"),
+    (["plan", "--q-heads", "4", "--sp", "2", "--bogus"], "unknown option --bogus"),
+    (["plan", "--q-heads", "4", "--sp", "2", "--jsn", "--seq-len", "100"], "unknown option --jsn"),
+    (["plan", "--q-heads", "4", "--sp"], "option --sp needs a value"),
+    (["plan", "--q-heads", "4", "--sp", "2", "--json=1"], "option --json takes no value"),
     (["train", "--steps", "ten"], "option --steps must be an integer; got 'ten'"),
     (["launch", "--", "true"], "-n N (the number of ranks) is required"),
     (["bench"], "say which bench: attention, a2a, layer or gemm"),
@@ -204,10 +208,25 @@ def test_usage_errors_are_one_line_and_exit_2(args, message):
 
 def test_mesh_error_names_what_the_user_gave():
     r = run(ULYSSES, "train", "--nproc", "4", "--dp", "3", "--steps", "1")
-    assert r.returncode == 1
+    assert r.returncode == 2
     assert "--dp 3 must divide the number of ranks (4)" in r.stderr
     assert "--sp" not in r.stderr.split("must divide")[0]
-    assert r.stderr.count("must divide") == 1  # every rank raised it; shown once
+    assert r.stderr.count("must divide") == 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--nproc", "4", "--dp", "3"], "--dp 3 must divide the number of ranks (4)"),
+    (["--nproc", "4", "--ring", "3"], "--ring 3 must divide the sequence-parallel size (4)"),
+    (["--nproc", "2", "--q-heads", "6", "--kv-heads", "4"], "--q-heads 6 must be a multiple of --kv-heads 4"),
+    (["--nproc", "2", "--dim", "100", "--q-heads", "8"], "--dim 100 must split into 8 heads"),
+    (["--nproc", "2", "--seq-len", "32"], "retrieval task: seq-len (32)"),
+    (["--nproc", "2", "--data", "/nonexistent/file.txt"], "cannot read --data file"),
+])
+def test_static_train_errors_exit_2_before_any_rank_starts(args, message):
+    # No rank started: a rank prints its output behind "[rank r] ", and none may appear.
+    r = run(ULYSSES, "train", *args, "--steps", "1")
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "[rank" not in r.stdout + r.stderr, r.stderr
 
 
 def _rank_pids(launcher_pid: int) -> dict[int, int]:
@@ -279,3 +298,31 @@ def test_ranks_die_with_their_launcher_even_on_sigkill():
         assert not any(_alive(p) for p in ranks), [p for p in ranks if _alive(p)]
     finally:
         job.kill()
+
+
+def test_plan_json_is_valid_json_for_every_small_layout(capfd):
+    # In process (the `ulysses` command's own module), so 8 x 8 x 8 layouts take seconds.
+    from ulysses import _cli
+
+    def no_groups(*_):
+        raise AssertionError("plan needs no process group")
+
+    valid = 0
+    for hq in range(1, 9):
+        for hkv in range(1, 9):
+            for sp in range(1, 9):
+                argv = ["plan", "--q-heads", str(hq), "--kv-heads", str(hkv), "--sp", str(sp),
+                        "--seq-len", "64", "--json"]
+                code = _cli.run_cli(argv, [sys.executable, "-m", "ulysses"], no_groups, no_groups)
+                out, err = capfd.readouterr()
+                if hq % hkv:  # Not a GQA layout: refused, and nothing on stdout.
+                    assert code == 1 and out == "" and "multiple of kv heads" in err, (argv, err)
+                    continue
+                assert code == 0, (argv, err)
+                plan = json.loads(out)
+                assert (plan["total_q_heads"], plan["total_kv_heads"], plan["sp"]) == (hq, hkv, sp)
+                assert plan["meshes"] and plan["recommended"]
+                if hq >= sp:
+                    assert sum(plan["q_heads"]) == hq and sum(plan["seq_lens"]) == 64
+                valid += 1
+    assert valid == 8 * sum(1 for hq in range(1, 9) for hkv in range(1, 9) if hq % hkv == 0)
