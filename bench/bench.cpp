@@ -21,7 +21,8 @@ std::vector<Command> bench_commands() {
        bench_a2a_main},
       {"bench layer",
        "[--nproc 2] [--seq-lens 2048,4096,8192] [--q-heads 8] [--kv-heads 2] [--head-dim 64]\n"
-       "        [--ring 1,2] [--repeats 3] [--json FILE] [--timeout 120]",
+       "        [--ring 1,2] [--repeats 3] [--json FILE] [--timeout 120]\n"
+       "        [--pipeline-min-kib 4096] [--message-kib 4096]",
        "DistributedAttention forward+backward per rank: time and peak memory (per ring size)",
        bench_layer_main},
       {"bench gemm", "[--shapes M,N,K,...] [--threads 1] [--repeats 20]",

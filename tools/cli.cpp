@@ -10,7 +10,8 @@ std::vector<Command> cli_commands() {
        "        [--dim 128] [--layers 2] [--q-heads 8] [--kv-heads 2] [--ffn-dim 0] [--lr 5e-3]\n"
        "        [--warmup 50] [--lr-decay-steps STEPS] [--weight-decay 0.01] [--clip 1.0]\n"
        "        [--pairs 16] [--shuffle] [--data FILE] [--eval-every 100] [--eval-sequences 64]\n"
-       "        [--log-every 25] [--seed 0] [--check] [--save DIR] [--resume DIR] [--timeout 120]",
+       "        [--log-every 25] [--seed 0] [--check] [--save DIR] [--resume DIR] [--timeout 120]\n"
+       "        [--pipeline-min-kib 4096] [--message-kib 4096]",
        "sequence-parallel training of a GQA transformer on local ranks (or under torchrun)",
        train_main},
       {"plan",
@@ -21,7 +22,7 @@ std::vector<Command> cli_commands() {
        without_runtime(plan_main)},
       {"demo",
        "[--nproc 4] [--q-heads 8] [--kv-heads 2] [--seq-len 1024] [--head-dim 64]\n"
-       "        [--timeout 120]",
+       "        [--timeout 120] [--pipeline-min-kib 4096] [--message-kib 4096]",
        "checked all-to-all round trip of a GQA layout on local ranks", demo_main},
       {"launch", "-n N [--port 0] [--addr 127.0.0.1] -- <command> [args...]",
        "run <command> as N local ranks (torchrun's environment, Gloo on loopback)",
