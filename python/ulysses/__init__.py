@@ -5,6 +5,8 @@ Loading the package registers the ``torch.ops.ulysses`` operators.
 
 from __future__ import annotations
 
+from importlib import metadata as _metadata
+
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
@@ -27,7 +29,7 @@ from .ops import (
     sum_over_group,
 )
 
-__version__ = "0.2.0"
+__version__ = _metadata.version("ulysses")  # One home: pyproject.toml.
 
 import os as _os  # noqa: E402
 

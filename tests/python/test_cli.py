@@ -157,6 +157,13 @@ def test_data_file_too_small_for_a_held_out_split(tmp_path):
 def test_version_and_help_per_command():
     r = run(ULYSSES, "--version")
     assert r.returncode == 0 and r.stdout.startswith("ulysses 0.2.0 (torch 2.13")
+    # One version: pyproject.toml's, in the package metadata, the module and the C++ build.
+    import re
+
+    import ulysses
+    pyproject = open(os.path.join(os.path.dirname(__file__), "..", "..", "pyproject.toml")).read()
+    declared = re.search(r'\nversion = "([0-9.]+)"', pyproject).group(1)
+    assert ulysses.__version__ == declared and r.stdout.startswith(f"ulysses {declared} ")
     for command in (["train"], ["plan"], ["demo"], ["launch"], ["bench", "a2a"], ["bench", "layer"],
                     ["bench", "attention"], ["bench", "gemm"]):
         r = run(ULYSSES, *command, "--help")
