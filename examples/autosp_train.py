@@ -12,6 +12,7 @@ attention reaches across shards. ``--debug`` prints the graph before and after t
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import time
 
@@ -75,6 +76,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--debug", action="store_true")
     args = p.parse_args()
+    if args.debug:  # AutoSP logs the graphs on the "ulysses.autosp" logger.
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", 1))))
     dist.init_process_group("gloo")
     import ulysses

@@ -33,6 +33,7 @@ The graph is specialised per input shape at its first call; SP size 1 leaves it 
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -47,6 +48,8 @@ from torch.fx.node import map_arg
 
 from . import _C
 from . import ops as O
+
+_log = logging.getLogger("ulysses.autosp")
 
 _MARK = "_ulysses_autosp_dim"
 _SDPA = torch._C._nn.scaled_dot_product_attention
@@ -101,8 +104,8 @@ def autosp(group=None, *, inner: str | Callable | None = None, debug: bool = Fal
     """A ``torch.compile`` backend making the model sequence-parallel over ``group``.
 
     ``inner``: the backend that compiles the rewritten graph (None: run it eagerly; e.g.
-    ``"aot_eager"``, ``"inductor"``). ``debug``: print each graph before and after, with every
-    inserted op."""
+    ``"aot_eager"``, ``"inductor"``). ``debug``: log each graph before and after, with every
+    inserted op, at INFO on the ``ulysses.autosp`` logger (configure logging to see it)."""
     return AutoSP(group, inner=inner, debug=debug, timeout=timeout)
 
 
@@ -121,7 +124,7 @@ class AutoSP:
     def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
         if self.size == 1:
             if self.debug:
-                print("ulysses.autosp: SP size 1; graph unchanged", flush=True)
+                _log.info("ulysses.autosp: SP size 1; graph unchanged")
             self.graphs.append(gm)
             return self._compile(gm, example_inputs)
         compiled: dict[tuple, Callable] = {}
@@ -153,9 +156,9 @@ class AutoSP:
             _C.fail_together(f"ulysses.autosp: {e}", self.group, self.timeout_ms)
             raise
         if self.debug:
-            print("ulysses.autosp: graph before\n" + gm.print_readable(print_output=False) +
-                  "\nulysses.autosp: graph after (inserted nodes are named ulysses_*)\n" +
-                  new.print_readable(print_output=False), flush=True)
+            _log.info("ulysses.autosp: graph before\n%s\nulysses.autosp: graph after (inserted nodes are "
+                      "named ulysses_*)\n%s", gm.print_readable(print_output=False),
+                      new.print_readable(print_output=False))
         self.graphs.append(new)
         return new
 

@@ -254,9 +254,19 @@ def sp_size_one(group, rank):
         captured.append(gm.code)
         return backend(gm, example_inputs)
 
-    backend = ulysses.autosp(solo)
+    import logging
+
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logger = logging.getLogger("ulysses.autosp")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    backend = ulysses.autosp(solo, debug=True)  # Logs through the "ulysses.autosp" logger.
     loss = sp_step(model, capture, ulysses.mark_sequence(ids.clone()), labels, attention_mask)
-    return compare(model, *ref, loss, solo) + (captured[0] == backend.graphs[0].code,)
+    logger.removeHandler(handler)
+    unchanged = captured[0] == backend.graphs[0].code
+    return compare(model, *ref, loss, solo) + (unchanged and logged == ["ulysses.autosp: SP size 1; graph unchanged"],)
 
 
 def world_body(rank, group, world):
