@@ -54,13 +54,8 @@ py::dict plan(int64_t q_heads, int64_t kv_heads, int64_t sp, c10::optional<int64
   return d;
 }
 
-}  // namespace
-}  // namespace ulysses
-
-PYBIND11_MODULE(_C, m) {
-  using namespace ulysses;
-  m.doc() = "ulysses C++ core (torch.ops.ulysses is registered when this module loads)";
-  // c10 errors keep their Python types (ValueError, TypeError, ...), as torch's own bindings do.
+// c10 errors keep their Python types (ValueError, TypeError, ...), as torch's own bindings do.
+void translate_c10_errors() {
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -76,6 +71,10 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
     }
   });
+}
+
+// The pure planners: head and sequence splits, the ring layout, the Ulysses x ring mesh.
+void bind_plans(py::module_& m) {
   m.def("plan", &plan, py::arg("q_heads"), py::arg("kv_heads"), py::arg("sp"),
         py::arg("seq_len") = py::none());
   m.def(
@@ -122,6 +121,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("head_dim") = 128, py::arg("batch") = 1, py::arg("elem_bytes") = 2,
       "Every Ulysses x ring split of `sp` ranks with its per-rank cost per layer, recommended "
       "first (see ulysses plan).");
+}
+
+// The shape rules Python checks with: masks, projections, layouts.
+void bind_shape_rules(py::module_& m) {
   m.def(
       "rebuilt_mask_shape",
       [](const std::vector<int64_t>& sizes, int64_t q_heads, int64_t kv_heads,
@@ -169,6 +172,10 @@ PYBIND11_MODULE(_C, m) {
         return std::make_pair(to_bhsd(l), from_bhsd(l));
       },
       py::arg("layout"), "(layout -> BHSD, BHSD -> layout) permutations of a layout name.");
+}
+
+// Group helpers and the C++-API test hook.
+void bind_groups_and_hooks(py::module_& m) {
   m.def(
       "collective_count",
       [](const std::string& group) { return Group::resolve(group).collective_count(); },
@@ -214,4 +221,15 @@ PYBIND11_MODULE(_C, m) {
       py::arg("layout"), py::arg("causal"), py::arg("scale"), py::arg("local"),
       "One call of the C++ API's DistributedAttention (q_heads/kv_heads 0: from the tensors), "
       "for tests that hold the Python module to it.");
+}
+
+}  // namespace
+}  // namespace ulysses
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "ulysses C++ core (torch.ops.ulysses is registered when this module loads)";
+  ulysses::translate_c10_errors();
+  ulysses::bind_plans(m);
+  ulysses::bind_shape_rules(m);
+  ulysses::bind_groups_and_hooks(m);
 }

@@ -307,8 +307,8 @@ at::Tensor as_kernel_input(const at::Tensor& t) {
   return usable ? f : f.contiguous();
 }
 
-// The kernel's view of `a` (checked), with tile sizes from `options`.
-Problem make_problem(const LocalAttentionArgs& a, const FlashOptions& options) {
+// Shapes, dtypes, kv_map and tile sizes of a kernel call (before any work).
+void check_problem(const LocalAttentionArgs& a, const FlashOptions& options) {
   TORCH_CHECK_VALUE(a.q.dim() == 4 && a.k.dim() == 4 && a.v.dim() == 4,
                     "flash_attention: q, k, v must be 4-D BHSD; got ", a.q.sizes(), ", ",
                     a.k.sizes(), ", ", a.v.sizes());
@@ -328,40 +328,33 @@ Problem make_problem(const LocalAttentionArgs& a, const FlashOptions& options) {
   TORCH_CHECK_VALUE(static_cast<int64_t>(a.kv_map.size()) == a.q.size(1),
                     "flash_attention: kv_map must have one entry per query head (", a.q.size(1),
                     "); got ", a.kv_map.size());
+  for (int64_t g : a.kv_map)
+    TORCH_CHECK_VALUE(g >= 0 && g < a.k.size(1), "flash_attention: kv_map entry ", g,
+                      " is out of range for ", a.k.size(1), " kv heads");
   TORCH_CHECK_VALUE(options.block_q >= 1 && options.block_k >= 0,
                     "flash_attention: block sizes must be >= 1; got ", options.block_q, ", ",
                     options.block_k);
-  Problem p;
-  // Detached: the backward node keeps these, and must not keep autograd history alive.
-  p.q = as_kernel_input(a.q).detach();
-  p.k = as_kernel_input(a.k).detach();
-  p.v = as_kernel_input(a.v).detach();
-  p.B = a.q.size(0), p.Hq = a.q.size(1), p.Sq = a.q.size(2), p.D = a.q.size(3);
-  p.Hkv = a.k.size(1), p.Sk = a.k.size(2), p.Dv = a.v.size(3);
-  for (int64_t g : a.kv_map)
-    TORCH_CHECK_VALUE(g >= 0 && g < p.Hkv, "flash_attention: kv_map entry ", g,
-                      " is out of range for ", p.Hkv, " kv heads");
-  p.kv_map = a.kv_map;
-  p.causal = a.causal;
-  p.scale = static_cast<float>(a.scale > 0 ? a.scale : 1.0 / std::sqrt(static_cast<double>(p.D)));
-  p.bq = options.block_q;
-  p.bk = options.block_k;
-  if (p.bk == 0) {
-    const int64_t fit = (int64_t{1} << 21) / (p.bq * std::max(p.D, p.Dv));
-    p.bk = std::max<int64_t>(16, std::min<int64_t>(256, fit / 16 * 16));
-  }
+}
+
+// The mask as the kernel reads it: bool `allowed` or float `bias`, expanded to
+// [B, Hq, Sq, Sk].
+void set_mask(Problem& p, const c10::optional<at::Tensor>& mask) {
+  if (!mask) return;
   const std::vector<int64_t> full{p.B, p.Hq, p.Sq, p.Sk};
-  if (a.mask) {
-    if (a.mask->scalar_type() == at::kBool) {
-      p.allowed = a.mask->expand(full);
-    } else {
-      TORCH_CHECK_TYPE(a.mask->is_floating_point(),
-                       "flash_attention: mask must be bool or "
-                       "floating point; got ",
-                       a.mask->scalar_type());
-      p.bias = a.mask->detach().to(at::kFloat).expand(full);
-    }
+  if (mask->scalar_type() == at::kBool) {
+    p.allowed = mask->expand(full);
+  } else {
+    TORCH_CHECK_TYPE(mask->is_floating_point(),
+                     "flash_attention: mask must be bool or "
+                     "floating point; got ",
+                     mask->scalar_type());
+    p.bias = mask->detach().to(at::kFloat).expand(full);
   }
+}
+
+// Global row indices (causal rule) and document ids (packed sequences) from `a.rows` or
+// `a.positions`; 0..S-1 without either.
+void set_rows(Problem& p, const LocalAttentionArgs& a) {
   TORCH_CHECK_VALUE(!(a.rows && a.positions),
                     "flash_attention: give either position ids or global rows, not both");
   auto rows_of = [](const at::Tensor& t, int64_t n, const char* what) {
@@ -394,7 +387,29 @@ Problem make_problem(const LocalAttentionArgs& a, const FlashOptions& options) {
                       " keys (with Sq == Sk); got ", a.positions->sizes());
     p.q_doc = p.k_doc = docs_of(document_ids(*a.positions), p.Sk, "positions");
   }
+}
 
+// The kernel's view of `a` (checked), with tile sizes from `options`.
+Problem make_problem(const LocalAttentionArgs& a, const FlashOptions& options) {
+  check_problem(a, options);
+  Problem p;
+  // Detached: the backward node keeps these, and must not keep autograd history alive.
+  p.q = as_kernel_input(a.q).detach();
+  p.k = as_kernel_input(a.k).detach();
+  p.v = as_kernel_input(a.v).detach();
+  p.B = a.q.size(0), p.Hq = a.q.size(1), p.Sq = a.q.size(2), p.D = a.q.size(3);
+  p.Hkv = a.k.size(1), p.Sk = a.k.size(2), p.Dv = a.v.size(3);
+  p.kv_map = a.kv_map;
+  p.causal = a.causal;
+  p.scale = static_cast<float>(a.scale > 0 ? a.scale : 1.0 / std::sqrt(static_cast<double>(p.D)));
+  p.bq = options.block_q;
+  p.bk = options.block_k;
+  if (p.bk == 0) {
+    const int64_t fit = (int64_t{1} << 21) / (p.bq * std::max(p.D, p.Dv));
+    p.bk = std::max<int64_t>(16, std::min<int64_t>(256, fit / 16 * 16));
+  }
+  set_mask(p, a.mask);
+  set_rows(p, a);
   return p;
 }
 
