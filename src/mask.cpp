@@ -87,17 +87,22 @@ int64_t agree_sequence_tensor(const char* op, const at::Tensor& x, int64_t dim, 
 namespace detail {
 
 at::Tensor all_gather_sequence_kernel(const at::Tensor& x, int64_t dim,
-                                      const SequencePartition& seq, const Group& group) {
+                                      const SequencePartition& seq, const Group& group,
+                                      bool agree) {
   if (group.size() == 1) return x;
-  dim = agree_sequence_tensor("all_gather_sequence", x, dim, seq.length(group.rank()), group);
+  dim = agree
+            ? agree_sequence_tensor("all_gather_sequence", x, dim, seq.length(group.rank()), group)
+            : wrap_dim(dim, x.dim());
   at::NoGradGuard no_grad;
   return gather_impl(x, dim, seq, group);
 }
 
 at::Tensor reduce_scatter_sequence_kernel(const at::Tensor& x, int64_t dim,
-                                          const SequencePartition& seq, const Group& group) {
+                                          const SequencePartition& seq, const Group& group,
+                                          bool agree) {
   if (group.size() == 1) return x;
-  dim = agree_sequence_tensor("reduce_scatter_sequence", x, dim, seq.seq_len(), group);
+  dim = agree ? agree_sequence_tensor("reduce_scatter_sequence", x, dim, seq.seq_len(), group)
+              : wrap_dim(dim, x.dim());
   at::NoGradGuard no_grad;
   return reduce_scatter_impl(x, dim, seq, group);
 }

@@ -312,29 +312,30 @@ std::vector<at::Tensor> gather_autograd(at::TensorList ys, Strings heads, int64_
 
 template <bool reduce>
 at::Tensor sequence_op(const at::Tensor& x, int64_t dim, c10::IntArrayRef seq_lens,
-                       const std::string& group_name, c10::IntArrayRef group_options) {
+                       const std::string& group_name, c10::IntArrayRef group_options, bool agree) {
   const Group group = Group::from_op(group_name, group_options);
   const auto seq = SequencePartition::from_lengths(seq_lens.vec());
-  return unaliased(reduce ? detail::reduce_scatter_sequence_kernel(x, dim, seq, group)
-                          : detail::all_gather_sequence_kernel(x, dim, seq, group),
+  return unaliased(reduce ? detail::reduce_scatter_sequence_kernel(x, dim, seq, group, agree)
+                          : detail::all_gather_sequence_kernel(x, dim, seq, group, agree),
                    {x});
 }
 
 template <bool reduce>
 at::Tensor sequence_autograd(const at::Tensor& x, int64_t dim, c10::IntArrayRef seq_lens,
-                             const std::string& group_name, c10::IntArrayRef group_options) {
+                             const std::string& group_name, c10::IntArrayRef group_options,
+                             bool agree) {
   static const auto op = handle<decltype(sequence_op<reduce>)>(
       reduce ? "ulysses::reduce_scatter_sequence" : "ulysses::all_gather_sequence");
   std::vector<at::Tensor> outs{
-      below_autograd([&] { return op.call(x, dim, seq_lens, group_name, group_options); })};
+      below_autograd([&] { return op.call(x, dim, seq_lens, group_name, group_options, agree); })};
   if (!needs_grad({x})) return outs[0];
   const Group group = Group::from_op(group_name, group_options);
   const auto seq = SequencePartition::from_lengths(seq_lens.vec());
   detail::attach_backward(
       {x}, outs, reduce ? "ReduceScatterSequenceBackward" : "AllGatherSequenceBackward",
-      [dim, seq, group](std::vector<at::Tensor>&& g) {
-        return std::vector<at::Tensor>{reduce ? all_gather_sequence(g[0], dim, seq, group)
-                                              : reduce_scatter_sequence(g[0], dim, seq, group)};
+      [dim, seq, group](std::vector<at::Tensor>&& g) {  // Shapes agreed in the forward.
+        return std::vector<at::Tensor>{
+            detail::call_sequence_collective(g[0], dim, seq, group, !reduce, /*agree=*/false)};
       });
   return outs[0];
 }
@@ -749,12 +750,12 @@ std::vector<at::Tensor> call_gather_heads(const std::vector<at::Tensor>& ys,
 }
 
 at::Tensor call_sequence_collective(const at::Tensor& x, int64_t dim, const SequencePartition& seq,
-                                    const Group& group, bool reduce) {
+                                    const Group& group, bool reduce, bool agree) {
   static const auto gather = handle<decltype(sequence_op<false>)>("ulysses::all_gather_sequence");
   static const auto scatter =
       handle<decltype(sequence_op<true>)>("ulysses::reduce_scatter_sequence");
   return (reduce ? scatter : gather)
-      .call(x, dim, seq.lengths(), group.op_name(), options_to_ints(group.options()));
+      .call(x, dim, seq.lengths(), group.op_name(), options_to_ints(group.options()), agree);
 }
 
 at::Tensor call_rebuild_mask(const at::Tensor& mask, const AllToAllPlan& plan, const Group& group,
@@ -815,13 +816,14 @@ TORCH_LIBRARY(ulysses, m) {
       "gather_head_parts(Tensor[] ys, str[] heads, int q_heads, int kv_heads, int[] seq_lens, "
       "str layout, str group, int[] group_options) -> Tensor[]",
       pt2);
+  // agree=False: the shapes are known alike on every rank (the backward of the other one).
   m.def(
-      "all_gather_sequence(Tensor x, int dim, int[] seq_lens, str group, int[] group_options) "
-      "-> Tensor",
+      "all_gather_sequence(Tensor x, int dim, int[] seq_lens, str group, int[] group_options, "
+      "bool agree=True) -> Tensor",
       pt2);
   m.def(
       "reduce_scatter_sequence(Tensor x, int dim, int[] seq_lens, str group, "
-      "int[] group_options) -> Tensor",
+      "int[] group_options, bool agree=True) -> Tensor",
       pt2);
   m.def(
       "rebuild_mask(Tensor mask, int q_heads, int kv_heads, int[] seq_lens, str group, "

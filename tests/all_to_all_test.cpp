@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "testing.h"
+#include "ulysses/mask.h"
 
 namespace ulysses {
 namespace {
@@ -508,6 +509,41 @@ TEST(AllToAllPipeline, ChosenBySizeAlikeOnEveryRank) {
       const Range heads = part.q_range(g.rank());
       EXPECT_TRUE(y.equal(X.narrow(2, heads.begin, heads.size()))) << min_bytes;
     }
+  });
+}
+
+// all_gather_sequence and reduce_scatter_sequence at P = 3 over S = 10 (4, 3, 3): forward
+// against the full tensor, backward against the adjoint; each backward is one collective (the
+// forward agreed on the shapes, so the backward does not agree again).
+TEST(SequenceCollectives, GatherAndScatterMatchTheFullTensorForwardAndBackward) {
+  const int64_t S = 10;
+  expect_ranks_succeed(3, [&](Group& g) {
+    const auto seq = SequencePartition::even(S, 3);
+    const Range mine = seq.range(g.rank());
+    at::Tensor full = seeded_randn({2, S, 5}, 1);
+    at::Tensor x = full.narrow(1, mine.begin, mine.size()).clone().requires_grad_();
+    at::Tensor gathered = all_gather_sequence(x, 1, seq, g);
+    EXPECT_TRUE(gathered.equal(full));
+    at::Tensor w = seeded_randn({2, S, 5}, 2 + g.rank());  // Each rank's own upstream gradient.
+    const int64_t before = g.collective_count();
+    (gathered * w).sum().backward();
+    EXPECT_EQ(g.collective_count() - before, 1);
+    at::Tensor w_sum =
+        seeded_randn({2, S, 5}, 2) + seeded_randn({2, S, 5}, 3) + seeded_randn({2, S, 5}, 4);
+    EXPECT_LT(rel_error(x.grad(), w_sum.narrow(1, mine.begin, mine.size())), 1e-6);
+
+    at::Tensor y = seeded_randn({2, S, 5}, 5 + g.rank()).requires_grad_();
+    at::Tensor scattered = reduce_scatter_sequence(y, 1, seq, g);
+    at::Tensor y_sum =
+        seeded_randn({2, S, 5}, 5) + seeded_randn({2, S, 5}, 6) + seeded_randn({2, S, 5}, 7);
+    EXPECT_LT(rel_error(scattered, y_sum.narrow(1, mine.begin, mine.size())), 1e-6);
+    at::Tensor v = seeded_randn({2, mine.size(), 5}, 8 + g.rank());
+    const int64_t before_scatter = g.collective_count();
+    (scattered * v).sum().backward();
+    EXPECT_EQ(g.collective_count() - before_scatter, 1);
+    at::Tensor v_full = at::cat(
+        {seeded_randn({2, 4, 5}, 8), seeded_randn({2, 3, 5}, 9), seeded_randn({2, 3, 5}, 10)}, 1);
+    EXPECT_LT(rel_error(y.grad(), v_full), 1e-6);
   });
 }
 

@@ -232,12 +232,12 @@ def _seq_shape(x, dim, seq_lens, group, gathered: bool):
 
 
 @torch.library.register_fake("ulysses::all_gather_sequence")
-def _(x, dim, seq_lens, group, group_options):
+def _(x, dim, seq_lens, group, group_options, agree=True):
     return _seq_shape(x, dim, seq_lens, group, True)
 
 
 @torch.library.register_fake("ulysses::reduce_scatter_sequence")
-def _(x, dim, seq_lens, group, group_options):
+def _(x, dim, seq_lens, group, group_options, agree=True):
     return _seq_shape(x, dim, seq_lens, group, False)
 
 

@@ -42,9 +42,10 @@ std::vector<at::Tensor> call_scatter_agreed(const std::vector<std::vector<at::Te
 std::vector<at::Tensor> call_gather_heads(const std::vector<at::Tensor>& ys,
                                           const std::vector<Heads>& kinds, const AllToAllPlan& plan,
                                           const Group& group, bool parts);
-// all_gather_sequence, or with `reduce` reduce_scatter_sequence.
+// all_gather_sequence, or with `reduce` reduce_scatter_sequence; `agree` false only where the
+// shapes are already agreed (a backward, whose gradient is shaped like the agreed forward).
 at::Tensor call_sequence_collective(const at::Tensor& x, int64_t dim, const SequencePartition& seq,
-                                    const Group& group, bool reduce);
+                                    const Group& group, bool reduce, bool agree = true);
 at::Tensor call_rebuild_mask(const at::Tensor& mask, const AllToAllPlan& plan, const Group& group,
                              int64_t key_len);
 std::tuple<at::Tensor, at::Tensor> call_flash_attention(const LocalAttentionArgs& args,
@@ -65,9 +66,10 @@ std::vector<at::Tensor> scatter_head_parts_kernel(const std::vector<std::vector<
                                                   const std::vector<Heads>& kinds,
                                                   const AllToAllPlan& plan, const Group& group);
 at::Tensor all_gather_sequence_kernel(const at::Tensor& x, int64_t dim,
-                                      const SequencePartition& seq, const Group& group);
+                                      const SequencePartition& seq, const Group& group, bool agree);
 at::Tensor reduce_scatter_sequence_kernel(const at::Tensor& x, int64_t dim,
-                                          const SequencePartition& seq, const Group& group);
+                                          const SequencePartition& seq, const Group& group,
+                                          bool agree);
 at::Tensor rebuild_mask_kernel(const at::Tensor& mask, const AllToAllPlan& plan, const Group& group,
                                int64_t key_len);
 
