@@ -9,6 +9,9 @@ from importlib import metadata as _metadata
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
+from . import _torch_release  # noqa: F401  (refuses another torch before the extension loads)
+
+# isort: split
 from . import _C
 from .attention import DistributedAttention, StepContext
 from .ops import (
