@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Builds the wheel once (pip wheel, against .venv's torch), installs it into a fresh venv that
+# holds only torch (no editable tree, no build tools), and runs a smoke set there:
+# torch.ops.ulysses, 2-rank attention exact vs single-rank, `ulysses train --check` at P = 2,
+# `torchrun -m ulysses`, and find_package(ulysses) from a separate CMake project.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# The torch wheel alone (no numpy) warns on import; that is torch's, not the smoke set's.
+export PYTHONWARNINGS="ignore:Failed to initialize NumPy"
+root=$PWD
+work=build/wheel
+rm -rf "$work" && mkdir -p "$work"
+echo "wheel: building (pip wheel; the log is $work/pip.log)"
+.venv/bin/python -m pip wheel --no-build-isolation --no-deps --disable-pip-version-check \
+  -Cbuild-dir="$work/build" . -w "$work/dist" >"$work/pip.log" 2>&1 ||
+  { tail -n 40 "$work/pip.log"; echo "wheel: build failed"; exit 1; }
+wheel=$(ls "$work"/dist/ulysses-*.whl)
+echo "wheel: $(basename "$wheel")"
+python3 -m venv "$work/venv"
+venv=$root/$work/venv
+torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])")
+"$venv/bin/pip" install -q --disable-pip-version-check "torch==$torch_version" 2>&1 |
+  { grep -v "^WARNING: Location" || true; }
+"$venv/bin/pip" install -q --disable-pip-version-check --no-deps "$wheel"
+# Away from the repository, so nothing can import the sources instead of the wheel.
+cd "$work"
+"$venv/bin/python" - <<'PY'
+import os
+import torch
+import ulysses
+assert "site-packages" in ulysses.__file__, ulysses.__file__
+out = torch.ops.ulysses.local_attention(*(torch.randn(1, 2, 4, 8) for _ in range(3)), [0, 1],
+                                        None, None, True, 0.0)
+print(f"wheel: import ulysses {ulysses.__version__} from {os.path.dirname(ulysses.__file__)}; "
+      f"torch.ops.ulysses.local_attention -> {list(out.shape)}")
+PY
+"$venv/bin/ulysses" --version
+export OMP_NUM_THREADS=1
+"$venv/bin/ulysses" launch -n 2 -- "$venv/bin/python" "$root/tests/wheel/smoke_attention.py"
+"$venv/bin/ulysses" train --nproc 2 --check --seq-len 96 --steps 2 --log-every 1 | tail -n 2
+"$venv/bin/torchrun" --nproc_per_node 2 -m ulysses plan --q-heads 4 --kv-heads 2 --sp 2 | tail -n 1
+prefix=$("$venv/bin/python" -c "import ulysses, torch.utils; print(ulysses.cmake_prefix_path + ';' + torch.utils.cmake_prefix_path)")
+cmake -S "$root/tests/cmake_consumer" -B consumer -G Ninja -DCMAKE_PREFIX_PATH="$prefix" \
+  -DCMAKE_BUILD_TYPE=Release >consumer.log 2>&1 || { cat consumer.log; exit 1; }
+cmake --build consumer >>consumer.log 2>&1 || { cat consumer.log; exit 1; }
+./consumer/consumer | tail -n 1
+echo "wheel: the installed wheel passed its smoke set"
