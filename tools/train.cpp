@@ -336,8 +336,9 @@ int sp_size_of(const TrainOptions& o, int world_size) {
 }
 
 // The checks that need no rank, run before any rank starts: a bad command line exits 2 at once,
-// not after every rank has started and joined (the ranks would raise the same errors later).
-void check_before_launch(const TrainOptions& o) {
+// not after every rank has started and joined. Returns the training data it checked, which a
+// rank (or a world of one) then trains on: each process reads it once.
+Data check_before_launch(const TrainOptions& o) {
   const char* world_env = std::getenv("WORLD_SIZE");
   const int world = std::getenv("RANK") && world_env ? std::atoi(world_env) : o.nproc;
   try {
@@ -349,7 +350,7 @@ void check_before_launch(const TrainOptions& o) {
     TORCH_CHECK_VALUE(o.model.dim % o.model.q_heads == 0 && o.model.head_dim() % 2 == 0,
                       "train: --dim ", o.model.dim, " must split into ", o.model.q_heads,
                       " heads of an even size");
-    const Data data(o);  // The task's rules, or the --data file's.
+    return Data(o);  // The task's rules, or the --data file's.
   } catch (const c10::Error& e) {
     std::string what = e.what_without_backtrace();
     if (what.rfind("train: ", 0) == 0) what.erase(0, 7);
@@ -453,7 +454,7 @@ void print_activation_memory(const Mesh& mesh, int64_t setup_rss) {
 
 int train_main(const Argv& argv, const Runtime& runtime) {
   TrainOptions o = parse(argv);
-  check_before_launch(o);
+  const Data data = check_before_launch(o);
   const int code = relaunch_as_ranks(o.nproc, runtime.self, {"train"}, argv);
   if (code >= 0) return code;
 
@@ -464,7 +465,6 @@ int train_main(const Argv& argv, const Runtime& runtime) {
   Group world = runtime.join_world(o.group);
   Mesh mesh = Mesh::create(world, sp_size_of(o, world.size()), runtime.split, o.ring);
   const bool lead = world.rank() == 0;
-  const Data data(o);
   o.model.vocab = data.vocab();
   const RingLayout seq = RingLayout::make(o.seq_len, mesh.ulysses.size(), mesh.ring.size());
 
