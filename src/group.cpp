@@ -1,5 +1,6 @@
 #include "ulysses/group.h"
 
+#include <ATen/ThreadLocalPythonObjects.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
@@ -88,6 +89,25 @@ struct GroupRuntime {
 };
 
 // Counts one collective and the time spent in it.
+// Clears this thread's stashed Python objects while a collective is issued. A c10d Work copies
+// the issuing thread's state, and every backward stashes a Python object there (autograd's
+// contextvars context). The backend's worker thread often drops the last reference to a Work,
+// and the decref then needs the GIL; at interpreter exit that thread is ended inside a noexcept
+// destructor, and the process aborts ("terminate called without an active exception"). Without
+// Python objects a Work never touches the GIL.
+class NoPythonObjectsInWork {
+ public:
+  NoPythonObjectsInWork() : saved_(at::impl::ThreadLocalPythonObjects::get_state()) {
+    at::impl::ThreadLocalPythonObjects::set_state({});
+  }
+  ~NoPythonObjectsInWork() { at::impl::ThreadLocalPythonObjects::set_state(std::move(saved_)); }
+  NoPythonObjectsInWork(const NoPythonObjectsInWork&) = delete;
+  NoPythonObjectsInWork& operator=(const NoPythonObjectsInWork&) = delete;
+
+ private:
+  at::impl::ThreadLocalPythonObjects saved_;
+};
+
 class CollectiveScope {
  public:
   explicit CollectiveScope(GroupRuntime& s)
@@ -104,6 +124,7 @@ class CollectiveScope {
   GroupRuntime& s_;
   const int64_t number_;
   std::chrono::steady_clock::time_point t0_;
+  NoPythonObjectsInWork no_python_;
 };
 
 }  // namespace detail
@@ -295,6 +316,7 @@ Exchange Group::send_recv(const at::Tensor& send, int to, const at::Tensor& recv
       pg_ && to >= 0 && to < size_ && from >= 0 && from < size_ && to != rank_ && from != rank_,
       "Group::send_recv: peers must be other ranks of a multi-rank group; got to=", to,
       ", from=", from, " on rank ", rank_, " of ", size_);
+  detail::NoPythonObjectsInWork no_python;
   Exchange ex;
   ex.group_ = std::make_shared<const Group>(*this);
   ex.number_ = runtime_->p2p_messages.load() + 1;
