@@ -8,6 +8,12 @@ echo "build: compiling ulysses (the first build takes several minutes on 2 cores
 # Editable install: Python sources are used from python/, the extension is built in build/.
 # The compiler's progress lines ([n/N] ...) and errors are shown; the full log is build/pip.log.
 mkdir -p build
+# Before 0.3 this project's distribution was named `ulysses`, a name taken on PyPI by an
+# unrelated package (now `ulysses-sp`): an old install of ours would be refused at import.
+old=$(.venv/bin/pip show ulysses 2>/dev/null || true)
+if [[ $old == *"Summary: Ulysses sequence parallelism"* ]]; then
+  .venv/bin/pip uninstall -y -q --disable-pip-version-check ulysses
+fi
 : >build/pip.log  # Exists before tail opens it (pip's redirection runs in the background).
 set +e
 .venv/bin/pip install -v --disable-pip-version-check --no-build-isolation --no-deps \

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Formats the C++ sources with the repository's .clang-format (Google style, 100 columns) and
-# lints the Python with ruff (pyproject.toml's [tool.ruff]; safe fixes applied).
+# lints the Python with ruff (pyproject.toml's [tool.ruff]; safe fixes applied); checks the
+# package's types with mypy.
 # `scripts/format.sh --check` changes nothing and fails if any file needs either (CI).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +10,8 @@ files=$(git ls-files '*.cpp' '*.h')
 if [ "${1:-}" = "--check" ]; then
   .venv/bin/clang-format --dry-run --Werror $files && echo "format: all C++ files are formatted"
   .venv/bin/ruff check --quiet python tests bench examples && echo "format: the Python is ruff-clean"
+  # The package's types (pyproject.toml's [tool.mypy]; about 35 s without a cache).
+  .venv/bin/mypy && echo "format: the package is mypy-clean"
 else
   .venv/bin/clang-format -i $files
   .venv/bin/ruff check --fix python tests bench examples

@@ -14,7 +14,7 @@ echo "wheel: building (pip wheel; the log is $work/pip.log)"
 .venv/bin/python -m pip wheel --no-build-isolation --no-deps --disable-pip-version-check \
   -Cbuild-dir="$work/build" . -w "$work/dist" >"$work/pip.log" 2>&1 ||
   { tail -n 40 "$work/pip.log"; echo "wheel: build failed"; exit 1; }
-wheel=$(ls "$work"/dist/ulysses-*.whl)
+wheel=$(ls "$work"/dist/ulysses_sp-*.whl)
 echo "wheel: $(basename "$wheel")"
 python3 -m venv "$work/venv"
 venv=$root/$work/venv

@@ -3,6 +3,7 @@
 #include <ATen/ThreadLocalPythonObjects.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
 
 #include <atomic>
 #include <chrono>
@@ -180,6 +181,12 @@ std::string peer_list(const Group& g, const std::vector<int64_t>* out_splits,
   return peers.str();
 }
 
+std::string seconds(std::chrono::milliseconds t) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f", t.count() / 1e3);
+  return text;
+}
+
 // Waits for `work`, turning a backend failure into an error that says where it happened. A
 // wait longer than GroupOptions::log_wait_fraction of the timeout is logged once, naming the
 // collective, its number on this group and the peers it needs: with a frozen or lagging rank
@@ -208,12 +215,12 @@ void wait(const Group& g, const char* op, const c10::intrusive_ptr<c10d::Work>& 
       // Work::wait throws when its wait ends before the work completes: then only slow.
       if (work->isCompleted() || first == timeout) throw;
     }
-    std::fprintf(stderr,
-                 "ulysses: rank %d of %d has waited %.1f s of its %.1f s timeout in %s #%lld of "
-                 "group '%s' for ranks %s\n",
-                 g.rank(), g.size(), first.count() / 1e3, timeout.count() / 1e3, op,
-                 static_cast<long long>(number), g.name().c_str(),
-                 peer_list(g, out_splits, in_splits).c_str());
+    // c10 logging, not TORCH_WARN: under Python a TORCH_WARN is held until the op returns, and
+    // this line matters while the op is stuck. TORCH_CPP_LOG_LEVEL=ERROR silences it.
+    LOG(WARNING) << "ulysses: rank " << g.rank() << " of " << g.size() << " has waited "
+                 << seconds(first) << " s of its " << seconds(timeout) << " s timeout in " << op
+                 << " #" << number << " of group '" << g.name() << "' for ranks "
+                 << peer_list(g, out_splits, in_splits);
     work->wait(timeout - first);
   } catch (const c10::Error& e) {
     fail(e.what_without_backtrace());

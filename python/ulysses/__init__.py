@@ -9,7 +9,7 @@ from importlib import metadata as _metadata
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import _torch_release  # noqa: F401  (refuses another torch before the extension loads)
+from . import _environment  # noqa: F401  (refuses another torch or a clashing package first)
 
 # isort: split
 from . import _C
@@ -32,7 +32,7 @@ from .ops import (
     sum_over_group,
 )
 
-__version__ = _metadata.version("ulysses")  # One home: pyproject.toml.
+__version__ = _metadata.version(_environment.DISTRIBUTION)  # One home: pyproject.toml.
 
 import os as _os  # noqa: E402
 

@@ -23,6 +23,7 @@ def _join_world(timeout_ms: int) -> str:
         return ""  # A world of one rank: no process group needed.
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=datetime.timedelta(milliseconds=timeout_ms))
+    assert dist.group.WORLD is not None
     return dist.group.WORLD.group_name
 
 

@@ -14,7 +14,6 @@ them from the other ranks).
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable, Sequence
 
 import torch
@@ -45,13 +44,6 @@ class StepContext:
         return self._handle.reuses()
 
 
-def _group(group):
-    if isinstance(group, tuple):  # (DeviceMesh, dim)
-        mesh, dim = group
-        group = mesh.get_group(dim)
-    return O.group_name(group)
-
-
 class DistributedAttention(nn.Module):
     """Sequence-parallel attention over the ranks of ``group``.
 
@@ -60,8 +52,9 @@ class DistributedAttention(nn.Module):
     (or a ring), exchange back.
 
     Args:
-        group: the SP group: a ``torch.distributed`` ProcessGroup, a group name, or a
-            ``(DeviceMesh, dim)`` pair; None means the default group.
+        group: the SP group: a ``torch.distributed`` ProcessGroup, a group name, a 1-D
+            DeviceMesh (``mesh["sp"]``) or a ``(DeviceMesh, dim)`` pair; None means the
+            default group.
         q_heads, kv_heads: total query / kv heads of this attention (None: taken from the first
             call's q and k). Hq must be a multiple of Hkv and >= the group size.
         layout: "BSHD" (HF, flash-attention), "SBHD" (Megatron) or "BHSD" (SDPA).
@@ -82,9 +75,9 @@ class DistributedAttention(nn.Module):
             None) and returning ``[B, Hq_r, S, Dv]``, differentiable by autograd.
     """
 
-    def __init__(self, group=None, *, q_heads: int | None = None, kv_heads: int | None = None,
+    def __init__(self, group: O.GroupLike = None, *, q_heads: int | None = None, kv_heads: int | None = None,
                  layout: str = "BSHD", causal: bool = False, scale: float | None = None,
-                 timeout: datetime.timedelta | float | None = None, ring_group=None,
+                 timeout: O.Timeout = None, ring_group: O.GroupLike = None,
                  local: str | LocalAttention = "auto") -> None:
         super().__init__()
         for name, value in (("q_heads", q_heads), ("kv_heads", kv_heads)):
@@ -94,9 +87,9 @@ class DistributedAttention(nn.Module):
         if not callable(local) and local not in _KERNELS:
             raise ValueError(f"DistributedAttention: local must be one of {', '.join(_KERNELS)} or a "
                              f"callable; got {local!r}")
-        self.group_name = _group(group)
-        self.ring_name = _group(ring_group) if ring_group is not None else None
-        ring_pg = O.process_group(self.ring_name) if ring_group is not None else None
+        self.group_name = O.group_name(group)
+        self.ring_name = O.group_name(ring_group) if ring_group is not None else None
+        ring_pg = O.process_group(self.ring_name) if self.ring_name is not None else None
         self.ring_rank, self.ring_size = (ring_pg.rank(), ring_pg.size()) if ring_pg is not None else (0, 1)
         if self.ring_size > 1 and local not in ("auto", "fused"):
             raise ValueError("DistributedAttention: hybrid Ulysses x ring attention runs the fused kernel; "

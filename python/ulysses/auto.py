@@ -54,7 +54,7 @@ _log = logging.getLogger("ulysses.autosp")
 _MARK = "_ulysses_autosp_dim"
 _SDPA = torch._C._nn.scaled_dot_product_attention
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-_LOSSES = {F.cross_entropy: inspect.signature(F.cross_entropy),
+_LOSSES: dict[Any, inspect.Signature] = {F.cross_entropy: inspect.signature(F.cross_entropy),
            F.nll_loss: inspect.signature(F.nll_loss)}
 # Shape-only queries of a sharded tensor answer for the full sequence, as the model expects.
 _SHAPE_QUERIES = {"size", "numel"}
@@ -99,8 +99,8 @@ class Shard:
         return self.outer * seq_len * self.inner
 
 
-def autosp(group=None, *, inner: str | Callable | None = None, debug: bool = False,
-           timeout=None) -> AutoSP:
+def autosp(group: O.GroupLike = None, *, inner: str | Callable | None = None, debug: bool = False,
+           timeout: O.Timeout = None) -> AutoSP:
     """A ``torch.compile`` backend making the model sequence-parallel over ``group``.
 
     ``inner``: the backend that compiles the rewritten graph (None: run it eagerly; e.g.
@@ -112,9 +112,8 @@ def autosp(group=None, *, inner: str | Callable | None = None, debug: bool = Fal
 class AutoSP:
     """The backend: one per SP group; graphs it rewrote are in ``graphs`` (for inspection)."""
 
-    def __init__(self, group=None, *, inner=None, debug=False, timeout=None) -> None:
-        if isinstance(group, tuple):  # (DeviceMesh, dim)
-            group = group[0].get_group(group[1])
+    def __init__(self, group: O.GroupLike = None, *, inner: str | Callable | None = None, debug: bool = False,
+                 timeout: O.Timeout = None) -> None:
         self.group = O.group_name(group)
         self.rank, self.size = O._rank_size(self.group)
         self.timeout_ms = O.timeout_ms(timeout)
@@ -175,12 +174,13 @@ def _signature(a: Any) -> Any:
 
 def _is_pointwise(node: fx.Node) -> bool:
     """Broadcasting elementwise ops (by aten's pointwise tag), plus cat/stack (aligned dims)."""
+    name: Any
     if node.op == "call_method":
         name = node.target
     elif node.target in (torch.cat, torch.stack, torch.concat):
         return True
     elif getattr(node.target, "__module__", None) == "_operator":
-        name = _OPERATOR_ATEN.get(node.target.__name__)
+        name = _OPERATOR_ATEN.get(getattr(node.target, "__name__", ""))
     else:
         name = getattr(node.target, "__name__", None)
     packet = getattr(torch.ops.aten, name.rstrip("_") if name else "", None) if name else None
@@ -254,7 +254,7 @@ class _Rewriter:
 
     def _call(self, node: fx.Node) -> None:
         self.trace = node.meta.get("stack_trace", "")
-        args = map_arg((node.args, node.kwargs), lambda n: self.new[n])
+        args: Any = map_arg((node.args, node.kwargs), lambda n: self.new[n])
         if node.op == "call_method" and node.target == "item" and args[0][0] in self.scalars:
             self.new[node] = self.scalars[args[0][0]].item()  # A dynamic Python scalar's value.
             return
@@ -287,9 +287,9 @@ class _Rewriter:
         """Ops that keep the sharded dim's size but combine tokens along it are errors."""
         src = args[0][0] if args[0] else None
         s = self.shard.get(src) if isinstance(src, fx.Node) else None
-        if s is None:
+        if s is None or not isinstance(src, fx.Node):
             return
-        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        name: Any = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
         if node.target in _CONVOLUTIONS and s.dim >= 2:
             raise AutoSPError(_where(node, "convolves along the sharded sequence dim"))
         if name not in _ALONG_DIM:
@@ -326,9 +326,9 @@ class _Rewriter:
         if not isinstance(full, torch.Tensor):
             return None
         changed = [d for d in range(full.dim()) if full.shape[d] != probe.shape[d]]
-        inputs = [self.shard[n] for n in _nodes(args) if self.shard.get(n) is not None]
+        inputs = [s for n in _nodes(args) if (s := self.shard.get(n)) is not None]
         if not changed:
-            if inputs and not (node.op == "call_method" and node.target.startswith("new_")):
+            if inputs and not (node.op == "call_method" and str(node.target).startswith("new_")):
                 raise AutoSPError(_where(node, "reduces over or indexes into the sharded sequence "
                                          "dim (its result would depend on other ranks' tokens)"))
             return None
@@ -351,7 +351,7 @@ class _Rewriter:
         """Args of a pointwise node with its replicated operands cut to this rank's tokens
         along the dim that broadcasts against a sharded operand."""
         ref = next(n for n in _nodes(args) if self.shard.get(n) is not None)
-        s, ref_dim = self.shard[ref], self.full[ref].dim()
+        s, ref_dim = self._sharded(ref), self.full[ref].dim()
         same_dims = node.target in (torch.cat, torch.stack, torch.concat)
 
         def cut(n: fx.Node):
@@ -386,7 +386,7 @@ class _Rewriter:
         """view/reshape of a sharded tensor: the sequence lands in the output dim holding its
         flat index range, whose size becomes the one for ``length`` tokens."""
         src = args[0][0]
-        s, shape, out = self.shard[src], list(self.full[src].shape), list(full.shape)
+        s, shape, out = self._sharded(src), list(self.full[src].shape), list(full.shape)
         before = math.prod(shape[:s.dim]) * s.outer
         for d in range(len(out)):
             lead, upto = math.prod(out[:d]), math.prod(out[:d + 1])
@@ -399,22 +399,23 @@ class _Rewriter:
         src, *sizes = args[0]
         if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
             sizes = list(sizes[0])
-        sizes[len(sizes) - self.full[src].dim() + self.shard[src].dim] = -1  # Keep local length.
+        sizes[len(sizes) - self.full[src].dim() + self._sharded(src).dim] = -1  # Keep local length.
         return (src, *sizes), args[1]
 
     # ---- attention ----------------------------------------------------------------------------
 
     def _attention(self, node: fx.Node, args: tuple, full: torch.Tensor) -> None:
-        call = dict(zip(_SDPA_ARGS, args[0]), **args[1])
-        q, k, v, mask = (call.get(n) for n in ("query", "key", "value", "attn_mask"))
-        if any(self.shard[n] != Shard(2) for n in (q, k, v)):
+        call: dict[str, Any] = dict(zip(_SDPA_ARGS, args[0]), **args[1])
+        q, k, v, mask = call["query"], call["key"], call["value"], call.get("attn_mask")
+        if not all(isinstance(n, fx.Node) and self.shard.get(n) == Shard(2) for n in (q, k, v)):
             raise AutoSPError(_where(node, "attends with q, k and v not all sharded along their "
                                      "sequence dim 2 ([B, H, S, D])"))
         if call.get("dropout_p", 0.0):
             raise AutoSPError(_where(node, "uses attention dropout; AutoSP attention has none"))
-        sources = self._repeat_source(k), self._repeat_source(v)
-        if all(sources) and self.full[sources[0]].shape[1] == self.full[sources[1]].shape[1]:
-            k, v = sources  # Move the kv heads, not their copies.
+        k_source, v_source = self._repeat_source(k), self._repeat_source(v)
+        if (k_source is not None and v_source is not None
+                and self.full[k_source].shape[1] == self.full[v_source].shape[1]):
+            k, v = k_source, v_source  # Move the kv heads, not their copies.
         hq, hkv = self.full[q].shape[1], self.full[k].shape[1]
         causal, scale = bool(call.get("is_causal", False)), call.get("scale")
         group, t, lens = self.owner.group, self.owner.timeout_ms, self.seq_lens
@@ -439,7 +440,7 @@ class _Rewriter:
         if not (isinstance(index, fx.Node) and index.target is operator.getitem
                 and index.args[1] == (slice(None),) * 2 + (None,) + (slice(None),) * 2):
             return None
-        src = index.args[0]
+        src: Any = index.args[0]
         return src if self.shard.get(src) == Shard(2) and self.full[src].dim() == 4 else None
 
     def _rebuilt_mask(self, node: fx.Node, mask: fx.Node, hq: int, hkv: int) -> fx.Node:
@@ -523,6 +524,12 @@ class _Rewriter:
     def _record(self, new: fx.Node, full: Any, probe: Any = None, shard: Shard | None = None):
         self.full[new], self.probe[new], self.shard[new] = full, full if probe is None else probe, shard
 
+    def _sharded(self, n: fx.Node) -> Shard:
+        """The shard of a node known to be sharded."""
+        s = self.shard.get(n)
+        assert s is not None, n
+        return s
+
     def _full(self, original: fx.Node) -> Any:
         new = self.new[original]
         return self.full[new] if isinstance(new, fx.Node) else new
@@ -532,19 +539,20 @@ class _Rewriter:
             return True
         full, probe = self.full.get(n), self.probe.get(n)
         if isinstance(full, (tuple, list)):  # A tuple of tensors (split, chunk).
-            return any(isinstance(f, torch.Tensor) and f.shape != p.shape for f, p in zip(full, probe))
+            return any(isinstance(f, torch.Tensor) and f.shape != p.shape for f, p in zip(full, probe or ()))
         return False
 
     def _fake(self, value):
         return self.mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
 
     def _execute(self, node: fx.Node, args, kwargs):
+        target: Any = node.target  # A method or module name, or a callable.
         with self.mode:
             if node.op == "call_method":
-                return getattr(args[0], node.target)(*args[1:], **kwargs)
+                return getattr(args[0], target)(*args[1:], **kwargs)
             if node.op == "call_module":
-                return self.gm.get_submodule(node.target)(*args, **kwargs)
-            return node.target(*args, **kwargs)
+                return self.gm.get_submodule(target)(*args, **kwargs)
+            return target(*args, **kwargs)
 
 
 def _meta(node: fx.Node) -> dict:

@@ -21,11 +21,10 @@ ids (RoPE and packed documents need them). Masks are honoured, not dropped:
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Mapping
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
 from . import _C
@@ -93,10 +92,10 @@ AttentionInterface.register(IMPLEMENTATION, ulysses_attention_forward)
 AttentionMaskInterface.register(IMPLEMENTATION, _padding_mask)
 
 
-def sequence_parallel(model: torch.nn.Module, group=None, *,
-                      timeout: datetime.timedelta | float | None = None) -> torch.nn.Module:
+def sequence_parallel(model: PreTrainedModel, group: O.GroupLike = None, *,
+                      timeout: O.Timeout = None) -> PreTrainedModel:
     """Makes ``model`` (a ``transformers`` PreTrainedModel) run attention through ulysses over
-    ``group`` (a ProcessGroup or group name; None: the default group). Turns the KV cache off
+    ``group`` (any form of ``ulysses.ops.GroupLike``; None: the default group). Turns the KV cache off
     (training; a cache of sharded keys would be wrong). Returns the model."""
     name = O.group_name(group)
     model.set_attn_implementation(IMPLEMENTATION)
@@ -108,7 +107,7 @@ def sequence_parallel(model: torch.nn.Module, group=None, *,
     return model
 
 
-def shard_batch(batch: Mapping[str, torch.Tensor], group=None, *,
+def shard_batch(batch: Mapping[str, torch.Tensor], group: O.GroupLike = None, *,
                 ignore_index: int = IGNORE_INDEX) -> dict:
     """This rank's shard of an unsharded causal-LM batch ``{"input_ids": [B, S], "labels":
     [B, S] (optional: input_ids), "attention_mask": [B, S] (optional), "position_ids": [B, S]
@@ -136,7 +135,7 @@ def shard_batch(batch: Mapping[str, torch.Tensor], group=None, *,
     return out
 
 
-def sequence_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group=None, *,
+def sequence_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group: O.GroupLike = None, *,
                            ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of this rank's ``logits [B, S_r, V]`` against its (already shifted)
     labels, normalised by the token count of the whole ``group``: the sum over ranks of the

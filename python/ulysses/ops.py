@@ -12,23 +12,36 @@ from __future__ import annotations
 import datetime
 import functools
 from collections.abc import Sequence
-from typing import Union
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import GroupName
 
 from . import _C
 
-GroupLike = Union[str, "dist.ProcessGroup", None]
+# A process group, its c10d name, a 1-D DeviceMesh (``mesh["sp"]``), a mesh dimension
+# ``(mesh, "sp")``, or None for the default group.
+GroupLike = str | dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int | str] | None
+# A collective's longest wait: a timedelta or seconds (None: DEFAULT_TIMEOUT).
+Timeout = datetime.timedelta | float | None
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
 _ops = torch.ops.ulysses
 
 
 def group_name(group: GroupLike) -> str:
-    """The c10d name of ``group`` (a ProcessGroup, a name, or None for the default group)."""
+    """The c10d name of ``group`` (see GroupLike)."""
     if isinstance(group, str):
         return group
+    if isinstance(group, tuple):
+        mesh, dim = group
+        group = mesh.get_group(dim)
+    elif isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"ulysses: a DeviceMesh group must be 1-D (e.g. mesh['sp']) or a (mesh, dim) "
+                             f"pair; got a {group.ndim}-D mesh with dims {group.mesh_dim_names}")
+        group = group.get_group()
     if group is None:
         group = dist.group.WORLD
         if group is None:
@@ -36,7 +49,7 @@ def group_name(group: GroupLike) -> str:
     return group.group_name
 
 
-def timeout_ms(timeout: datetime.timedelta | float | None) -> int:
+def timeout_ms(timeout: Timeout) -> int:
     """Milliseconds of a timedelta or of seconds (None: the default, 120 s)."""
     if timeout is None:
         timeout = DEFAULT_TIMEOUT
@@ -48,7 +61,7 @@ def timeout_ms(timeout: datetime.timedelta | float | None) -> int:
 
 def process_group(name: str) -> dist.ProcessGroup:
     """The live c10d process group registered under ``name``."""
-    return torch._C._distributed_c10d._resolve_process_group(name)
+    return torch._C._distributed_c10d._resolve_process_group(GroupName(name))
 
 
 def group_options(timeout) -> list[int]:
@@ -81,7 +94,7 @@ def _(x, dim, group, group_options):
     return torch.empty((_rank_size(group)[1],), dtype=torch.long, device="cpu")  # as the kernel
 
 
-def sequence_lengths(x: torch.Tensor, dim: int, group: GroupLike = None, timeout=None) -> list[int]:
+def sequence_lengths(x: torch.Tensor, dim: int, group: GroupLike = None, timeout: Timeout = None) -> list[int]:
     """Every rank's length of ``x`` along ``dim`` (one small collective; eager only)."""
     return _ops.sequence_lengths(x, dim, group_name(group), group_options(timeout)).tolist()
 
@@ -119,7 +132,7 @@ def _(ys, heads, q_heads, kv_heads, seq_lens, layout, group, group_options):
 
 def scatter_heads(xs: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int, kv_heads: int,
                   seq_lens: Sequence[int], layout: str = "BSHD", group: GroupLike = None,
-                  timeout=None) -> list[torch.Tensor]:
+                  timeout: Timeout = None) -> list[torch.Tensor]:
     """Sequence-sharded ``[B, S_r, H, D]`` tensors to head-sharded ``[B, S, H_r, D]`` (BSHD shown).
 
     ``heads[i]`` is ``"q"`` (Hq heads) or ``"kv"`` (Hkv heads) for ``xs[i]``; all tensors move in
@@ -133,7 +146,7 @@ def scatter_heads(xs: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int
 
 def gather_heads(ys: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int, kv_heads: int,
                  seq_lens: Sequence[int], layout: str = "BSHD", group: GroupLike = None,
-                 timeout=None) -> list[torch.Tensor]:
+                 timeout: Timeout = None) -> list[torch.Tensor]:
     """The inverse of ``scatter_heads``: ``[B, S, H_r, D]`` back to ``[B, S_r, H, D]``.
 
     Replicated kv heads (Hkv < P) are summed over the ranks that hold them, which makes it the
@@ -170,7 +183,7 @@ def _(ys, heads, q_heads, kv_heads, seq_lens, layout, group, group_options):
 
 def scatter_head_parts(parts: Sequence[Sequence[torch.Tensor]], heads: Sequence[str], q_heads: int,
                        kv_heads: int, seq_lens: Sequence[int], layout: str = "BSHD",
-                       group: GroupLike = None, timeout=None) -> list[torch.Tensor]:
+                       group: GroupLike = None, timeout: Timeout = None) -> list[torch.Tensor]:
     """``scatter_heads`` from head parts: ``parts[i][j]`` holds the heads rank ``j`` gets of
     tensor ``i`` (``[B, S_r, H_j, D]`` in BSHD, as ``project_head_parts`` makes them), so nothing
     is packed: each part is the message to its rank. Returns what ``scatter_heads`` returns for
@@ -182,7 +195,7 @@ def scatter_head_parts(parts: Sequence[Sequence[torch.Tensor]], heads: Sequence[
 
 def gather_head_parts(ys: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int, kv_heads: int,
                       seq_lens: Sequence[int], layout: str = "BSHD", group: GroupLike = None,
-                      timeout=None) -> list[list[torch.Tensor]]:
+                      timeout: Timeout = None) -> list[list[torch.Tensor]]:
     """``gather_heads`` into head parts: ``out[i][j]`` is rank ``j``'s heads of tensor ``i`` on
     this rank's tokens (``project_from_head_parts`` takes them), so nothing is unpacked.
     Replicated kv heads stay in their own parts. Differentiable."""
@@ -214,11 +227,8 @@ def project_from_head_parts(parts: Sequence[torch.Tensor], weight: torch.Tensor,
     if not torch.compiler.is_compiling():
         _C.check_projection_from_parts([list(p.shape) for p in parts], list(weight.shape), [tuple(r) for r in ranges])
     D = parts[0].shape[-1]
-    out = None
-    for p, (a, b) in zip(parts, ranges):
-        y = F.linear(p.flatten(-2), weight[:, a * D:b * D])
-        out = y if out is None else out + y
-    return out
+    outs = [F.linear(p.flatten(-2), weight[:, a * D:b * D]) for p, (a, b) in zip(parts, ranges)]
+    return functools.reduce(torch.add, outs)
 
 
 # ---- all_gather_sequence / reduce_scatter_sequence -------------------------------------------
@@ -242,7 +252,7 @@ def _(x, dim, seq_lens, group, group_options, agree=True):
 
 
 def all_gather_sequence(x: torch.Tensor, dim: int, seq_lens: Sequence[int], group: GroupLike = None,
-                        timeout=None) -> torch.Tensor:
+                        timeout: Timeout = None) -> torch.Tensor:
     """``[.., S_r, ..]`` shards along ``dim`` gathered into ``[.., S, ..]`` in rank order.
 
     Backward: ``reduce_scatter_sequence`` (sum over the group, keep this rank's rows).
@@ -251,7 +261,7 @@ def all_gather_sequence(x: torch.Tensor, dim: int, seq_lens: Sequence[int], grou
 
 
 def reduce_scatter_sequence(x: torch.Tensor, dim: int, seq_lens: Sequence[int],
-                            group: GroupLike = None, timeout=None) -> torch.Tensor:
+                            group: GroupLike = None, timeout: Timeout = None) -> torch.Tensor:
     """Sum of ``x`` ``[.., S, ..]`` over the group, this rank's rows ``[.., S_r, ..]`` kept."""
     return _ops.reduce_scatter_sequence(x, dim, list(seq_lens), group_name(group),
                                         group_options(timeout))
@@ -273,7 +283,7 @@ def _(grad, mask_sizes, q_heads, kv_heads, seq_lens, group, group_options, key_l
 
 
 def rebuild_mask(mask: torch.Tensor, q_heads: int, kv_heads: int, seq_lens: Sequence[int],
-                 group: GroupLike = None, timeout=None) -> torch.Tensor:
+                 group: GroupLike = None, timeout: Timeout = None) -> torch.Tensor:
     """``mask`` rebuilt for attention on this rank's query heads over the full sequence.
 
     Bool (true = attend) or additive float, 2-D ``[Sq, Sk]``, 3-D ``[heads, Sq, Sk]`` or 4-D
@@ -341,7 +351,7 @@ def sum_over_group(x: torch.Tensor, group: GroupLike = None) -> torch.Tensor:
     return _ops.sum_over_group(x, group_name(group), group_options(None))
 
 
-def all_reduce_gradients(model: torch.nn.Module, group=None) -> None:
+def all_reduce_gradients(model: torch.nn.Module, group: GroupLike = None) -> None:
     """Sums every parameter gradient over ``group`` (the SP x DP ranks whose losses were
     normalised together: ``ulysses.hf.sequence_parallel_loss``, ``ulysses.autosp``), in one flat
     collective."""

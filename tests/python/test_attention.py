@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ulysses
-from conftest import run_ranks, run_ranks_errors, seq_lens, shard
+from conftest import run_processes, run_ranks, run_ranks_errors, seq_lens, shard
 from reference import reference_attention
 
 CASES = [
@@ -180,3 +180,46 @@ def test_kv_heads_omitted_are_taken_from_k():
     assert run_ranks(2, body) == [(4, 2), (4, 2)]
     with pytest.raises(ValueError, match="q_heads must be >= 1"):
         ulysses.DistributedAttention("unused", q_heads=-1)
+
+
+def _mesh_body(rank, group, Q, K, V, dO, lens):
+    """Every entry point takes the SP group as a 1-D DeviceMesh (mesh["sp"]); a 2-D mesh is
+    refused, naming its dims."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
+    attn = ulysses.DistributedAttention(mesh["sp"], causal=True)
+    ql, kl, vl = (shard(t, 1, rank, lens).clone().requires_grad_() for t in (Q, K, V))
+    o = attn(ql, kl, vl)
+    (o * shard(dO, 1, rank, lens)).sum().backward()
+    gathered = ulysses.all_gather_sequence(ql.detach(), 1, lens, mesh["sp"])
+    backend = ulysses.autosp(mesh["sp"])
+    flat = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "sp"))
+    try:
+        ulysses.DistributedAttention(flat)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return (o.detach(), ql.grad, kl.grad, vl.grad, torch.equal(gathered, Q), backend.size, refused,
+            attn.group_name == mesh["sp"].get_group().group_name)
+
+
+def test_device_mesh_is_a_group(tmp_path):
+    world, S, B, D = 2, 7, 1, 8
+    gen = torch.Generator().manual_seed(5)
+    Q, K, V = (torch.randn(B, S, h, D, generator=gen) for h in (4, 2, 2))
+    q, k, v = (t.clone().double().requires_grad_() for t in (Q, K, V))
+    ref = reference_attention(q, k, v, causal=True)
+    dO = torch.randn(ref.shape, generator=gen)
+    (ref * dO.double()).sum().backward()
+    lens = seq_lens(S, world)
+    results = run_processes(world, _mesh_body, Q, K, V, dO, lens, tmp_dir=str(tmp_path))
+    assert rel(torch.cat([r[0] for r in results], 1), ref) < 1e-5
+    for i, full in ((1, q.grad), (2, k.grad), (3, v.grad)):
+        assert rel(torch.cat([r[i] for r in results], 1), full) < 1e-4, f"grad {i}"
+    for r in results:
+        assert r[4] and r[5] == world and r[7]
+        assert "a DeviceMesh group must be 1-D (e.g. mesh['sp']) or a (mesh, dim) pair; got a 2-D mesh " \
+               "with dims ('dp', 'sp')" in r[6], r[6]

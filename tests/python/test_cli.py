@@ -154,9 +154,26 @@ def test_data_file_too_small_for_a_held_out_split(tmp_path):
     assert "need at least 10 x (seq-len + 1) = 490" in r.stderr
 
 
+def imported_modules(*args) -> set[str]:
+    """The modules a run of the `ulysses` command imports (Python's -X importtime report)."""
+    r = run(ULYSSES, *args, env_extra={"PYTHONPROFILEIMPORTTIME": "1"})
+    lines = [line for line in r.stderr.splitlines() if line.startswith("import time:")]
+    assert lines, r.stderr
+    return {line.rsplit("|", 1)[1].strip() for line in lines[1:]}
+
+
+def test_version_and_help_do_not_import_torch():
+    # They print from the C++ command table, loaded without the package (about 0.4 s, not 2-3 s).
+    for args in (["--version"], ["--help"], ["train", "--help"], ["bench", "a2a", "-h"], []):
+        assert "torch" not in imported_modules(*args), args
+    # A command line that runs something does import it, and `launch`'s command owns its --help.
+    assert "torch" in imported_modules("plan", "--q-heads", "2", "--sp", "2")
+    assert "torch" in imported_modules("launch", "-n", "1", "--", sys.executable, "-c", "pass", "--help")
+
+
 def test_version_and_help_per_command():
     r = run(ULYSSES, "--version")
-    assert r.returncode == 0 and r.stdout.startswith("ulysses 0.2.0 (torch 2.13")
+    assert r.returncode == 0 and r.stdout.startswith("ulysses 0.3.0 (torch 2.13")
     # One version: pyproject.toml's, in the package metadata, the module and the C++ build.
     import re
 

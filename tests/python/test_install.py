@@ -1,7 +1,9 @@
-"""The installed package: it refuses a torch release other than the one it was compiled against."""
+"""The installed package: its distribution name, and the environments it refuses with an error
+that says what to do (another torch release; the unrelated `ulysses` distribution beside it)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -32,3 +34,26 @@ def test_the_recorded_release_is_the_running_one():
     import torch
 
     assert torch_built_against().split(".")[:2] == torch.__version__.split(".")[:2]
+
+
+def test_import_beside_the_unrelated_ulysses_distribution_says_what_to_do(tmp_path):
+    # What `pip install ulysses` (physics software, 3.0.1 on PyPI) leaves besides its files.
+    info = tmp_path / "ulysses-3.0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ulysses\nVersion: 3.0.1\n"
+                                   "Summary: Universal LeptogeneSiS Equation Solver\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", "import ulysses"], capture_output=True, text=True,
+                       timeout=240, env=env)
+    assert r.returncode != 0
+    assert ("ImportError: the distribution 'ulysses' 3.0.1 (Universal LeptogeneSiS Equation Solver) is "
+            f"installed in {tmp_path}; it is not this package (ulysses-sp)") in r.stderr, r.stderr
+    assert "Run `pip uninstall ulysses` and reinstall ulysses-sp" in r.stderr
+
+
+def test_the_distribution_is_ulysses_sp():
+    from importlib import metadata
+
+    import ulysses
+
+    assert metadata.version("ulysses-sp") == ulysses.__version__
