@@ -3,9 +3,10 @@
 # PyTorch 2.14.1 that lies on this machine's disk, with the machine's CUDA toolkit, into
 # build-cuda/: proof that every device path compiles and links against libtorch_cuda and
 # c10d's NCCL backend. Nothing runs on a GPU here (there is none); `--run-cpu-tests` also runs
-# the C++ suite from that build on the CPU.
+# the C++ suite from that build on the CPU. `--wheel` instead builds the ulysses-sp wheel for
+# that torch (scripts/build_wheel.sh: it requires torch==2.14.*) into build-cuda/wheel/.
 #
-#   scripts/check_cuda_build.sh [--run-cpu-tests]
+#   scripts/check_cuda_build.sh [--run-cpu-tests | --wheel]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/debian.sh
@@ -28,6 +29,18 @@ echo "check_cuda_build: $("$nvcc" --version | tail -1)"
 # The machine's toolkit has no NVRTC; the NVIDIA wheel torch depends on does.
 nvrtc=$(ls .venv-cuda/lib/python3.11/site-packages/nvidia/cu*/lib/libnvrtc.so.* | grep -v builtins | head -n 1)
 mkdir -p build-cuda
+if [ "${1:-}" = "--wheel" ]; then
+  echo "check_cuda_build: building the wheel (log: build-cuda/wheel.log)"
+  bash scripts/build_wheel.sh .venv-cuda/bin/python build-cuda/wheel \
+    -Ccmake.define.CMAKE_CUDA_COMPILER="$nvcc" -Ccmake.define.CUDAToolkit_ROOT="$cuda_home" \
+    -Ccmake.define.CUDA_TOOLKIT_ROOT_DIR="$cuda_home" -Ccmake.define.CUDA_nvrtc_LIBRARY="$PWD/$nvrtc" \
+    >build-cuda/wheel.log 2>&1 || { tail -n 30 build-cuda/wheel.log; echo "check_cuda_build: wheel failed"; exit 1; }
+  wheel=$(ls build-cuda/wheel/ulysses_sp-*.whl)
+  echo "check_cuda_build: $wheel ($(du -h "$wheel" | cut -f1))"
+  unzip -p "$wheel" '*.dist-info/METADATA' | grep -E "^(Name|Version|Requires-Dist): " | sed 's/^/check_cuda_build:   /'
+  unzip -p "$wheel" ulysses/torch_version.txt | sed 's/^/check_cuda_build:   compiled against torch /'
+  exit 0
+fi
 rm -f build-cuda/CMakeCache.txt  # Caffe2's CUDA settings are cached from the first configure.
 cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DPython3_EXECUTABLE="$PWD/.venv-cuda/bin/python" -DCMAKE_CUDA_COMPILER="$nvcc" \

@@ -11,8 +11,7 @@ root=$PWD
 work=build/wheel
 rm -rf "$work" && mkdir -p "$work"
 echo "wheel: building (pip wheel; the log is $work/pip.log)"
-.venv/bin/python -m pip wheel --no-build-isolation --no-deps --disable-pip-version-check \
-  -Cbuild-dir="$work/build" . -w "$work/dist" >"$work/pip.log" 2>&1 ||
+bash scripts/build_wheel.sh .venv/bin/python "$work/dist" >"$work/pip.log" 2>&1 ||
   { tail -n 40 "$work/pip.log"; echo "wheel: build failed"; exit 1; }
 wheel=$(ls "$work"/dist/ulysses_sp-*.whl)
 echo "wheel: $(basename "$wheel")"
