@@ -31,6 +31,9 @@ nvrtc=$(ls .venv-cuda/lib/python3.11/site-packages/nvidia/cu*/lib/libnvrtc.so.* 
 mkdir -p build-cuda
 if [ "${1:-}" = "--wheel" ]; then
   echo "check_cuda_build: building the wheel (log: build-cuda/wheel.log)"
+  .venv-cuda/bin/python -c "import scikit_build_core" 2>/dev/null ||
+    .venv-cuda/bin/pip install -q --disable-pip-version-check scikit-build-core 2>&1 |
+    { grep -v "^WARNING: Location" || true; }
   bash scripts/build_wheel.sh .venv-cuda/bin/python build-cuda/wheel \
     -Ccmake.define.CMAKE_CUDA_COMPILER="$nvcc" -Ccmake.define.CUDAToolkit_ROOT="$cuda_home" \
     -Ccmake.define.CUDA_TOOLKIT_ROOT_DIR="$cuda_home" -Ccmake.define.CUDA_nvrtc_LIBRARY="$PWD/$nvrtc" \

@@ -1,7 +1,7 @@
 """``ulysses.autosp``: Ulysses sequence parallelism for unmodified models through torch.compile.
 
     ulysses.mark_sequence(input_ids, dim=1)          # every rank passes the same full batch
-    compiled = torch.compile(model, backend=ulysses.autosp(group))
+    compiled = torch.compile(model, backend=ulysses.autosp(group), fullgraph=True)
     loss = compiled(input_ids, attention_mask=mask, labels=labels)
     loss.backward(); ulysses.all_reduce_gradients(model, group)
 
@@ -28,6 +28,9 @@ that mixes tokens across ranks any other way (indexing one token, a shift along 
 dim, a reduction over it) is an error naming the node, raised alike on every rank.
 
 The graph is specialised per input shape at its first call; SP size 1 leaves it untouched.
+The forward must be one graph: a graph break (e.g. a data-dependent ``if``) would hand sharded
+tensors to the next graph as if they were whole, so it is an error naming the break, raised on
+every rank alike; ``fullgraph=True`` makes Dynamo report it where it happens.
 """
 
 from __future__ import annotations
@@ -120,12 +123,22 @@ class AutoSP:
         self.inner, self.debug = inner, debug
         self.graphs: list[fx.GraphModule] = []
 
+    def __repr__(self) -> str:  # Dynamo names the backend in its errors: alike on every rank.
+        return f"ulysses.autosp(group={self.group!r}, size={self.size})"
+
     def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
         if self.size == 1:
             if self.debug:
                 _log.info("ulysses.autosp: SP size 1; graph unchanged")
             self.graphs.append(gm)
             return self._compile(gm, example_inputs)
+        broken = _graph_break()
+        if broken:
+            message = (f"ulysses.autosp: the forward graph-breaks ({broken}): the next graph would take this "
+                       "rank's sharded tensors as whole ones. Remove the break (compile with fullgraph=True "
+                       "to have Dynamo point at it)")
+            _C.fail_together(message, self.group, self.timeout_ms)
+            raise AutoSPError(message)
         compiled: dict[tuple, Callable] = {}
 
         def run(*args):
@@ -558,6 +571,25 @@ class _Rewriter:
 def _meta(node: fx.Node) -> dict:
     # Source locations only: the original's example values hold full-sequence shapes.
     return {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack", "source_fn_stack")}
+
+
+def _graph_break() -> str | None:
+    """Where and why the frame Dynamo is compiling breaks, if this graph ends at a graph break or
+    resumes after one; None for a whole frame (or outside Dynamo)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    if tx is None:
+        return None
+    reason = getattr(tx.output, "compile_subgraph_reason", None)
+    code = tx.f_code.co_name
+    if not getattr(reason, "graph_break", False) and not code.startswith("torch_dynamo_resume_in_"):
+        return None
+    stack = getattr(reason, "user_stack", None) or []
+    where = f" at {stack[-1].filename}:{stack[-1].lineno}: {(stack[-1].line or '').strip()}" if stack else ""
+    if not getattr(reason, "graph_break", False):
+        return f"this graph resumes after a break, in {code}"
+    return f"{str(reason.reason).splitlines()[0]}{where}"  # type: ignore[union-attr]
 
 
 def _nodes(args) -> list[fx.Node]:

@@ -92,13 +92,46 @@ AttentionInterface.register(IMPLEMENTATION, ulysses_attention_forward)
 AttentionMaskInterface.register(IMPLEMENTATION, _padding_mask)
 
 
+def _refusal(model_class: type) -> str:
+    return (f"ulysses.hf: {model_class.__name__} does not run its attention through transformers' "
+            "attention interface (its _supports_attention_backend is False: it picks attention classes "
+            "by name), so the 'ulysses' implementation cannot take it over and each rank would attend "
+            "within its own shard only. Use a model that does (Llama, Qwen2/3, Mistral, Gemma, Phi3, ...), "
+            "or put ulysses.DistributedAttention into its attention, or compile it with ulysses.autosp")
+
+
+def _check_backend(model: torch.nn.Module) -> None:
+    """Raises for a model (or any sub-model) that would silently keep its own attention."""
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and not type(module).is_backend_compatible():
+            raise ValueError(_refusal(type(module)))
+
+
+def _refuse_incompatible(get_correct_attn_implementation):
+    """transformers accepts any registered implementation for any model; a model that never
+    consults the interface then fails with a bare KeyError (Falcon) or silently keeps its own
+    attention. For "ulysses" such models are refused with a message that says what to do."""
+
+    def checked(self, requested_attention, is_init_check=False):
+        if requested_attention == IMPLEMENTATION and not type(self).is_backend_compatible():
+            raise ValueError(_refusal(type(self)))
+        return get_correct_attn_implementation(self, requested_attention, is_init_check)
+
+    return checked
+
+
 def sequence_parallel(model: PreTrainedModel, group: O.GroupLike = None, *,
                       timeout: O.Timeout = None) -> PreTrainedModel:
     """Makes ``model`` (a ``transformers`` PreTrainedModel) run attention through ulysses over
     ``group`` (any form of ``ulysses.ops.GroupLike``; None: the default group). Turns the KV cache off
     (training; a cache of sharded keys would be wrong). Returns the model."""
+    _check_backend(model)
     name = O.group_name(group)
     model.set_attn_implementation(IMPLEMENTATION)
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and module.config._attn_implementation != IMPLEMENTATION:
+            raise ValueError(f"ulysses.hf: {type(module).__name__} kept attn_implementation="
+                             f"{module.config._attn_implementation!r} after set_attn_implementation('ulysses')")
     model.config.use_cache = False
     for module in model.modules():
         object.__setattr__(module, "_ulysses_group", name)
@@ -145,6 +178,9 @@ def sequence_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, gro
     return torch.ops.ulysses.sharded_cross_entropy(logits, shift_labels, O.group_name(group),
                                                    O.group_options(None), ignore_index)
 
+
+PreTrainedModel.get_correct_attn_implementation = _refuse_incompatible(  # type: ignore[method-assign]
+    PreTrainedModel.get_correct_attn_implementation)
 
 __all__ = ["IMPLEMENTATION", "sequence_parallel", "shard_batch", "sequence_parallel_loss",
            "all_reduce_gradients", "ulysses_attention_forward"]

@@ -231,6 +231,17 @@ def errors_alike(group, rank):
             sp_step(fn, ulysses.autosp(group), ulysses.mark_sequence(ids.clone()))
         except ValueError as e:
             out[case] = str(e)
+
+    def breaks(x):  # A data-dependent branch: Dynamo splits the forward into two graphs.
+        y = x.float() * 2
+        if y.sum() > 0:
+            y = y + 1
+        return y.mean()
+
+    try:  # Without fullgraph=True, as a user would first try.
+        torch.compile(breaks, backend=ulysses.autosp(group))(ulysses.mark_sequence(ids.clone()))
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's error.
+        out["graph break"] = str(e)
     return out
 
 
@@ -340,7 +351,8 @@ def test_refusals_raise_the_same_error_on_every_rank(world):
                 "one rank's sequence shorter": "ranks disagree on the given sequence split",
                 "shift along the sharded dim": "mixes tokens along the sharded sequence dim 1",
                 "pad along the sharded dim": "changes the length of the sharded sequence dim 1",
-                "one token picked": "reduces over or indexes into the sharded sequence dim"}
+                "one token picked": "reduces over or indexes into the sharded sequence dim",
+                "graph break": "ulysses.autosp: the forward graph-breaks (generic_jump TensorVariable() at "}
     for case, text in expected.items():
         messages = {r["errors"].get(case) for r in results}
         assert len(messages) == 1 and None not in messages, (case, messages)

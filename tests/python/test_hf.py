@@ -204,3 +204,32 @@ def test_example_trains_under_torchrun():
                         "--seq-len", "31", "--steps", "3"], capture_output=True, text=True, env=env, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "over 2 ranks (tokens per rank: [16, 15])" in r.stdout and "step 3/3 loss" in r.stdout, r.stdout
+
+
+def falcon_config():
+    from transformers import FalconConfig
+
+    return FalconConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=4)
+
+
+FALCON_REFUSED = ("ulysses.hf: FalconForCausalLM does not run its attention through transformers' "
+                  "attention interface")
+
+
+def test_a_model_that_bypasses_the_attention_interface_is_refused_on_every_rank():
+    # Falcon picks its attention classes by name: switched to "ulysses" it used to keep its own
+    # attention, each rank attending within its shard only (loss error 2.6e-4 at P = 2).
+    with pytest.raises(ValueError, match=FALCON_REFUSED):
+        AutoModelForCausalLM.from_config(falcon_config(), attn_implementation="ulysses")
+
+    def body(rank, group):
+        uhf.sequence_parallel(AutoModelForCausalLM.from_config(falcon_config()), group)
+
+    errors = run_ranks_errors(2, body)
+    assert all(FALCON_REFUSED in e for e in errors), errors
+    assert errors[0] == errors[1]
+
+
+def test_from_config_takes_the_ulysses_implementation():
+    model = AutoModelForCausalLM.from_config(CONFIGS["llama"](), attn_implementation="ulysses")
+    assert model.config._attn_implementation == "ulysses"
