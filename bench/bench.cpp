@@ -8,10 +8,10 @@ std::vector<Command> bench_commands() {
       {"bench attention",
        "[--seq-lens 1024,4096] [--batch 1] [--q-heads 8] [--kv-heads 2] [--head-dim 64]\n"
        "        [--dtype float32|bfloat16] [--causal 0|1|both] [--threads 2] [--repeats 3]\n"
-       "        [--documents 1] [--memory] [--no-math] [--math-limit-gb G] [--block-q 128]\n"
-       "        [--block-k 0]\n"
-       "        [--json FILE]",
-       "fused local attention kernel vs torch's SDPA and the math reference (time, memory)",
+       "        [--documents 1] [--window 0] [--memory] [--no-math] [--math-limit-gb G]\n"
+       "        [--block-q 128] [--block-k 0] [--json FILE]",
+       "fused local attention kernel vs torch's SDPA and the math reference (time, memory);\n"
+       "        --window W: a causal sliding window of W keys, also timed without it",
        bench_attention_main},
       {"bench a2a",
        "[--nproc 2] [--seq-lens 2048,16384] [--head-dim 64] [--layout BSHD|SBHD|BHSD]\n"

@@ -34,21 +34,26 @@ c10::optional<at::Tensor> packed_positions(int64_t S, int64_t documents) {
 
 // One forward and backward pass of `attention` on `in`.
 void step(const LocalAttention& attention, Inputs& in, const std::vector<int64_t>& kv_map,
-          bool causal, const c10::optional<at::Tensor>& positions) {
+          bool causal, const c10::optional<at::Tensor>& positions, int64_t window) {
   for (at::Tensor* t : {&in.q, &in.k, &in.v}) t->mutable_grad().reset();
-  at::Tensor o = attention({in.q, in.k, in.v, kv_map, c10::nullopt, positions, causal, 0.0});
+  LocalAttentionArgs args{in.q, in.k, in.v, kv_map, c10::nullopt, positions, causal, 0.0};
+  args.window = window;
+  at::Tensor o = attention(args);
   (o.to(at::kFloat) * in.w).sum().backward();
 }
 
 // torch's SDPA on the same BHSD inputs: its CPU flash path (the anchor of the kernel's speed).
-// Packed documents, which SDPA has no notion of, become a bool mask (with the causal rule in
-// it: SDPA takes a mask or is_causal), built outside the timed step.
-LocalAttention sdpa_attention(const c10::optional<at::Tensor>& positions, int64_t S, bool causal) {
+// Packed documents and sliding windows, which SDPA has no notion of, become a bool mask (with
+// the causal rule in it: SDPA takes a mask or is_causal), built outside the timed step.
+LocalAttention sdpa_attention(const c10::optional<at::Tensor>& positions, int64_t S, bool causal,
+                              int64_t window) {
   c10::optional<at::Tensor> mask;
-  if (positions) {
-    mask = document_mask(*positions).view({1, 1, S, S});
-    if (causal) mask = *mask & at::ones({S, S}, at::kBool).tril();
+  if (positions) mask = document_mask(*positions).view({1, 1, S, S});
+  if (window > 0) {
+    at::Tensor band = at::ones({S, S}, at::kBool).triu(1 - window).view({1, 1, S, S});
+    mask = mask ? *mask & band : band;
   }
+  if (mask && causal) mask = *mask & at::ones({S, S}, at::kBool).tril();
   return [mask](const LocalAttentionArgs& a) {
     return at::scaled_dot_product_attention(a.q, a.k, a.v, mask, 0.0, a.causal && !mask,
                                             c10::nullopt,
@@ -71,6 +76,7 @@ struct AttentionBench {
   std::vector<bool> causal_modes;
   int threads = 2, repeats = 3;
   int64_t documents = 1;  // Packed documents of equal length per sequence.
+  int64_t window = 0;     // Sliding window (causal only); 0: none.
   bool memory = false, no_math = false;
   double math_limit_gb = 0;
   std::string json, measure_peak;  // measure_peak: internal child mode (--memory's child).
@@ -87,7 +93,8 @@ AttentionBench parse(const Argv& argv) {
   o.Hkv = args.integer("--kv-heads", 2, 1, kMaxHeads);
   o.D = args.integer("--head-dim", 64, 1);
   o.dtype_name = args.str("--dtype", "float32");
-  const std::string causal = args.str("--causal", "both");
+  o.window = args.integer("--window", 0, 0);
+  const std::string causal = args.str("--causal", o.window > 0 ? "1" : "both");
   o.threads = static_cast<int>(args.integer("--threads", 2, 1, 1024));
   o.documents = args.integer("--documents", 1, 1);
   o.repeats = static_cast<int>(args.integer("--repeats", 3, 1, 100000));
@@ -106,6 +113,8 @@ AttentionBench parse(const Argv& argv) {
   if (causal == "both" || causal == "0") o.causal_modes.push_back(false);
   if (causal == "both" || causal == "1") o.causal_modes.push_back(true);
   if (o.causal_modes.empty()) throw UsageError("--causal must be 0, 1 or both");
+  if (o.window > 0 && !o.causal_modes.at(0))
+    throw UsageError("--window is a causal rule: give it with --causal 1");
   if (o.Hq % o.Hkv != 0) throw UsageError("--q-heads must be a multiple of --kv-heads");
   for (int64_t h = 0; h < o.Hq; ++h) o.kv_map.push_back(h / (o.Hq / o.Hkv));
   return o;
@@ -124,7 +133,8 @@ int64_t peak_of(const AttentionBench& o, const Runtime& runtime, const std::stri
                                              "--head-dim",     std::to_string(o.D),
                                              "--dtype",        o.dtype_name,
                                              "--threads",      std::to_string(o.threads),
-                                             "--documents",    std::to_string(o.documents)});
+                                             "--documents",    std::to_string(o.documents),
+                                             "--window",       std::to_string(o.window)});
 }
 
 // One case: the fused kernel (and the math reference where it fits in memory), timed side by
@@ -136,25 +146,34 @@ bench::Record measure(const AttentionBench& o, const Runtime& runtime, int64_t S
   };
   Inputs in = make_inputs(o.B, o.Hq, o.Hkv, S, o.D, o.dtype);
   const auto positions = packed_positions(S, o.documents);
-  const LocalAttention sdpa = sdpa_attention(positions, S, causal);
+  const LocalAttention sdpa = sdpa_attention(positions, S, causal, o.window);
   // Useful FLOPs of forward (2 matmuls) + backward (4), halved by causality, and over the
-  // allowed (query, key) pairs: 1 / documents of them when packed.
-  const double flops = 12.0 * o.B * o.Hq * S * S * o.D * (causal ? 0.5 : 1.0) /
+  // allowed (query, key) pairs: 1 / documents of them when packed, S*W - W(W-1)/2 of S*S/2
+  // in a window of W.
+  const double W = static_cast<double>(std::min(o.window, S));
+  const double window_share = o.window > 0 ? (S * W - W * (W - 1) / 2) / (0.5 * S * S) : 1.0;
+  const double flops = 12.0 * o.B * o.Hq * S * S * o.D * (causal ? 0.5 : 1.0) * window_share /
                        static_cast<double>(std::min(o.documents, S));
   const double math_bytes = 6.0 * 4 * o.B * o.Hq * S * S;  // ~6 live [B,H,S,S] fp32 tensors.
   const bool run_math = !o.no_math && math_bytes / 1e9 < o.math_limit_gb;
   bench::Record r;
   r.add("seq_len", S).add("batch", o.B).add("q_heads", o.Hq).add("kv_heads", o.Hkv);
   r.add("head_dim", o.D).add("dtype", o.dtype_name).add("causal", causal);
-  r.add("documents", o.documents);
+  r.add("documents", o.documents).add("window", o.window);
   const auto f =
-      bench::time_ms([&] { step(fused, in, o.kv_map, causal, positions); }, 1, o.repeats);
+      bench::time_ms([&] { step(fused, in, o.kv_map, causal, positions, o.window); }, 1, o.repeats);
   r.add("fused", f);
-  const auto t = bench::time_ms([&] { step(sdpa, in, o.kv_map, causal, positions); }, 1, o.repeats);
+  if (o.window > 0) {  // The same kernel without the window, side by side: tiles skipped.
+    const auto full =
+        bench::time_ms([&] { step(fused, in, o.kv_map, causal, positions, 0); }, 1, o.repeats);
+    r.add("fused_no_window", full).add("no_window_over_window", full.median / f.median);
+  }
+  const auto t =
+      bench::time_ms([&] { step(sdpa, in, o.kv_map, causal, positions, o.window); }, 1, o.repeats);
   r.add("sdpa", t).add("sdpa_over_fused", t.median / f.median);
   if (run_math) {
-    const auto m = bench::time_ms([&] { step(math_attention, in, o.kv_map, causal, positions); }, 1,
-                                  o.repeats);
+    const auto m = bench::time_ms(
+        [&] { step(math_attention, in, o.kv_map, causal, positions, o.window); }, 1, o.repeats);
     r.add("math", m).add("math_over_fused", m.median / f.median);
   }
   const double gflops = flops / (f.median * 1e6);
@@ -186,7 +205,8 @@ void print_causal_speedups(const std::vector<bench::Record>& records) {
 }
 
 const std::vector<std::string> kColumns{"seq_len",          "causal",
-                                        "fused_ms",         "fused_spread",
+                                        "window",           "fused_ms",
+                                        "fused_spread",     "no_window_over_window",
                                         "sdpa_ms",          "sdpa_over_fused",
                                         "math_ms",          "math_over_fused",
                                         "fused_gflops",     "fused_pct_of_matmul",
@@ -209,10 +229,10 @@ int bench_attention_main(const Argv& argv, const Runtime& runtime) {
           in = make_inputs(o.B, o.Hq, o.Hkv, S, o.D, o.dtype);
           impl = o.measure_peak == "math" ? LocalAttention(math_attention)
                  : o.measure_peak == "sdpa"
-                     ? sdpa_attention(positions, S, causal)
+                     ? sdpa_attention(positions, S, causal, o.window)
                      : [&](const LocalAttentionArgs& a) { return flash_attention(a, o.blocks); };
         },
-        [&] { step(impl, in, o.kv_map, causal, positions); });
+        [&] { step(impl, in, o.kv_map, causal, positions, o.window); });
     std::cout << "peak_extra_bytes: " << bytes << std::endl;
     return 0;
   }

@@ -21,9 +21,17 @@ at::Tensor document_mask(const at::Tensor& positions) {
   return doc.unsqueeze(-1).eq(doc.unsqueeze(-2)).unsqueeze(1);
 }
 
+void check_window(const LocalAttentionArgs& a) {
+  TORCH_CHECK_VALUE(a.window >= 0 && (a.window == 0 || a.causal),
+                    "attention: a sliding window is a causal rule: give window > 0 with "
+                    "causal=True (or window 0 for none); got window ",
+                    a.window, " with causal=", a.causal ? "True" : "False");
+}
+
 c10::optional<at::Tensor> structure_mask(const LocalAttentionArgs& a) {
   TORCH_CHECK_VALUE(!(a.rows && a.positions),
                     "attention: give either position ids or global rows, not both");
+  check_window(a);
   const int64_t Sq = a.q.size(-2), Sk = a.k.size(-2);
   const auto opts = a.q.options().dtype(at::kBool);
   c10::optional<at::Tensor> allowed;
@@ -41,12 +49,19 @@ c10::optional<at::Tensor> structure_mask(const LocalAttentionArgs& a) {
                    .view({1, 1, Sq, Sk})
                    .to(opts.device()));
     }
+    if (a.window > 0) {
+      restrict(r.k_index.view({1, Sk})
+                   .gt(r.q_index.view({Sq, 1}) - a.window)
+                   .view({1, 1, Sq, Sk})
+                   .to(opts.device()));
+    }
     if (r.q_docs.defined()) {
       restrict(r.q_docs.view({-1, 1, Sq, 1}).eq(r.k_docs.view({-1, 1, 1, Sk})).to(opts.device()));
     }
     return allowed;
   }
   if (a.causal) restrict(at::ones({Sq, Sk}, opts).tril().view({1, 1, Sq, Sk}));
+  if (a.window > 0) restrict(at::ones({Sq, Sk}, opts).triu(1 - a.window).view({1, 1, Sq, Sk}));
   if (a.positions) restrict(document_mask(*a.positions).to(opts.device()));
   return allowed;
 }
@@ -103,7 +118,7 @@ at::Tensor sdpa_attention(const LocalAttentionArgs& a) {
   const c10::optional<double> scale =
       a.scale > 0 ? c10::optional<double>(a.scale) : c10::optional<double>();
   // SDPA takes a mask or is_causal, not both: the rules become a mask unless causal is alone.
-  if (!a.mask && !a.positions && !a.rows) {
+  if (!a.mask && !a.positions && !a.rows && a.window == 0) {
     return at::scaled_dot_product_attention(a.q, k, v, {}, 0.0, a.causal, scale);
   }
   c10::optional<at::Tensor> mask = a.mask;

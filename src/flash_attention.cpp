@@ -99,6 +99,7 @@ struct Problem {
   at::Tensor q_doc, k_doc;      // [B, Sq], [B, Sk] document ids (stride 0 over B allowed), or {}.
   std::vector<int64_t> kv_map;  // Local kv head of each query head.
   bool causal = false;
+  int64_t window = 0;  // > 0: keys with index <= query index - window are not seen.
   float scale = 1.0f;
   int64_t bq = 128, bk = 256;
   int64_t B = 0, Hq = 0, Hkv = 0, Sq = 0, Sk = 0, D = 0, Dv = 0;
@@ -110,6 +111,7 @@ struct Problem {
   // documents (indices increase and document ids never decrease along the rows).
   bool skip(int64_t b, int64_t i0, int64_t rows, int64_t j0, int64_t cols) const {
     if (causal && ki()[j0] > qi()[i0 + rows - 1]) return true;
+    if (window > 0 && ki()[j0 + cols - 1] <= qi()[i0] - window) return true;  // All too old.
     if (!q_doc.defined()) return false;
     const int64_t* dq = q_doc.data_ptr<int64_t>() + b * q_doc.stride(0);
     const int64_t* dk = k_doc.data_ptr<int64_t>() + b * k_doc.stride(0);
@@ -122,6 +124,7 @@ struct Problem {
                  int64_t lds) const {
     const int64_t* kidx = ki() + j0;
     const bool diagonal = causal && kidx[cols - 1] > qi()[i0];
+    const bool window_edge = window > 0 && kidx[0] <= qi()[i0 + rows - 1] - window;
     const int64_t* dq = q_doc.defined() ? q_doc.data_ptr<int64_t>() + b * q_doc.stride(0) : nullptr;
     const int64_t* dk = q_doc.defined() ? k_doc.data_ptr<int64_t>() + b * k_doc.stride(0) : nullptr;
     const int64_t sq = dq ? q_doc.stride(1) : 0, sk = dq ? k_doc.stride(1) : 0;
@@ -151,6 +154,10 @@ struct Problem {
       if (diagonal) {  // Keys after query i: from the first index above q_index[i] on.
         const int64_t first = std::upper_bound(kidx, kidx + cols, qi()[i]) - kidx;
         for (int64_t c = first; c < cols; ++c) row[c] = kNegInf;
+      }
+      if (window_edge) {  // Keys out of query i's window: those up to q_index[i] - window.
+        const int64_t past = std::upper_bound(kidx, kidx + cols, qi()[i] - window) - kidx;
+        for (int64_t c = 0; c < past; ++c) row[c] = kNegInf;
       }
       if (mixed_docs) {
         const int64_t di = dq[i * sq];
@@ -307,8 +314,9 @@ at::Tensor as_kernel_input(const at::Tensor& t) {
   return usable ? f : f.contiguous();
 }
 
-// Shapes, dtypes, kv_map and tile sizes of a kernel call (before any work).
+// Shapes, dtypes, kv_map, window and tile sizes of a kernel call (before any work).
 void check_problem(const LocalAttentionArgs& a, const FlashOptions& options) {
+  check_window(a);
   TORCH_CHECK_VALUE(a.q.dim() == 4 && a.k.dim() == 4 && a.v.dim() == 4,
                     "flash_attention: q, k, v must be 4-D BHSD; got ", a.q.sizes(), ", ",
                     a.k.sizes(), ", ", a.v.sizes());
@@ -401,6 +409,7 @@ Problem make_problem(const LocalAttentionArgs& a, const FlashOptions& options) {
   p.Hkv = a.k.size(1), p.Sk = a.k.size(2), p.Dv = a.v.size(3);
   p.kv_map = a.kv_map;
   p.causal = a.causal;
+  p.window = a.window;
   p.scale = static_cast<float>(a.scale > 0 ? a.scale : 1.0 / std::sqrt(static_cast<double>(p.D)));
   p.bq = options.block_q;
   p.bk = options.block_k;

@@ -384,13 +384,15 @@ at::Tensor rebuild_mask_autograd(const at::Tensor& mask, int64_t q_heads, int64_
 
 LocalAttentionArgs local_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               c10::IntArrayRef kv_map, const OptTensor& mask,
-                              const OptTensor& positions, bool causal, double scale) {
+                              const OptTensor& positions, bool causal, double scale,
+                              int64_t window = 0) {
   LocalAttentionArgs a;
   a.q = q, a.k = k, a.v = v;
   a.kv_map = kv_map.vec();
   a.mask = mask;
   a.positions = positions;
   a.causal = causal;
+  a.window = window;
   a.scale = scale;
   return a;
 }
@@ -420,13 +422,11 @@ bool learns_mask(const OptTensor& mask) {
   return mask && mask->defined() && mask->is_floating_point() && mask->requires_grad();
 }
 
-std::tuple<at::Tensor, at::Tensor> flash_attention_op(const at::Tensor& q, const at::Tensor& k,
-                                                      const at::Tensor& v, c10::IntArrayRef kv_map,
-                                                      const OptTensor& mask,
-                                                      const OptTensor& positions, bool causal,
-                                                      double scale, at::TensorList rows,
-                                                      int64_t block_q, int64_t block_k) {
-  LocalAttentionArgs a = local_args(q, k, v, kv_map, mask, positions, causal, scale);
+std::tuple<at::Tensor, at::Tensor> flash_attention_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c10::IntArrayRef kv_map,
+    const OptTensor& mask, const OptTensor& positions, bool causal, double scale,
+    at::TensorList rows, int64_t block_q, int64_t block_k, int64_t window) {
+  LocalAttentionArgs a = local_args(q, k, v, kv_map, mask, positions, causal, scale, window);
   a.rows = rows_of(rows);
   auto [out, lse] = flash_attention_forward(a, FlashOptions{block_q, block_k});
   return {out.contiguous(), lse.contiguous()};
@@ -436,8 +436,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attention_backw
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::IntArrayRef kv_map, const OptTensor& mask,
     const OptTensor& positions, bool causal, double scale, bool mask_grad, at::TensorList rows,
-    int64_t block_q, int64_t block_k) {
-  LocalAttentionArgs a = local_args(q, k, v, kv_map, mask, positions, causal, scale);
+    int64_t block_q, int64_t block_k, int64_t window) {
+  LocalAttentionArgs a = local_args(q, k, v, kv_map, mask, positions, causal, scale, window);
   a.rows = rows_of(rows);
   auto g =
       flash_attention_backward(grad_out, a, out, lse, mask_grad, FlashOptions{block_q, block_k});
@@ -463,12 +463,12 @@ OptTensor detached(const OptTensor& t) {
 std::tuple<at::Tensor, at::Tensor> flash_attention_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c10::IntArrayRef kv_map,
     const OptTensor& mask, const OptTensor& positions, bool causal, double scale,
-    at::TensorList rows, int64_t block_q, int64_t block_k) {
+    at::TensorList rows, int64_t block_q, int64_t block_k, int64_t window) {
   static const auto op = handle<decltype(flash_attention_op)>("ulysses::flash_attention");
   static const auto backward =
       handle<decltype(flash_attention_backward_op)>("ulysses::flash_attention_backward");
   auto [out, lse] = below_autograd([&] {
-    return op.call(q, k, v, kv_map, mask, positions, causal, scale, rows, block_q, block_k);
+    return op.call(q, k, v, kv_map, mask, positions, causal, scale, rows, block_q, block_k, window);
   });
   const std::vector<at::Tensor> inputs = attention_inputs(q, k, v, mask);
   if (!needs_grad(inputs)) return {out, lse};
@@ -477,10 +477,11 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_autograd(
   detail::attach_backward(
       inputs, outs, "FlashAttentionBackward",
       [q = q.detach(), k = k.detach(), v = v.detach(), o = out.detach(), lse, map = kv_map.vec(),
-       mask = detached(mask), positions, causal, scale, mask_grad, block_q, block_k,
+       mask = detached(mask), positions, causal, scale, mask_grad, block_q, block_k, window,
        rows = rows.vec()](std::vector<at::Tensor>&& g) {
-        auto [dq, dk, dv, dmask] = backward.call(g[0], q, k, v, o, lse, map, mask, positions,
-                                                 causal, scale, mask_grad, rows, block_q, block_k);
+        auto [dq, dk, dv, dmask] =
+            backward.call(g[0], q, k, v, o, lse, map, mask, positions, causal, scale, mask_grad,
+                          rows, block_q, block_k, window);
         std::vector<at::Tensor> grads{dq, dk, dv};
         if (mask_grad) grads.push_back(dmask);
         return grads;
@@ -625,8 +626,8 @@ void all_reduce_gradients_op(at::TensorList grads, const std::string& group_name
 at::Tensor local_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               c10::IntArrayRef kv_map, const OptTensor& mask,
                               const OptTensor& positions, bool causal, double scale,
-                              const std::string& kernel) {
-  return local_attention(local_args(q, k, v, kv_map, mask, positions, causal, scale),
+                              const std::string& kernel, int64_t window) {
+  return local_attention(local_args(q, k, v, kv_map, mask, positions, causal, scale, window),
                          parse_local_kernel(kernel));
 }
 
@@ -769,7 +770,7 @@ std::tuple<at::Tensor, at::Tensor> call_flash_attention(const LocalAttentionArgs
                                                         const FlashOptions& options) {
   static const auto op = handle<decltype(flash_attention_op)>("ulysses::flash_attention");
   return op.call(a.q, a.k, a.v, a.kv_map, a.mask, a.positions, a.causal, a.scale, rows_list(a.rows),
-                 options.block_q, options.block_k);
+                 options.block_q, options.block_k, a.window);
 }
 
 std::tuple<at::Tensor, at::Tensor> call_ring_attention(const LocalAttentionArgs& a,
@@ -836,12 +837,12 @@ TORCH_LIBRARY(ulysses, m) {
   m.def(
       "flash_attention(Tensor q, Tensor k, Tensor v, int[] kv_map, Tensor? mask, "
       "Tensor? positions, bool causal, float scale, Tensor[] rows, int block_q=128, "
-      "int block_k=0) -> (Tensor, Tensor)",
+      "int block_k=0, int window=0) -> (Tensor, Tensor)",
       pt2);
   m.def(
       "flash_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, int[] kv_map, Tensor? mask, Tensor? positions, bool causal, float scale, "
-      "bool mask_grad, Tensor[] rows, int block_q=128, int block_k=0) -> "
+      "bool mask_grad, Tensor[] rows, int block_q=128, int block_k=0, int window=0) -> "
       "(Tensor, Tensor, Tensor, Tensor)",
       pt2);
   // Ring attention over `ring_group` for this ring rank's tokens of RingLayout(seq_len,
@@ -872,7 +873,7 @@ TORCH_LIBRARY(ulysses, m) {
   // Local attention on the exact kernel `kernel` picks ("auto": the rule in attention.h).
   m.def(
       "local_attention(Tensor q, Tensor k, Tensor v, int[] kv_map, Tensor? mask, "
-      "Tensor? positions, bool causal, float scale, str kernel=\"auto\") -> Tensor",
+      "Tensor? positions, bool causal, float scale, str kernel=\"auto\", int window=0) -> Tensor",
       pt2);
   // One DistributedAttention call (distributed_attention.h): empty seq_lens are learned in the
   // call's agreement (eager only); `step` shares rebuilt masks across layers (eager only);

@@ -35,6 +35,7 @@ struct Case {
   std::vector<int64_t> kv_map = {};  // Empty: uniform GQA groups.
   at::ScalarType dtype = at::kFloat;
   FlashOptions blocks = {16, 32};
+  int64_t window = 0;  // Sliding window (with causal); 0: none.
 };
 
 std::string describe(const Case& c) {
@@ -42,7 +43,8 @@ std::string describe(const Case& c) {
   os << "B" << c.B << "_Hq" << c.Hq << "_Hkv" << c.Hkv << "_S" << c.S << "_D" << c.D << "_Dv"
      << c.Dv << (c.causal ? "_causal" : "") << (c.packed ? "_packed" : "") << "_mask"
      << static_cast<int>(c.mask) << (c.kv_map.empty() ? "" : "_map") << "_"
-     << c10::toString(c.dtype) << "_bq" << c.blocks.block_q << "_bk" << c.blocks.block_k;
+     << c10::toString(c.dtype) << "_bq" << c.blocks.block_q << "_bk" << c.blocks.block_k
+     << (c.window ? "_window" + std::to_string(c.window) : "");
   return os.str();
 }
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -102,6 +104,7 @@ TEST_P(Flash, MatchesMathAttentionForwardAndBackward) {
     c10::optional<at::Tensor> mm;
     if (mask) mm = mask->requires_grad() ? mask->detach().clone().requires_grad_() : *mask;
     LocalAttentionArgs args{qq, kk, vv, map, mm, pos, c.causal, 0.0};
+    args.window = c.window;
     at::Tensor o = flash ? flash_attention(args, c.blocks) : math_attention(args);
     EXPECT_EQ(o.scalar_type(), c.dtype);
     (o.to(at::kFloat) * w).sum().backward();
@@ -144,6 +147,20 @@ std::vector<Case> cases() {
   out.push_back({2, 4, 2, 77, 64, 64, true, false, MaskKind::kNone, {}, at::kBFloat16});
   out.push_back({1, 2, 1, 77, 128, 128, false, false, MaskKind::kBoolKeys, {}, at::kBFloat16});
   out.push_back({1, 2, 2, 33, 64, 64, true, false, MaskKind::kNone, {}, at::kHalf});
+  // Sliding windows of 1, S/3, S-1 and more than S tokens: whole tiles before a window are
+  // skipped and the window's edge is cut within a tile, alone, with packed documents and masks.
+  for (int64_t w : {1, 20, 60, 70}) {
+    out.push_back({2, 4, 2, 61, 16, 16, true, false, MaskKind::kNone, {}, at::kFloat, {16, 32}, w});
+    out.push_back({2, 4, 2, 61, 16, 16, true, true, MaskKind::kNone, {}, at::kFloat, {16, 32}, w});
+  }
+  out.push_back(
+      {2, 4, 2, 61, 16, 16, true, false, MaskKind::kLearnableB1SS, {}, at::kFloat, {16, 32}, 20});
+  out.push_back(
+      {2, 4, 2, 61, 16, 16, true, false, MaskKind::kBoolKeys, {}, at::kFloat, {16, 32}, 7});
+  out.push_back(
+      {1, 4, 2, 300, 64, 64, true, false, MaskKind::kNone, {}, at::kFloat, {64, 128}, 100});
+  out.push_back(
+      {2, 4, 2, 77, 64, 48, true, false, MaskKind::kNone, {}, at::kBFloat16, {16, 32}, 30});
   return out;
 }
 
@@ -156,6 +173,27 @@ TEST(FlashAttention, ReadsStridedBshdViewsInPlace) {
   at::Tensor k = seeded_randn({2, 40, 2, 16}, 2).permute({0, 2, 1, 3});
   LocalAttentionArgs args{q, k, k, {0, 0, 1, 1}};
   EXPECT_LT(rel_error(flash_attention(args, {8, 16}), math_attention(args)), 2e-5);
+}
+
+TEST(FlashAttention, AWindowNeedsCausalAttention) {
+  at::Tensor q = seeded_randn({1, 1, 8, 16}, 1);
+  for (bool fused : {true, false}) {
+    LocalAttentionArgs args{q, q, q, {0}, {}, {}, /*causal=*/false, 0.0};
+    args.window = 4;
+    EXPECT_THROW(
+        {
+          try {
+            fused ? flash_attention(args) : math_attention(args);
+          } catch (const c10::ValueError& e) {
+            EXPECT_NE(std::string(e.what()).find("a sliding window is a causal rule: give window > "
+                                                 "0 with causal=True"),
+                      std::string::npos)
+                << e.what();
+            throw;
+          }
+        },
+        c10::ValueError);
+  }
 }
 
 TEST(FlashAttention, FullyMaskedRowsAreZero) {

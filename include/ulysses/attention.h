@@ -3,6 +3,7 @@
 // For local query head h (kv head g = kv_map[h]), query i and key j:
 //   s[b,h,i,j] = scale * <q[b,h,i,:], k[b,g,j,:]> + bias[b,h,i,j]   (additive float mask)
 //   allowed(i,j) = mask[b,h,i,j] (bool mask) && (!causal || j <= i) && doc(b,i) == doc(b,j)
+//                  && (window == 0 || i - j < window)
 //   o[b,h,i,:]  = sum_j softmax_j(s | allowed) * v[b,g,j,:]
 // where doc(b,i) counts the position ids equal to 0 up to i (packed documents restart their
 // positions at 0). A query row with no allowed key gets o = 0 (and zero gradients).
@@ -40,6 +41,9 @@ struct LocalAttentionArgs {
   // Global rows for the causal and document rules (then `positions` must be unset); k may
   // then have another length than q.
   c10::optional<GlobalRows> rows;
+  // A sliding window (HF's sliding_window, with causal): query i sees keys j with
+  // i - window < j <= i, by global index; 0: no window.
+  int64_t window = 0;
 };
 
 // A local attention implementation.
@@ -78,8 +82,12 @@ at::Tensor document_ids(const at::Tensor& positions);
 // the fused kernel evaluates the same rule per tile instead.
 at::Tensor document_mask(const at::Tensor& positions);
 
-// The causal and document rules of `args` (causal, positions, rows) for q [.., Sq, D] and
-// k [.., Sk, D] as one bool mask [B or 1, 1, Sq, Sk], or none when no rule applies.
+// The causal, window and document rules of `args` (causal, window, positions, rows) for
+// q [.., Sq, D] and k [.., Sk, D] as one bool mask [B or 1, 1, Sq, Sk], or none when no rule
+// applies.
 c10::optional<at::Tensor> structure_mask(const LocalAttentionArgs& args);
+
+// Throws c10::ValueError unless args.window is 0, or > 0 with causal attention.
+void check_window(const LocalAttentionArgs& args);
 
 }  // namespace ulysses

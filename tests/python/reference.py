@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 
-def reference_attention(q, k, v, mask=None, positions=None, causal=False):
+def reference_attention(q, k, v, mask=None, positions=None, causal=False, window=0):
     """q [B, S, Hq, D], k/v [B, S, Hkv, D] (BSHD) -> [B, S, Hq, Dv], in float64.
 
     GQA by repeating kv heads; packed documents from position ids (a document starts where the
-    position is 0); a query with no allowed key gets 0.
+    position is 0); ``window`` > 0: query i sees keys i - window < j <= i; a query with no allowed
+    key gets 0.
     """
     B, S, Hq, D = q.shape
     r = Hq // k.shape[2]
@@ -19,6 +20,9 @@ def reference_attention(q, k, v, mask=None, positions=None, causal=False):
     allowed = torch.ones(S, S, dtype=torch.bool).expand(B, Hq, S, S)
     if causal:
         allowed = allowed & torch.ones(S, S, dtype=torch.bool).tril()
+    if window:
+        i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+        allowed = allowed & (i - j < window)
     if positions is not None:
         doc = (positions == 0).long().cumsum(-1)
         doc = doc if doc.dim() == 2 else doc.unsqueeze(0)

@@ -223,3 +223,34 @@ def test_device_mesh_is_a_group(tmp_path):
         assert r[4] and r[5] == world and r[7]
         assert "a DeviceMesh group must be 1-D (e.g. mesh['sp']) or a (mesh, dim) pair; got a 2-D mesh " \
                "with dims ('dp', 'sp')" in r[6], r[6]
+
+
+@pytest.mark.parametrize("kernel", ["fused", "sdpa", "math"])
+@pytest.mark.parametrize("window", [1, 7, 20, 40])
+@pytest.mark.parametrize("packed", [False, True], ids=["", "packed"])
+def test_sliding_window_matches_the_reference(kernel, window, packed):
+    # Windows 1, S/3, S-1 and > S (S = 21), forward and backward, on each local kernel.
+    B, S, hq, hkv, D = 2, 21, 4, 2, 8
+    gen = torch.Generator().manual_seed(window)
+    Q, K, V = (torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
+    pos = positions_for(S) if packed else None
+    dtype = torch.float32 if kernel == "fused" else torch.float64
+    q, k, v = (t.clone().requires_grad_() for t in (Q, K, V))
+    ref = reference_attention(q, k, v, None, pos, causal=True, window=window)
+    dO = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    (ref * dO).sum().backward()
+    ql, kl, vl = (t.to(dtype).transpose(1, 2).detach().requires_grad_() for t in (Q, K, V))
+    out = ulysses.local_attention(ql, kl, vl, [h // (hq // hkv) for h in range(hq)], positions=pos,
+                                  causal=True, kernel=kernel, window=window).transpose(1, 2)
+    (out * dO.to(dtype)).sum().backward()
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert rel(out, ref) < tol
+    for got, want in ((ql, q), (kl, k), (vl, v)):  # (window 1: dq = dk = 0, so scaled by 1)
+        error = (got.grad.transpose(1, 2).double() - want.grad).abs().max()
+        assert error < 10 * tol * max(want.grad.abs().max().item(), 1.0)
+
+
+def test_a_window_without_causal_is_refused():
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="a sliding window is a causal rule"):
+        ulysses.local_attention(q, q, q, [0, 1], window=3)
