@@ -21,6 +21,7 @@ ids (RoPE and packed documents need them). Masks are honoured, not dropped:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 
 import torch
@@ -92,18 +93,28 @@ AttentionInterface.register(IMPLEMENTATION, ulysses_attention_forward)
 AttentionMaskInterface.register(IMPLEMENTATION, _padding_mask)
 
 
+def _uses_attention_interface(model_class: type[PreTrainedModel]) -> bool:
+    """Whether the model's attention dispatches through transformers' attention interface: its
+    class says so, or its modeling module consults ALL_ATTENTION_FUNCTIONS (StableLM does without
+    saying so; Falcon does neither, and picks its attention classes by name)."""
+    if model_class.is_backend_compatible():
+        return True
+    module = sys.modules.get(model_class.__module__)
+    return module is not None and "ALL_ATTENTION_FUNCTIONS" in vars(module)
+
+
 def _refusal(model_class: type) -> str:
     return (f"ulysses.hf: {model_class.__name__} does not run its attention through transformers' "
-            "attention interface (its _supports_attention_backend is False: it picks attention classes "
-            "by name), so the 'ulysses' implementation cannot take it over and each rank would attend "
-            "within its own shard only. Use a model that does (Llama, Qwen2/3, Mistral, Gemma, Phi3, ...), "
-            "or put ulysses.DistributedAttention into its attention, or compile it with ulysses.autosp")
+            "attention interface (it picks its attention classes by name), so the 'ulysses' "
+            "implementation cannot take it over and each rank would attend within its own shard "
+            "only. Use a model that does (Llama, Qwen2/3, Mistral, Gemma, Phi3, ...), or put "
+            "ulysses.DistributedAttention into its attention, or compile it with ulysses.autosp")
 
 
 def _check_backend(model: torch.nn.Module) -> None:
     """Raises for a model (or any sub-model) that would silently keep its own attention."""
     for module in model.modules():
-        if isinstance(module, PreTrainedModel) and not type(module).is_backend_compatible():
+        if isinstance(module, PreTrainedModel) and not _uses_attention_interface(type(module)):
             raise ValueError(_refusal(type(module)))
 
 
@@ -113,7 +124,7 @@ def _refuse_incompatible(get_correct_attn_implementation):
     attention. For "ulysses" such models are refused with a message that says what to do."""
 
     def checked(self, requested_attention, is_init_check=False):
-        if requested_attention == IMPLEMENTATION and not type(self).is_backend_compatible():
+        if requested_attention == IMPLEMENTATION and not _uses_attention_interface(type(self)):
             raise ValueError(_refusal(type(self)))
         return get_correct_attn_implementation(self, requested_attention, is_init_check)
 

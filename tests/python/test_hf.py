@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, StableLmConfig
 
 import ulysses.hf as uhf
 from conftest import run_ranks, run_ranks_errors
@@ -20,6 +20,8 @@ CONFIGS = {
     "qwen2": lambda: Qwen2Config(num_attention_heads=4, num_key_value_heads=2, **COMMON),
     "qwen3": lambda: Qwen3Config(num_attention_heads=4, num_key_value_heads=1, head_dim=8, **COMMON),
     "mistral": lambda: MistralConfig(num_attention_heads=8, num_key_value_heads=2, sliding_window=None, **COMMON),
+    # Dispatches through the attention interface without declaring it (is_backend_compatible False).
+    "stablelm": lambda: StableLmConfig(num_attention_heads=4, num_key_value_heads=2, **COMMON),
 }
 
 
@@ -76,7 +78,7 @@ def assert_matches(got, want):
 
 @pytest.mark.parametrize("P", [2, 3])
 @pytest.mark.parametrize("kind", ["padded", "packed"])
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "stablelm"])
 def test_loss_and_every_gradient_equal_the_unsharded_model(name, kind, P):
     base = make_model(name)
     batch = make_batch(kind)
@@ -232,4 +234,7 @@ def test_a_model_that_bypasses_the_attention_interface_is_refused_on_every_rank(
 
 def test_from_config_takes_the_ulysses_implementation():
     model = AutoModelForCausalLM.from_config(CONFIGS["llama"](), attn_implementation="ulysses")
+    assert model.config._attn_implementation == "ulysses"
+    # StableLM dispatches through the interface without declaring it: accepted.
+    model = AutoModelForCausalLM.from_config(CONFIGS["stablelm"](), attn_implementation="ulysses")
     assert model.config._attn_implementation == "ulysses"
