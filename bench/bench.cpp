@@ -11,7 +11,7 @@ std::vector<Command> bench_commands() {
        "        [--documents 1] [--window 0] [--memory] [--no-math] [--math-limit-gb G]\n"
        "        [--block-q 128] [--block-k 0] [--json FILE]",
        "fused local attention kernel vs torch's SDPA and the math reference (time, memory);\n"
-       "        --window W: a causal sliding window of W keys, also timed without it",
+       "        a causal sliding window of W keys is also timed without the window",
        bench_attention_main},
       {"bench a2a",
        "[--nproc 2] [--seq-lens 2048,16384] [--head-dim 64] [--layout BSHD|SBHD|BHSD]\n"
