@@ -227,8 +227,12 @@ def project_from_head_parts(parts: Sequence[torch.Tensor], weight: torch.Tensor,
     if not torch.compiler.is_compiling():
         _C.check_projection_from_parts([list(p.shape) for p in parts], list(weight.shape), [tuple(r) for r in ranges])
     D = parts[0].shape[-1]
-    outs = [F.linear(p.flatten(-2), weight[:, a * D:b * D]) for p, (a, b) in zip(parts, ranges)]
-    return functools.reduce(torch.add, outs)
+    # Accumulated part by part: one partial output alive at a time, not one per rank.
+    (a, b), *rest = ranges
+    out = F.linear(parts[0].flatten(-2), weight[:, a * D:b * D])
+    for p, (a, b) in zip(parts[1:], rest):
+        out = out + F.linear(p.flatten(-2), weight[:, a * D:b * D])
+    return out
 
 
 # ---- all_gather_sequence / reduce_scatter_sequence -------------------------------------------
