@@ -386,6 +386,7 @@ void check_call_locally(const HeadPartition& heads, Layout layout,
   TORCH_CHECK_VALUE(heads.sp_size() == P, "agree_plan: head partition is for ", heads.sp_size(),
                     " ranks but the SP group has ", P);
   check_4d(tensors, layout);
+  check_window(call.window, call.causal);
   const at::Tensor& first = tensors[0].tensor;
   for (const TensorSpec& spec : tensors) {
     const at::Tensor& x = spec.tensor;
@@ -473,6 +474,7 @@ CallFingerprint call_fingerprint(const Group& group, const HeadPartition& heads,
   f.positions = facts_of(call.positions, first);
   f.causal = call.causal;
   f.scale = call.scale;
+  f.window = call.window;
   f.step_context = call.step_context;
   return f;
 }

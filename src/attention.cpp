@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "ulysses/flash_attention.h"
+#include "ulysses/mask_decision.h"
 
 namespace ulysses {
 
@@ -21,17 +22,10 @@ at::Tensor document_mask(const at::Tensor& positions) {
   return doc.unsqueeze(-1).eq(doc.unsqueeze(-2)).unsqueeze(1);
 }
 
-void check_window(const LocalAttentionArgs& a) {
-  TORCH_CHECK_VALUE(a.window >= 0 && (a.window == 0 || a.causal),
-                    "attention: a sliding window is a causal rule: give window > 0 with "
-                    "causal=True (or window 0 for none); got window ",
-                    a.window, " with causal=", a.causal ? "True" : "False");
-}
-
 c10::optional<at::Tensor> structure_mask(const LocalAttentionArgs& a) {
   TORCH_CHECK_VALUE(!(a.rows && a.positions),
                     "attention: give either position ids or global rows, not both");
-  check_window(a);
+  check_window(a.window, a.causal);
   const int64_t Sq = a.q.size(-2), Sk = a.k.size(-2);
   const auto opts = a.q.options().dtype(at::kBool);
   c10::optional<at::Tensor> allowed;

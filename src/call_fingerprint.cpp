@@ -80,6 +80,7 @@ std::string as_device(int64_t v) {
   return v < 0 ? "none" : c10::DeviceTypeName(static_cast<c10::DeviceType>(v), true);
 }
 std::string as_layout(int64_t v) { return to_string(static_cast<Layout>(v)); }
+std::string as_window(int64_t v) { return v == 0 ? "none" : std::to_string(v); }
 std::string as_split(int64_t v) { return v < 0 ? "none (learned)" : "given"; }
 std::string as_scale(int64_t v) {
   const double d = double_of(v);
@@ -135,6 +136,7 @@ std::vector<Field> fields(const CallFingerprint& c, const std::vector<std::strin
   }
   f.push_back({"causal", c.causal, as_bool});
   f.push_back({"scale", bits_of(c.scale), as_scale});
+  f.push_back({"window", c.window, as_window});
   f.push_back({"whether a StepContext is used", c.step_context, as_bool});
   f.push_back({"GroupOptions::pipeline_min_bytes", c.pipeline_min_bytes, as_int});
   f.push_back({"GroupOptions::message_bytes", c.message_bytes, as_int});
@@ -152,6 +154,7 @@ std::vector<int64_t> CallFingerprint::encode() const {
   put(out, positions);
   out.push_back(causal);
   out.push_back(bits_of(scale));
+  out.push_back(window);
   out.push_back(step_context);
   return out;
 }
@@ -173,6 +176,7 @@ CallFingerprint CallFingerprint::decode(const std::vector<int64_t>& values) {
   c.positions = r.facts();
   c.causal = r.next() != 0;
   c.scale = double_of(r.next());
+  c.window = r.next();
   c.step_context = r.next() != 0;
   TORCH_CHECK(r.done(), "CallFingerprint::decode: ", values.size(), " values, more than encoded");
   return c;

@@ -200,6 +200,7 @@ AttentionHeads attend_heads(const AttentionCall& call,
   options.positions = q0.defined() ? positions_for_call(positions, q0, L) : positions;
   options.causal = call.causal;
   options.scale = call.scale;
+  options.window = call.window;
   options.step_context = call.step != nullptr;
   options.check_mask = !ring && !call.mask_rebuilt;
 
@@ -223,6 +224,7 @@ AttentionHeads attend_heads(const AttentionCall& call,
   args.kv_map = out.plan.heads.kv_map(group.rank());
   args.causal = call.causal;
   args.scale = call.scale;
+  args.window = call.window;
   StepContext* step = call.step;
   if (mask && call.mask_rebuilt) {
     args.mask = mask;
@@ -268,6 +270,7 @@ DistributedAttention::DistributedAttention(Group group, AttentionOptions options
                     "DistributedAttention: q_heads and kv_heads must be >= 0 (0: taken from the "
                     "first call); got q_heads=",
                     options_.q_heads, ", kv_heads=", options_.kv_heads);
+  check_window(options_.window, options_.causal);
   if (options_.q_heads > 0 && options_.kv_heads > 0) {
     partition_ = HeadPartition::make(options_.q_heads, options_.kv_heads, group_.size());
   }
@@ -287,6 +290,7 @@ AttentionCall DistributedAttention::call(const AttentionInputs& in) const {
   c.layout = options_.layout;
   c.causal = options_.causal;
   c.scale = options_.scale;
+  c.window = options_.window;
   c.fuse_qkv = options_.fuse_qkv;
   c.kernel = options_.kernel;
   c.local = options_.local ? &options_.local : nullptr;

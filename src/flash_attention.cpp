@@ -12,6 +12,7 @@
 #include <limits>
 
 #include "detail/ops.h"
+#include "ulysses/mask_decision.h"
 
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
                        const int* k, const float* alpha, const float* a, const int* lda,
@@ -316,7 +317,7 @@ at::Tensor as_kernel_input(const at::Tensor& t) {
 
 // Shapes, dtypes, kv_map, window and tile sizes of a kernel call (before any work).
 void check_problem(const LocalAttentionArgs& a, const FlashOptions& options) {
-  check_window(a);
+  check_window(a.window, a.causal);
   TORCH_CHECK_VALUE(a.q.dim() == 4 && a.k.dim() == 4 && a.v.dim() == 4,
                     "flash_attention: q, k, v must be 4-D BHSD; got ", a.q.sizes(), ", ",
                     a.k.sizes(), ", ", a.v.sizes());

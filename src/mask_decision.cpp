@@ -128,4 +128,11 @@ std::vector<int64_t> rebuilt_mask_shape(const std::vector<int64_t>& sizes,
   return {s[0], h, rows, s[3]};
 }
 
+void check_window(int64_t window, bool causal) {
+  TORCH_CHECK_VALUE(window >= 0 && (window == 0 || causal),
+                    "attention: a sliding window is a causal rule: give window > 0 with "
+                    "causal=True (or window 0 for none); got window ",
+                    window, " with causal=", causal ? "True" : "False");
+}
+
 }  // namespace ulysses

@@ -109,7 +109,7 @@ std::vector<std::string> tensor_names(const std::vector<Heads>& kinds) {
 
 CallOptions call_options(const std::vector<std::string>& names, const OptTensor& mask,
                          const OptTensor& positions, bool causal, double scale, bool step,
-                         bool check_mask) {
+                         bool check_mask, int64_t window) {
   CallOptions o;
   o.check_mask = check_mask;
   o.attention = names.size() == 3 && names[0] == "q";
@@ -117,6 +117,7 @@ CallOptions call_options(const std::vector<std::string>& names, const OptTensor&
   o.positions = positions;
   o.causal = causal;
   o.scale = scale;
+  o.window = window;
   o.step_context = step;
   return o;
 }
@@ -149,7 +150,8 @@ std::vector<at::Tensor> scatter_heads_op(at::TensorList xs, Strings heads, int64
                                          const std::string& layout, const std::string& group_name,
                                          c10::IntArrayRef group_options, bool agree,
                                          const OptTensor& mask, const OptTensor& positions,
-                                         bool causal, double scale, bool step, bool check_mask) {
+                                         bool causal, double scale, bool step, bool check_mask,
+                                         int64_t window) {
   const Group group = Group::from_op(group_name, group_options);
   if (!agree) {  // The library's own call (a backward, or the C++ API after agree_plan).
     const std::vector<Heads> kinds = parse_heads(heads);
@@ -170,7 +172,7 @@ std::vector<at::Tensor> scatter_heads_op(at::TensorList xs, Strings heads, int64
   // Checks every rank's tensors and the given split in one small collective before data moves.
   const AllToAllPlan plan = agree_plan(
       group, given.heads, given.layout, specs, given.seq,
-      call_options(tensor_names(kinds), mask, positions, causal, scale, step, check_mask));
+      call_options(tensor_names(kinds), mask, positions, causal, scale, step, check_mask, window));
   return unaliased(detail::scatter_heads_kernel(xs.vec(), kinds, plan, group), xs);
 }
 
@@ -178,11 +180,11 @@ std::vector<at::Tensor> scatter_heads_autograd(
     at::TensorList xs, Strings heads, int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_lens,
     const std::string& layout, const std::string& group_name, c10::IntArrayRef group_options,
     bool agree, const OptTensor& mask, const OptTensor& positions, bool causal, double scale,
-    bool step, bool check_mask) {
+    bool step, bool check_mask, int64_t window) {
   static const auto op = handle<decltype(scatter_heads_op)>("ulysses::scatter_heads");
   std::vector<at::Tensor> outs = below_autograd([&] {
     return op.call(xs, heads, q_heads, kv_heads, seq_lens, layout, group_name, group_options, agree,
-                   mask, positions, causal, scale, step, check_mask);
+                   mask, positions, causal, scale, step, check_mask, window);
   });
   if (!needs_grad(xs)) return outs;
   // The kernel checked the arguments on every rank: parsing them again cannot fail.
@@ -200,7 +202,7 @@ std::vector<at::Tensor> scatter_head_parts_op(
     at::TensorList parts, Strings heads, int64_t q_heads, int64_t kv_heads,
     c10::IntArrayRef seq_lens, const std::string& layout, const std::string& group_name,
     c10::IntArrayRef group_options, bool agree, const OptTensor& mask, const OptTensor& positions,
-    bool causal, double scale, bool step, bool check_mask) {
+    bool causal, double scale, bool step, bool check_mask, int64_t window) {
   const Group group = Group::from_op(group_name, group_options);
   const auto P = static_cast<size_t>(group.size());
   std::vector<std::vector<at::Tensor>> nested;
@@ -228,7 +230,7 @@ std::vector<at::Tensor> scatter_head_parts_op(
   const AllToAllPlan given = fail_together_on_error(group, parse);
   const AllToAllPlan plan = agree_plan(
       group, given.heads, given.layout, specs, given.seq,
-      call_options(tensor_names(kinds), mask, positions, causal, scale, step, check_mask));
+      call_options(tensor_names(kinds), mask, positions, causal, scale, step, check_mask, window));
   return unaliased(detail::scatter_head_parts_kernel(nested, kinds, plan, group), parts);
 }
 
@@ -236,11 +238,11 @@ std::vector<at::Tensor> scatter_head_parts_autograd(
     at::TensorList parts, Strings heads, int64_t q_heads, int64_t kv_heads,
     c10::IntArrayRef seq_lens, const std::string& layout, const std::string& group_name,
     c10::IntArrayRef group_options, bool agree, const OptTensor& mask, const OptTensor& positions,
-    bool causal, double scale, bool step, bool check_mask) {
+    bool causal, double scale, bool step, bool check_mask, int64_t window) {
   static const auto op = handle<decltype(scatter_head_parts_op)>("ulysses::scatter_head_parts");
   std::vector<at::Tensor> outs = below_autograd([&] {
     return op.call(parts, heads, q_heads, kv_heads, seq_lens, layout, group_name, group_options,
-                   agree, mask, positions, causal, scale, step, check_mask);
+                   agree, mask, positions, causal, scale, step, check_mask, window);
   });
   if (!needs_grad(parts)) return outs;
   const Group group = Group::from_op(group_name, group_options);
@@ -496,23 +498,25 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_op(const at::Tensor& q, const 
                                                      const OptTensor& mask, const OptTensor& docs,
                                                      bool causal, double scale, int64_t seq_len,
                                                      int64_t ulysses, const std::string& ring_group,
-                                                     c10::IntArrayRef group_options) {
+                                                     c10::IntArrayRef group_options,
+                                                     int64_t window) {
   const Group ring = Group::from_op(ring_group, group_options);
   const RingLayout layout = RingLayout::make(seq_len, ulysses, ring.size());
   // Eager only (no fake kernel): the outputs keep the kernel's strides, which the backward's
   // row sums read in the same order as the forward wrote them.
-  return ring_attention_forward(local_args(q, k, v, kv_map, mask, {}, causal, scale), layout,
-                                docs.value_or(at::Tensor()), ring);
+  return ring_attention_forward(local_args(q, k, v, kv_map, mask, {}, causal, scale, window),
+                                layout, docs.value_or(at::Tensor()), ring);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ring_attention_backward_op(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::IntArrayRef kv_map, const OptTensor& mask,
     const OptTensor& docs, bool causal, double scale, int64_t seq_len, int64_t ulysses,
-    const std::string& ring_group, c10::IntArrayRef group_options, bool mask_grad) {
+    const std::string& ring_group, c10::IntArrayRef group_options, bool mask_grad, int64_t window) {
   const Group ring = Group::from_op(ring_group, group_options);
   const RingLayout layout = RingLayout::make(seq_len, ulysses, ring.size());
-  auto g = ring_attention_backward(grad_out, local_args(q, k, v, kv_map, mask, {}, causal, scale),
+  auto g = ring_attention_backward(grad_out,
+                                   local_args(q, k, v, kv_map, mask, {}, causal, scale, window),
                                    layout, docs.value_or(at::Tensor()), ring, out, lse, mask_grad);
   if (!g[3].defined()) g[3] = at::empty({0}, q.options());
   return {g[0].contiguous(), g[1].contiguous(), g[2].contiguous(), g[3].contiguous()};
@@ -521,13 +525,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ring_attention_backwa
 std::tuple<at::Tensor, at::Tensor> ring_attention_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c10::IntArrayRef kv_map,
     const OptTensor& mask, const OptTensor& docs, bool causal, double scale, int64_t seq_len,
-    int64_t ulysses, const std::string& ring_group, c10::IntArrayRef group_options) {
+    int64_t ulysses, const std::string& ring_group, c10::IntArrayRef group_options,
+    int64_t window) {
   static const auto op = handle<decltype(ring_attention_op)>("ulysses::ring_attention");
   static const auto backward =
       handle<decltype(ring_attention_backward_op)>("ulysses::ring_attention_backward");
   auto [out, lse] = below_autograd([&] {
     return op.call(q, k, v, kv_map, mask, docs, causal, scale, seq_len, ulysses, ring_group,
-                   group_options);
+                   group_options, window);
   });
   const std::vector<at::Tensor> inputs = attention_inputs(q, k, v, mask);
   if (!needs_grad(inputs)) return {out, lse};
@@ -537,10 +542,10 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_autograd(
       inputs, outs, "RingAttentionBackward",
       [q = q.detach(), k = k.detach(), v = v.detach(), o = out.detach(), lse, map = kv_map.vec(),
        mask = detached(mask), docs, causal, scale, seq_len, ulysses, ring_group,
-       options = group_options.vec(), mask_grad](std::vector<at::Tensor>&& g) {
+       options = group_options.vec(), mask_grad, window](std::vector<at::Tensor>&& g) {
         auto [dq, dk, dv, dmask] =
             backward.call(g[0], q, k, v, o, lse, map, mask, docs, causal, scale, seq_len, ulysses,
-                          ring_group, options, mask_grad);
+                          ring_group, options, mask_grad, window);
         std::vector<at::Tensor> grads{dq, dk, dv};
         if (mask_grad) grads.push_back(dmask);
         return grads;
@@ -637,7 +642,7 @@ AttentionCall attention_call(int64_t q_heads, int64_t kv_heads, c10::IntArrayRef
                              const std::string& local, const std::string& group_name,
                              c10::IntArrayRef group_options,
                              const c10::optional<std::string>& ring_group, const StepHandle& step,
-                             bool mask_rebuilt) {
+                             bool mask_rebuilt, int64_t window) {
   AttentionCall call(Group::from_op(group_name, group_options));
   if (ring_group) call.ring = Group::from_op(*ring_group, group_options);
   call.q_heads = q_heads;
@@ -646,6 +651,7 @@ AttentionCall attention_call(int64_t q_heads, int64_t kv_heads, c10::IntArrayRef
   call.layout = parse_layout(layout);
   call.causal = causal;
   call.scale = scale;
+  call.window = window;
   call.kernel = parse_local_kernel(local);
   if (step && *step) call.step = &(*step)->context_for(call.group);
   call.mask_rebuilt = mask_rebuilt;
@@ -658,10 +664,10 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         bool causal, double scale, const std::string& local,
                         const std::string& group_name, c10::IntArrayRef group_options,
                         const c10::optional<std::string>& ring_group, const StepHandle& step,
-                        bool mask_rebuilt) {
+                        bool mask_rebuilt, int64_t window) {
   const AttentionCall call =
       attention_call(q_heads, kv_heads, seq_lens, layout, causal, scale, local, group_name,
-                     group_options, ring_group, step, mask_rebuilt);
+                     group_options, ring_group, step, mask_rebuilt, window);
   return attend(call, {{q}, {k}, {v}}, /*parts=*/false, mask, positions)[0];
 }
 
@@ -670,10 +676,11 @@ std::vector<at::Tensor> attention_parts_op(
     const OptTensor& positions, int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_lens,
     const std::string& layout, bool causal, double scale, const std::string& local,
     const std::string& group_name, c10::IntArrayRef group_options,
-    const c10::optional<std::string>& ring_group, const StepHandle& step, bool mask_rebuilt) {
+    const c10::optional<std::string>& ring_group, const StepHandle& step, bool mask_rebuilt,
+    int64_t window) {
   const AttentionCall call =
       attention_call(q_heads, kv_heads, seq_lens, layout, causal, scale, local, group_name,
-                     group_options, ring_group, step, mask_rebuilt);
+                     group_options, ring_group, step, mask_rebuilt, window);
   return attend(call, {q.vec(), k.vec(), v.vec()}, /*parts=*/true, mask, positions);
 }
 
@@ -684,10 +691,10 @@ std::vector<at::Tensor> attention_heads_op(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
     const OptTensor& positions, int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_lens,
     const std::string& layout, bool causal, double scale, const std::string& group_name,
-    c10::IntArrayRef group_options, const StepHandle& step, bool mask_rebuilt) {
+    c10::IntArrayRef group_options, const StepHandle& step, bool mask_rebuilt, int64_t window) {
   const AttentionCall call =
       attention_call(q_heads, kv_heads, seq_lens, layout, causal, scale, "auto", group_name,
-                     group_options, c10::nullopt, step, mask_rebuilt);
+                     group_options, c10::nullopt, step, mask_rebuilt, window);
   const AttentionHeads h = attend_heads(call, {{q}, {k}, {v}}, /*parts=*/false, mask, positions);
   std::vector<at::Tensor> out{h.args.q, h.args.k, h.args.v};
   if (h.args.mask) out.push_back(*h.args.mask);
@@ -707,8 +714,8 @@ std::vector<at::Tensor> call_scatter_heads(const std::vector<at::Tensor>& xs,
   static const auto op = handle<decltype(scatter_heads_op)>("ulysses::scatter_heads");
   return op.call(xs, heads_names(kinds), plan.heads.q_heads(), plan.heads.kv_heads(),
                  plan.seq.lengths(), to_string(plan.layout), group.op_name(),
-                 options_to_ints(group.options()), /*agree=*/false, {}, {}, false, 0.0, false,
-                 true);
+                 options_to_ints(group.options()), /*agree=*/false, {}, {}, false, 0.0, false, true,
+                 0);
 }
 
 std::vector<at::Tensor> call_scatter_head_parts(const std::vector<std::vector<at::Tensor>>& parts,
@@ -719,8 +726,8 @@ std::vector<at::Tensor> call_scatter_head_parts(const std::vector<std::vector<at
   for (const auto& p : parts) flat.insert(flat.end(), p.begin(), p.end());
   return op.call(flat, heads_names(kinds), plan.heads.q_heads(), plan.heads.kv_heads(),
                  plan.seq.lengths(), to_string(plan.layout), group.op_name(),
-                 options_to_ints(group.options()), /*agree=*/false, {}, {}, false, 0.0, false,
-                 true);
+                 options_to_ints(group.options()), /*agree=*/false, {}, {}, false, 0.0, false, true,
+                 0);
 }
 
 std::vector<at::Tensor> call_scatter_agreed(const std::vector<std::vector<at::Tensor>>& qkv,
@@ -737,7 +744,7 @@ std::vector<at::Tensor> call_scatter_agreed(const std::vector<std::vector<at::Te
       .call(flat, heads_names(kinds), q_heads, kv_heads, seq.lengths(), to_string(layout),
             group.op_name(), options_to_ints(group.options()), /*agree=*/true, options.mask,
             options.positions, options.causal, options.scale, options.step_context,
-            options.check_mask);
+            options.check_mask, options.window);
 }
 
 std::vector<at::Tensor> call_gather_heads(const std::vector<at::Tensor>& ys,
@@ -781,7 +788,7 @@ std::tuple<at::Tensor, at::Tensor> call_ring_attention(const LocalAttentionArgs&
                     "ring_attention: packed documents come as `docs` (ring_document_ids)");
   return op.call(a.q, a.k, a.v, a.kv_map, a.mask, docs.defined() ? OptTensor(docs) : OptTensor(),
                  a.causal, a.scale, layout.seq_len(), layout.ulysses(), ring.op_name(),
-                 options_to_ints(ring.options()));
+                 options_to_ints(ring.options()), a.window);
 }
 
 }  // namespace detail
@@ -800,7 +807,7 @@ TORCH_LIBRARY(ulysses, m) {
       "scatter_heads(Tensor[] xs, str[] heads, int q_heads, int kv_heads, int[] seq_lens, "
       "str layout, str group, int[] group_options, bool agree=True, Tensor? mask=None, "
       "Tensor? positions=None, bool causal=False, float scale=0., bool step=False, "
-      "bool check_mask=True) -> Tensor[]",
+      "bool check_mask=True, int window=0) -> Tensor[]",
       pt2);
   m.def(
       "gather_heads(Tensor[] ys, str[] heads, int q_heads, int kv_heads, int[] seq_lens, "
@@ -811,7 +818,7 @@ TORCH_LIBRARY(ulysses, m) {
       "scatter_head_parts(Tensor[] parts, str[] heads, int q_heads, int kv_heads, "
       "int[] seq_lens, str layout, str group, int[] group_options, bool agree=True, "
       "Tensor? mask=None, Tensor? positions=None, bool causal=False, float scale=0., "
-      "bool step=False, bool check_mask=True) -> Tensor[]",
+      "bool step=False, bool check_mask=True, int window=0) -> Tensor[]",
       pt2);
   m.def(
       "gather_head_parts(Tensor[] ys, str[] heads, int q_heads, int kv_heads, int[] seq_lens, "
@@ -849,12 +856,13 @@ TORCH_LIBRARY(ulysses, m) {
   // ulysses, ring size); docs: [B or 1, seq_len] global document ids.
   m.def(
       "ring_attention(Tensor q, Tensor k, Tensor v, int[] kv_map, Tensor? mask, Tensor? docs, "
-      "bool causal, float scale, int seq_len, int ulysses, str ring_group, int[] group_options) "
-      "-> (Tensor, Tensor)");
+      "bool causal, float scale, int seq_len, int ulysses, str ring_group, int[] group_options, "
+      "int window=0) -> (Tensor, Tensor)");
   m.def(
       "ring_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, int[] kv_map, Tensor? mask, Tensor? docs, bool causal, float scale, "
-      "int seq_len, int ulysses, str ring_group, int[] group_options, bool mask_grad) -> "
+      "int seq_len, int ulysses, str ring_group, int[] group_options, bool mask_grad, "
+      "int window=0) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "ring_document_ids(Tensor positions, int seq_len, int ulysses, str ring_group, "
@@ -882,7 +890,7 @@ TORCH_LIBRARY(ulysses, m) {
       "Tensor? mask, Tensor? positions, int q_heads, int kv_heads, int[] seq_lens, str layout, "
       "bool causal, float scale, str local, str group, int[] group_options, "
       "str? ring_group=None, __torch__.torch.classes.ulysses.StepContext? step=None, "
-      "bool mask_rebuilt=False)";
+      "bool mask_rebuilt=False, int window=0)";
   static const std::string attention =
       std::string("attention(Tensor q, Tensor k, Tensor v, ") + call_args + " -> Tensor";
   static const std::string attention_parts =
@@ -894,7 +902,7 @@ TORCH_LIBRARY(ulysses, m) {
       "attention_heads(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? positions, "
       "int q_heads, int kv_heads, int[] seq_lens, str layout, bool causal, float scale, "
       "str group, int[] group_options, __torch__.torch.classes.ulysses.StepContext? step=None, "
-      "bool mask_rebuilt=False) -> Tensor[]");
+      "bool mask_rebuilt=False, int window=0) -> Tensor[]");
 }
 
 // Collectives: one kernel for every device (the ProcessGroup dispatches by device).

@@ -87,7 +87,4 @@ at::Tensor document_mask(const at::Tensor& positions);
 // applies.
 c10::optional<at::Tensor> structure_mask(const LocalAttentionArgs& args);
 
-// Throws c10::ValueError unless args.window is 0, or > 0 with causal attention.
-void check_window(const LocalAttentionArgs& args);
-
 }  // namespace ulysses

@@ -39,6 +39,7 @@ struct CallFingerprint {
   TensorFacts positions;
   bool causal = false;
   double scale = 0.0;  // 0: 1/sqrt(D).
+  int64_t window = 0;  // 0: no sliding window.
   bool step_context = false;
 
   // The integers the agreement round moves; decode(encode()) == *this.

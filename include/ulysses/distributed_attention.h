@@ -74,6 +74,7 @@ struct AttentionOptions {
   Layout layout = Layout::kBSHD;            // Dimension order of q, k, v and the output.
   bool causal = false;                      // Causal attention (within each document when packed).
   double scale = 0.0;                       // Softmax scale; 0 means 1/sqrt(D).
+  int64_t window = 0;                       // Sliding window (needs causal); 0: none.
   bool fuse_qkv = true;                     // Move q, k, v in one all-to-all (else three).
   LocalKernel kernel = LocalKernel::kAuto;  // Local attention's kernel (attention.h).
   LocalAttention local;                     // A local attention of the caller's; empty: `kernel`.
@@ -98,6 +99,7 @@ struct AttentionCall {
   Layout layout = Layout::kBSHD;
   bool causal = false;
   double scale = 0.0;
+  int64_t window = 0;
   bool fuse_qkv = true;
   LocalKernel kernel = LocalKernel::kAuto;
   const LocalAttention* local = nullptr;  // Overrides `kernel`.

@@ -70,4 +70,8 @@ std::vector<int64_t> rebuilt_mask_shape(const std::vector<int64_t>& sizes,
                                         const HeadPartition& heads, const SequencePartition& seq,
                                         int64_t rank, int64_t key_len = -1);
 
+// The sliding-window rule (LocalAttentionArgs::window): throws c10::ValueError unless window
+// is 0 (none), or > 0 with causal attention.
+void check_window(int64_t window, bool causal);
+
 }  // namespace ulysses

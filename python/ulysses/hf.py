@@ -76,14 +76,13 @@ def ulysses_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                          f"was built with causal={attention.causal}")
     group, timeout = attention.group_name, attention.timeout_ms / 1000
     seq_lens = kwargs.get("ulysses_seq_lens") or O.sequence_lengths(query, 2, group, timeout)
-    window = kwargs.get("sliding_window")
-    if window is not None and window < sum(seq_lens):
-        raise NotImplementedError(f"ulysses attention: sliding-window attention (window {window} < "
-                                  f"{sum(seq_lens)} tokens) is not supported")
     mask = attention_mask
     if mask is not None and mask.dim() == 2:  # padding [B, S_r] -> key mask [B, 1, 1, S]
         mask = O.all_gather_sequence(mask.bool(), -1, seq_lens, group, timeout)[:, None, None, :]
     attention.scale = scaling
+    # transformers' sliding_window W: query i sees keys i - W < j <= i (its mask functions'
+    # rule), the kernels' window. Set per call: a layer's kind (sliding or full) is fixed.
+    attention.window = int(kwargs.get("sliding_window") or 0)
     out = attention(query, key, value, mask=mask, position_ids=kwargs.get("position_ids"),
                     seq_lens=seq_lens)
     return out.transpose(1, 2), None

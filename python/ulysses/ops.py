@@ -121,7 +121,7 @@ def _a2a_shapes(xs, heads, q_heads, kv_heads, seq_lens, layout, group, to_heads:
 
 @torch.library.register_fake("ulysses::scatter_heads")
 def _(xs, heads, q_heads, kv_heads, seq_lens, layout, group, group_options, agree=True, mask=None,
-      positions=None, causal=False, scale=0.0, step=False, check_mask=True):
+      positions=None, causal=False, scale=0.0, step=False, check_mask=True, window=0):
     return _a2a_shapes(xs, heads, q_heads, kv_heads, seq_lens, layout, group, True)
 
 
@@ -161,7 +161,7 @@ def gather_heads(ys: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int,
 
 @torch.library.register_fake("ulysses::scatter_head_parts")
 def _(parts, heads, q_heads, kv_heads, seq_lens, layout, group, group_options, agree=True,
-      mask=None, positions=None, causal=False, scale=0.0, step=False, check_mask=True):
+      mask=None, positions=None, causal=False, scale=0.0, step=False, check_mask=True, window=0):
     size = _rank_size(group)[1]
     return _a2a_shapes(parts[::size], heads, q_heads, kv_heads, seq_lens, layout, group, True)
 

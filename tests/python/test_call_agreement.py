@@ -25,20 +25,21 @@ def packed_positions(B, S, starts=(0, 2, 5)):
 
 
 def run_attention(P, S, hq, hkv, D, dtype, *, causal=True, packed=True, local="auto", mixed_positions=False,
-                  scale_on_rank1=None):
+                  scale_on_rank1=None, window=0):
     g = torch.Generator().manual_seed(P * 100 + S)
     B = 1 if mixed_positions else 2
     Q, K, V = (torch.randn(B, S, h, D, generator=g, dtype=dtype) for h in (hq, hkv, hkv))
     pos = packed_positions(B, S) if packed else None
     ref_q, ref_k, ref_v = (t.detach().clone().double().requires_grad_() for t in (Q, K, V))
-    ref = reference_attention(ref_q, ref_k, ref_v, None, pos, causal)
+    ref = reference_attention(ref_q, ref_k, ref_v, None, pos, causal, window=window)
     dO = torch.randn(ref.shape, generator=g, dtype=torch.float64)
     (ref * dO).sum().backward()
     lens = seq_lens(S, P)
 
     def body(rank, group):
         attn = ulysses.DistributedAttention(group, causal=causal, local=local,
-                                            scale=scale_on_rank1 if rank == 1 else None, timeout=20)
+                                            scale=scale_on_rank1 if rank == 1 else None, window=window,
+                                            timeout=20)
         q, k, v = (shard(t, 1, rank, lens).clone().requires_grad_() for t in (Q, K, V))
         p = shard(pos, 1, rank, lens) if pos is not None else None
         if p is not None and mixed_positions and rank % 2:
@@ -113,6 +114,36 @@ def test_scale_on_one_rank_only_fails_alike():
     errors = run_ranks_errors(2, body, timeout_s=5)
     assert errors[0] == errors[1] and "ranks disagree on scale: rank 0 has default (1/sqrt(D)), rank 1 has 0.5" \
         in errors[0], errors
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("local,dtype", [("auto", torch.float32), ("sdpa", torch.float32),
+                                         ("math", torch.float32), ("auto", torch.float64)])
+def test_a_sliding_window_is_exact_at_every_P(P, local, dtype):
+    # Window 3 over 11 tokens: shards of 4 (or 6) tokens see keys of the shard before them.
+    for packed in (False, True):
+        got, want = run_attention(P, S=11, hq=4, hkv=2, D=8, dtype=dtype, local=local, packed=packed,
+                                  window=3)
+        for a, b in zip(got, want):
+            assert max_rel(a, b) < (1e-12 if dtype == torch.float64 else 1e-5), (local, packed)
+
+
+def test_a_window_on_one_rank_only_fails_alike():
+    def body(rank, group):
+        attn = ulysses.DistributedAttention(group, causal=True, window=3 if rank == 1 else None, timeout=5)
+        q = torch.randn(1, 4, 2, 8)
+        attn(q, q, q)
+
+    errors = run_ranks_errors(2, body, timeout_s=5)
+    assert errors[0] == errors[1] and "ranks disagree on window: rank 0 has none, rank 1 has 3" in errors[0], \
+        errors
+
+
+def test_a_window_without_causal_or_with_a_callable_is_refused():
+    with pytest.raises(ValueError, match="a sliding window is a causal rule"):
+        ulysses.DistributedAttention(None, window=3)
+    with pytest.raises(ValueError, match="a callable local attention takes no window"):
+        ulysses.DistributedAttention(None, causal=True, window=3, local=lambda *a: a[0])
 
 
 @pytest.mark.parametrize("mask_shape,message", [

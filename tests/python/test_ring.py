@@ -48,14 +48,16 @@ def test_plan_sp_mesh_lists_every_split_best_first():
     assert all(p["ulysses"] <= 4 for p in ulysses.plan_sp_mesh(16, 4, 4, 1024))
 
 
-@pytest.mark.parametrize("U,R,hq,hkv,S,causal,packed,mask_kind", [
-    (2, 2, 6, 2, 13, True, True, None),           # GQA, uneven S, causal packed documents
-    (1, 2, 4, 4, 9, False, False, None),          # pure ring
-    (2, 2, 4, 1, 10, True, False, None),          # MQA: kv replicated over U
-    (2, 2, 4, 2, 11, True, False, "learnable"),   # float bias [B, 1, S_r, S] with gradient
-    (1, 3, 4, 2, 10, False, False, "per_head"),   # bool [1, Hq, S, S], full rows
+@pytest.mark.parametrize("U,R,hq,hkv,S,causal,packed,mask_kind,window", [
+    (2, 2, 6, 2, 13, True, True, None, 0),           # GQA, uneven S, causal packed documents
+    (2, 2, 4, 2, 13, True, True, None, 3),           # sliding window: some blocks wholly outside
+    (1, 3, 4, 2, 17, True, False, "learnable", 5),   # window with a learnable bias
+    (1, 2, 4, 4, 9, False, False, None, 0),          # pure ring
+    (2, 2, 4, 1, 10, True, False, None, 0),          # MQA: kv replicated over U
+    (2, 2, 4, 2, 11, True, False, "learnable", 0),   # float bias [B, 1, S_r, S] with gradient
+    (1, 3, 4, 2, 10, False, False, "per_head", 0),   # bool [1, Hq, S, S], full rows
 ])
-def test_hybrid_matches_single_rank_reference(U, R, hq, hkv, S, causal, packed, mask_kind):
+def test_hybrid_matches_single_rank_reference(U, R, hq, hkv, S, causal, packed, mask_kind, window):
     B, D, P = 2, 8, U * R
     gen = torch.Generator().manual_seed(S)
     Q, K, V = (torch.randn(B, S, h, D, generator=gen) for h in (hq, hkv, hkv))
@@ -68,14 +70,14 @@ def test_hybrid_matches_single_rank_reference(U, R, hq, hkv, S, causal, packed, 
     learn = mask_kind == "learnable"
     q, k, v = (t.clone().double().requires_grad_() for t in (Q, K, V))
     m_ref = M.clone().double().requires_grad_() if learn else M
-    ref = reference_attention(q, k, v, m_ref, pos, causal)
+    ref = reference_attention(q, k, v, m_ref, pos, causal, window=window)
     dO = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
     (ref * dO).sum().backward()
     names, keep = hybrid_group_names(U, R)
 
     def body(p, _world):
         uly, ring = names[p]
-        attn = ulysses.DistributedAttention(uly, ring_group=ring, causal=causal)
+        attn = ulysses.DistributedAttention(uly, ring_group=ring, causal=causal, window=window)
         cut = lambda t: ulysses.shard_sequence(t, 1, p, P, ring=R)  # noqa: E731
         ql, kl, vl = (cut(t).clone().requires_grad_() for t in (Q, K, V))
         ml = None
