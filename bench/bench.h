@@ -10,6 +10,12 @@ namespace ulysses::cli {
 // bench attention, bench a2a, bench layer and bench gemm, with their usage.
 std::vector<Command> bench_commands();
 
+// Each benchmark's option table (its help and its parser).
+const Options& bench_attention_options();
+const Options& bench_a2a_options();
+const Options& bench_layer_options();
+const Options& bench_gemm_options();
+
 int bench_attention_main(const Argv& args, const Runtime& runtime);
 int bench_a2a_main(const Argv& args, const Runtime& runtime);
 int bench_layer_main(const Argv& args, const Runtime& runtime);

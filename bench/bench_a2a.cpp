@@ -173,16 +173,24 @@ const std::vector<std::string> kColumns{"seq_len",
 
 }  // namespace
 
+const Options& bench_a2a_options() {
+  static const Options options =
+      with({value("--nproc", "2"), value("--seq-lens", "2048,16384"), value("--head-dim", "64"),
+            choice("--layout", "BSHD|SBHD|BHSD", "BSHD"), value("--repeats", "5"),
+            placeholder("--json", "FILE")},
+           group_option_table());
+  return options;
+}
+
 int bench_a2a_main(const Argv& argv, const Runtime& runtime) {
-  Args args(argv, {});
-  const int nproc = static_cast<int>(args.integer("--nproc", 2, 1, kMaxRanks));
-  const auto seq_lens = args.integers("--seq-lens", "2048,16384", 1);
-  const int64_t D = args.integer("--head-dim", 64, 1);
-  const int repeats = static_cast<int>(args.integer("--repeats", 5, 1, 100000));
-  const std::string layout_name = args.str("--layout", "BSHD");
-  const std::string json = args.str("--json", "");
+  const Args args(argv, bench_a2a_options());
+  const int nproc = static_cast<int>(args.integer("--nproc", 1, kMaxRanks));
+  const auto seq_lens = args.integers("--seq-lens", 1);
+  const int64_t D = args.integer("--head-dim", 1);
+  const int repeats = static_cast<int>(args.integer("--repeats", 1, 100000));
+  const std::string layout_name = args.str("--layout");
+  const std::string json = args.str("--json");
   const GroupOptions options = group_options(args);
-  args.finish();
   const int code = relaunch_as_ranks(nproc, runtime.self, {"bench", "a2a"}, argv);
   if (code >= 0) return code;
 

@@ -13,19 +13,26 @@
 
 namespace ulysses::cli {
 
+const Options& bench_layer_options() {
+  // --ring: ring sizes R to compare side by side (SP = U x R with U = P / R).
+  static const Options options =
+      with({value("--nproc", "2"), value("--seq-lens", "2048,4096,8192"), value("--q-heads", "8"),
+            value("--kv-heads", "2"), value("--head-dim", "64"), value("--ring", "1"),
+            value("--repeats", "3"), placeholder("--json", "FILE")},
+           group_option_table());
+  return options;
+}
+
 int bench_layer_main(const Argv& argv, const Runtime& runtime) {
-  Args args(argv, {});
-  const int nproc = static_cast<int>(args.integer("--nproc", 2, 1, kMaxRanks));
-  const auto seq_lens = args.integers("--seq-lens", "2048,4096,8192", 1);
-  const int64_t Hq = args.integer("--q-heads", 8, 1, kMaxHeads),
-                Hkv = args.integer("--kv-heads", 2, 1, kMaxHeads),
-                D = args.integer("--head-dim", 64, 1);
-  const int repeats = static_cast<int>(args.integer("--repeats", 3, 1, 100000));
-  // Ring sizes R to compare side by side (SP = U x R with U = P / R).
-  const auto rings = args.integers("--ring", "1", 1, kMaxRanks);
-  const std::string json = args.str("--json", "");
+  const Args args(argv, bench_layer_options());
+  const int nproc = static_cast<int>(args.integer("--nproc", 1, kMaxRanks));
+  const auto seq_lens = args.integers("--seq-lens", 1);
+  const int64_t Hq = args.integer("--q-heads", 1, kMaxHeads),
+                Hkv = args.integer("--kv-heads", 1, kMaxHeads), D = args.integer("--head-dim", 1);
+  const int repeats = static_cast<int>(args.integer("--repeats", 1, 100000));
+  const auto rings = args.integers("--ring", 1, kMaxRanks);
+  const std::string json = args.str("--json");
   const GroupOptions group_opts = group_options(args);
-  args.finish();
   const int code = relaunch_as_ranks(nproc, runtime.self, {"bench", "layer"}, argv);
   if (code >= 0) return code;
 

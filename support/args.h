@@ -1,11 +1,12 @@
-// A small strict flag parser for the ulysses subcommands: `--name value` and `--flag`.
+// A small strict option parser for the ulysses subcommands: `--name value` and `--flag`, from
+// one table per command that also makes its help.
 #pragma once
 
 #include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <map>
-#include <set>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -33,79 +34,132 @@ inline std::string shown(const std::string& text) {
   return out;
 }
 
+// One option of a command. A command's table of them makes both its help's synopsis and its
+// parser, so the two cannot drift: what the help shows is what the parser takes, with the same
+// default.
+struct Option {
+  std::string name;                     // "--seq-len" (or "-n").
+  std::string shown;                    // Its value in the help: "256", "FILE"; "" for a flag.
+  std::optional<std::string> fallback;  // The value when not given; none: simply absent.
+  bool required = false;                // Shown without brackets; absent is a usage error.
+  bool hidden = false;                  // Accepted, not shown (internal plumbing).
+};
+using Options = std::vector<Option>;
+
+// `--name value`, defaulting to `fallback` (which the help shows).
+inline Option value(std::string name, std::string fallback) {
+  return {std::move(name), fallback, fallback};
+}
+// `--name value` shown as `shown` ("0|1|both", "float32|bfloat16"), defaulting to `fallback`.
+inline Option choice(std::string name, std::string shown, std::string fallback) {
+  return {std::move(name), std::move(shown), std::move(fallback)};
+}
+// `--name VALUE` with no default: the command tells has() and reads it only when given.
+inline Option placeholder(std::string name, std::string shown) {
+  return {std::move(name), std::move(shown), std::nullopt};
+}
+inline Option flag(std::string name) { return {std::move(name), "", std::nullopt}; }
+inline Option required(std::string name, std::string shown) {
+  return {std::move(name), std::move(shown), std::nullopt, true};
+}
+inline Option hidden(std::string name) { return {std::move(name), "X", std::nullopt, false, true}; }
+
+// The table as a synopsis: "[--nproc 4] [--check] --sp P ...", then `tail` ("-- <command>
+// [args...]"), wrapped within `width` columns, the first line starting at column `column` and
+// continuation lines indented by 8.
+inline std::string synopsis(const Options& options, const std::string& tail = "",
+                            size_t column = 0, size_t width = 92) {
+  std::vector<std::string> items;
+  for (const Option& o : options) {
+    if (o.hidden) continue;
+    const std::string item = o.shown.empty() ? o.name : o.name + " " + o.shown;
+    items.push_back(o.required ? item : "[" + item + "]");
+  }
+  if (!tail.empty()) items.push_back(tail);
+  std::string out, line;
+  for (const std::string& item : items) {
+    if (!line.empty() && column + line.size() + 1 + item.size() > width) {
+      out += line + "\n";
+      line = "       ";
+      column = 0;
+    }
+    line += (line.empty() ? "" : " ") + item;
+  }
+  return out + line;
+}
+
 class Args {
  public:
-  // Parses `args`: `--name value`, `--name=value`, and the `flags`, which take no value. A token
-  // starting with "--" is never taken as a value, so an unknown option is reported as unknown
-  // (by finish) rather than swallowing the next option; "-5" still is a value.
-  Args(const std::vector<std::string>& args, std::set<std::string> flags)
-      : flags_(std::move(flags)) {
+  // Parses `args` against `options`: `--name value`, `--name=value`, and flags, which take no
+  // value. A name not in the table is an unknown option; a token starting with "--" is never a
+  // value (so "--jsn --seq-len 100" reports --jsn, not 100); "-5" still is a value.
+  Args(const std::vector<std::string>& args, Options options) : options_(std::move(options)) {
     for (size_t i = 0; i < args.size(); ++i) {
       const std::string& a = args[i];
       if (a.size() < 2 || a[0] != '-') throw UsageError("unexpected argument '" + shown(a) + "'");
       const size_t eq = a.rfind("--", 0) == 0 ? a.find('=') : std::string::npos;
-      if (eq != std::string::npos) {
-        const std::string name = a.substr(0, eq);
-        if (flags_.count(name)) throw UsageError("option " + shown(name) + " takes no value");
+      const std::string name = a.substr(0, eq);
+      const Option* o = find(name);
+      if (o == nullptr) throw UsageError("unknown option " + shown(name));
+      if (o->shown.empty()) {
+        if (eq != std::string::npos) throw UsageError("option " + shown(name) + " takes no value");
+        values_[name] = "1";
+      } else if (eq != std::string::npos) {
         values_[name] = a.substr(eq + 1);
-      } else if (flags_.count(a)) {
-        values_[a] = "1";
       } else if (i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0) {
-        values_[a] = args[++i];
+        values_[name] = args[++i];
       } else {
-        missing_value_.insert(a);  // An error once someone asks for it (else: unknown).
-        values_[a] = "";
+        throw UsageError("option " + shown(name) + " needs a value");
       }
     }
   }
-  bool has(const std::string& name) {
-    used_.insert(name);
-    if (missing_value_.count(name)) throw UsageError("option " + shown(name) + " needs a value");
+  // Whether `name` was given.
+  bool has(const std::string& name) const {
+    known(name);
     return values_.count(name) > 0;
   }
-  std::string str(const std::string& name, const std::string& fallback) {
-    return has(name) ? values_[name] : fallback;
+  // The value given, else the table's default, else "" (an option with no default).
+  std::string str(const std::string& name) const {
+    const Option& o = known(name);
+    if (has(name)) return values_.at(name);
+    if (o.required) throw UsageError("option " + name + " is required");
+    return o.fallback.value_or("");
   }
-  // The integer value of `name` (or `fallback`), which must lie in [lo, hi].
-  int64_t integer(const std::string& name, int64_t fallback, int64_t lo = kMin, int64_t hi = kMax) {
-    if (!has(name)) return fallback;
+  // The integer value (given, else the default), which must lie in [lo, hi].
+  int64_t integer(const std::string& name, int64_t lo = kMin, int64_t hi = kMax) const {
+    const std::string text = value_of(name);
     int64_t v = 0;
     try {
       size_t end = 0;
-      v = std::stoll(values_[name], &end);
-      if (end != values_[name].size()) throw std::invalid_argument("trailing characters");
+      v = std::stoll(text, &end);
+      if (end != text.size()) throw std::invalid_argument("trailing characters");
     } catch (const std::exception&) {
-      throw UsageError("option " + name + " must be an integer; got '" + shown(values_[name]) +
-                       "'");
+      throw UsageError("option " + name + " must be an integer; got '" + shown(text) + "'");
     }
     check_range(name, v, lo, hi);
     return v;
   }
-  // The number value of `name` (or `fallback`), which must lie in [lo, hi].
-  double real(const std::string& name, double fallback, double lo = -1e300, double hi = 1e300) {
-    if (!has(name)) return fallback;
+  // The number value (given, else the default), which must lie in [lo, hi].
+  double real(const std::string& name, double lo = -1e300, double hi = 1e300) const {
+    const std::string text = value_of(name);
     double v = 0;
     try {
       size_t end = 0;
-      v = std::stod(values_[name], &end);
-      if (end != values_[name].size()) throw std::invalid_argument("trailing characters");
+      v = std::stod(text, &end);
+      if (end != text.size()) throw std::invalid_argument("trailing characters");
     } catch (const std::exception&) {
-      throw UsageError("option " + name + " must be a number; got '" + shown(values_[name]) + "'");
+      throw UsageError("option " + name + " must be a number; got '" + shown(text) + "'");
     }
     if (!(v >= lo && v <= hi)) {
       throw UsageError("option " + name + " must be in [" + std::to_string(lo) + ", " +
-                       std::to_string(hi) + "]; got " + shown(values_[name]));
+                       std::to_string(hi) + "]; got " + shown(text));
     }
     return v;
   }
-  int64_t required_integer(const std::string& name, int64_t lo = kMin, int64_t hi = kMax) {
-    if (!has(name)) throw UsageError("option " + name + " is required");
-    return integer(name, 0, lo, hi);
-  }
-  // A comma-separated list of integers, each in [lo, hi].
-  std::vector<int64_t> integers(const std::string& name, const std::string& fallback,
-                                int64_t lo = kMin, int64_t hi = kMax) {
-    const std::string text = str(name, fallback);
+  // A comma-separated list of integers (given, else the default), each in [lo, hi].
+  std::vector<int64_t> integers(const std::string& name, int64_t lo = kMin,
+                                int64_t hi = kMax) const {
+    const std::string text = value_of(name);
     std::vector<int64_t> out;
     size_t start = 0;
     while (start <= text.size()) {
@@ -124,24 +178,35 @@ class Args {
     }
     return out;
   }
-  // Call after reading every option: rejects options nobody asked for.
-  void finish() const {
-    for (const auto& kv : values_)
-      if (!used_.count(kv.first)) throw UsageError("unknown option " + shown(kv.first));
-  }
 
  private:
   static constexpr int64_t kMin = INT64_MIN, kMax = INT64_MAX;
+  const Option* find(const std::string& name) const {
+    for (const Option& o : options_)
+      if (o.name == name) return &o;
+    return nullptr;
+  }
+  // Reading an option the table lacks is the command's bug, not the user's.
+  const Option& known(const std::string& name) const {
+    const Option* o = find(name);
+    if (o == nullptr) throw std::logic_error("option " + name + " is not in the command's table");
+    return *o;
+  }
+  std::string value_of(const std::string& name) const {
+    const Option& o = known(name);
+    if (!has(name) && !o.required && !o.fallback) {
+      throw std::logic_error("option " + name + " has no default: ask has() first");
+    }
+    return str(name);
+  }
   static void check_range(const std::string& name, int64_t v, int64_t lo, int64_t hi) {
     if (v >= lo && v <= hi) return;
     std::string range = hi == kMax ? ">= " + std::to_string(lo)
                                    : "in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
     throw UsageError("option " + name + " must be " + range + "; got " + std::to_string(v));
   }
-  std::set<std::string> flags_;
+  Options options_;
   std::map<std::string, std::string> values_;
-  std::set<std::string> used_;
-  std::set<std::string> missing_value_;  // Options given last, or before another option.
 };
 
 }  // namespace ulysses::cli

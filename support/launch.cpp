@@ -296,19 +296,24 @@ int relaunch_as_ranks(int nproc, const Argv& self, const Argv& subcommand, const
   return launch(options, command);
 }
 
+const Options& launch_options() {
+  static const Options options{required("-n", "N"), value("--port", "0"),
+                               value("--addr", "127.0.0.1")};
+  return options;
+}
+
 int launch_main(const Argv& args) {
   auto sep = std::find(args.begin(), args.end(), std::string("--"));
   Argv before(args.begin(), sep);
   for (auto& a : before)
     if (a == "--nproc") a = "-n";  // Both spellings; messages use -n, launch's own flag.
-  Args parsed(before, {});
+  const Args parsed(before, launch_options());
   LaunchOptions options;
   if (!parsed.has("-n")) throw UsageError("-n N (the number of ranks) is required");
-  options.nproc = static_cast<int>(parsed.integer("-n", 1, 1, kMaxRanks));
-  options.master_port = static_cast<int>(parsed.integer("--port", 0, 0, 65535));
-  options.master_addr = parsed.str("--addr", "127.0.0.1");
+  options.nproc = static_cast<int>(parsed.integer("-n", 1, kMaxRanks));
+  options.master_port = static_cast<int>(parsed.integer("--port", 0, 65535));
+  options.master_addr = parsed.str("--addr");
   check_address(options.master_addr);
-  parsed.finish();
   if (sep == args.end()) throw UsageError("expected -- <command> after the options");
   return launch(options, Argv(sep + 1, args.end()));
 }

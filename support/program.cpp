@@ -23,7 +23,9 @@ void print_usage(std::ostream& os, const std::vector<Command>& commands,
   }
   for (const Command& c : commands) {
     if (!starts_with(c.name, prefix)) continue;
-    os << (prefix.empty() ? "  " : "usage: ") << "ulysses " << c.name << " " << c.synopsis << "\n"
+    const std::string lead = (prefix.empty() ? "  " : "usage: ") + std::string("ulysses ") +
+                             c.name + " ";
+    os << lead << synopsis(c.options, c.tail, lead.size()) << "\n"
        << (prefix.empty() ? "    " : "") << c.about << "\n";
   }
 }
@@ -64,14 +66,21 @@ std::string members_of(const std::vector<Command>& commands, const std::string& 
 
 }  // namespace
 
-GroupOptions group_options(Args& args) {
+constexpr int64_t kKiB = 1024;
+
+Options group_option_table() {
+  const GroupOptions defaults;
+  return {value("--timeout", "120"),
+          value("--pipeline-min-kib", std::to_string(defaults.pipeline_min_bytes / kKiB)),
+          value("--message-kib", std::to_string(defaults.message_bytes / kKiB))};
+}
+
+GroupOptions group_options(const Args& args) {
   GroupOptions options;
-  options.timeout = std::chrono::seconds(args.integer("--timeout", 120, 1, 86400));
-  constexpr int64_t kKiB = 1024, kMostKiB = int64_t{1} << 40;
-  options.pipeline_min_bytes =
-      kKiB * args.integer("--pipeline-min-kib", options.pipeline_min_bytes / kKiB, 0, kMostKiB);
-  options.message_bytes =
-      kKiB * args.integer("--message-kib", options.message_bytes / kKiB, 1, kMostKiB);
+  options.timeout = std::chrono::seconds(args.integer("--timeout", 1, 86400));
+  constexpr int64_t kMostKiB = int64_t{1} << 40;
+  options.pipeline_min_bytes = kKiB * args.integer("--pipeline-min-kib", 0, kMostKiB);
+  options.message_bytes = kKiB * args.integer("--message-kib", 1, kMostKiB);
   return options;
 }
 

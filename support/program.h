@@ -32,11 +32,14 @@ struct Runtime {
   Mesh::Split split;
 };
 
-// One subcommand: its name as typed ("train", "bench a2a"), usage, and body (the arguments
-// after the name; returns the exit code; throws UsageError for a bad command line).
+// One subcommand: its name as typed ("train", "bench a2a"), its option table (the help's
+// synopsis and the parser its body builds from the same table), what follows the options
+// (launch's "-- <command>"), what it does, and its body (the arguments after the name; returns
+// the exit code; throws UsageError for a bad command line).
 struct Command {
   std::string name;
-  std::string synopsis;
+  Options options;
+  std::string tail;
   std::string about;
   std::function<int(const Argv&, const Runtime&)> run;
 };
@@ -51,9 +54,18 @@ inline std::function<int(const Argv&, const Runtime&)> without_runtime(int (*mai
 int run_program(const Argv& argv, const std::vector<Command>& commands, const Runtime& runtime,
                 const std::string& version);
 
-// The process-group options of a subcommand that communicates: --timeout SECONDS (default 120,
-// in [1, 86400]) bounds every collective, so a dead or frozen peer is an error, not a hang.
-GroupOptions group_options(Args& args);
+// The process-group options of a subcommand that communicates (its table includes
+// group_option_table()): --timeout SECONDS (default 120, in [1, 86400]) bounds every
+// collective, so a dead or frozen peer is an error, not a hang; --pipeline-min-kib and
+// --message-kib choose how large CPU all-to-alls are cut.
+Options group_option_table();
+GroupOptions group_options(const Args& args);
+
+// `options` followed by `more`.
+inline Options with(Options options, const Options& more) {
+  options.insert(options.end(), more.begin(), more.end());
+  return options;
+}
 
 // Options of the local launcher.
 struct LaunchOptions {
@@ -67,6 +79,7 @@ struct LaunchOptions {
 // the other ranks when one fails, and returns the first failure's exit code (0 if none).
 int launch(const LaunchOptions& options, const Argv& command);
 // `ulysses launch -n N [--port P] [--addr A] -- <command...>`.
+const Options& launch_options();
 int launch_main(const Argv& args);
 
 // For subcommands with --nproc N: when this process is not already a rank (no RANK in the

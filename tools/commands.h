@@ -11,6 +11,11 @@ namespace ulysses::cli {
 // train, plan, demo and launch, with their usage.
 std::vector<Command> cli_commands();
 
+// Each subcommand's option table (its help and its parser).
+const Options& train_options();
+const Options& plan_options();
+const Options& demo_options();
+
 int plan_main(const Argv& args);
 int demo_main(const Argv& args, const Runtime& runtime);
 int train_main(const Argv& args, const Runtime& runtime);

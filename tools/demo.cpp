@@ -10,15 +10,22 @@
 
 namespace ulysses::cli {
 
+const Options& demo_options() {
+  static const Options options =
+      with({value("--nproc", "4"), value("--q-heads", "8"), value("--kv-heads", "2"),
+            value("--seq-len", "1024"), value("--head-dim", "64")},
+           group_option_table());
+  return options;
+}
+
 int demo_main(const Argv& argv, const Runtime& runtime) {
-  Args args(argv, {});
-  const int nproc = static_cast<int>(args.integer("--nproc", 4, 1, kMaxRanks));
-  const int64_t hq = args.integer("--q-heads", 8, 1, kMaxHeads);
-  const int64_t hkv = args.integer("--kv-heads", 2, 1, kMaxHeads);
-  const int64_t S = args.integer("--seq-len", 1024, 1);
-  const int64_t D = args.integer("--head-dim", 64, 1);
+  const Args args(argv, demo_options());
+  const int nproc = static_cast<int>(args.integer("--nproc", 1, kMaxRanks));
+  const int64_t hq = args.integer("--q-heads", 1, kMaxHeads);
+  const int64_t hkv = args.integer("--kv-heads", 1, kMaxHeads);
+  const int64_t S = args.integer("--seq-len", 1);
+  const int64_t D = args.integer("--head-dim", 1);
   const GroupOptions options = group_options(args);
-  args.finish();
   const int code = relaunch_as_ranks(nproc, runtime.self, {"demo"}, argv);
   if (code >= 0) return code;
 

@@ -40,15 +40,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   (void)quiet;
   const std::vector<std::string> argv = words(data, size);
   try {
-    Args args(argv, {"--json", "--flag"});
-    const int64_t n = args.integer("--n", 3, -5, 70);
+    using namespace ulysses::cli;
+    const Args args(argv, {flag("--json"), flag("--flag"), value("--n", "3"), value("--x", "0.5"),
+                           value("--list", "1,2"), placeholder("--name", "NAME")});
+    const int64_t n = args.integer("--n", -5, 70);
     FUZZ_CHECK(n >= -5 && n <= 70);
-    const double x = args.real("--x", 0.5, 0.0, 1.0);
+    const double x = args.real("--x", 0.0, 1.0);
     FUZZ_CHECK(x >= 0.0 && x <= 1.0);
-    for (int64_t v : args.integers("--list", "1,2", 0, 1000)) FUZZ_CHECK(v >= 0 && v <= 1000);
-    args.str("--name", "");
+    for (int64_t v : args.integers("--list", 0, 1000)) FUZZ_CHECK(v >= 0 && v <= 1000);
+    args.str("--name");
     args.has("--json");
-    args.finish();
   } catch (const UsageError& e) {
     check_one_line(e.what());
   }

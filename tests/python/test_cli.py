@@ -361,7 +361,8 @@ def _help_options(synopsis: str) -> list[list[str]]:
     "[--seq-len 256]", ["--check"] for "[--check]" (defaults, or a valid stand-in)."""
     import re
     out = []
-    for name, value in re.findall(r"\[?(--?[a-z][a-z0-9-]*)(?: ([^\]\s]+))?\]?", synopsis):
+    # Options start a word ("-parallel" in the command's description is none).
+    for name, value in re.findall(r"(?:^|(?<=[\s\[]))(--?[a-z][a-z0-9-]*)(?: ([^\]\s]+))?\]?", synopsis):
         if name in ("--help", "--"):
             continue
         if not value or value.startswith("-") or value == "<command>":
