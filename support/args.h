@@ -67,8 +67,8 @@ inline Option hidden(std::string name) { return {std::move(name), "X", std::null
 // The table as a synopsis: "[--nproc 4] [--check] --sp P ...", then `tail` ("-- <command>
 // [args...]"), wrapped within `width` columns, the first line starting at column `column` and
 // continuation lines indented by 8.
-inline std::string synopsis(const Options& options, const std::string& tail = "",
-                            size_t column = 0, size_t width = 92) {
+inline std::string synopsis(const Options& options, const std::string& tail = "", size_t column = 0,
+                            size_t width = 92) {
   std::vector<std::string> items;
   for (const Option& o : options) {
     if (o.hidden) continue;

@@ -23,8 +23,8 @@ void print_usage(std::ostream& os, const std::vector<Command>& commands,
   }
   for (const Command& c : commands) {
     if (!starts_with(c.name, prefix)) continue;
-    const std::string lead = (prefix.empty() ? "  " : "usage: ") + std::string("ulysses ") +
-                             c.name + " ";
+    const std::string lead =
+        (prefix.empty() ? "  " : "usage: ") + std::string("ulysses ") + c.name + " ";
     os << lead << synopsis(c.options, c.tail, lead.size()) << "\n"
        << (prefix.empty() ? "    " : "") << c.about << "\n";
   }
