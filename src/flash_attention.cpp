@@ -11,7 +11,7 @@
 #include <cstring>
 #include <limits>
 
-#include "detail/ops.h"
+#include "detail/kernel_ops.h"
 #include "ulysses/mask_decision.h"
 
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "detail/autograd.h"
+#include "detail/kernel_ops.h"
 #include "ulysses/distributed_attention.h"
 #include "ulysses/flash_attention.h"
 #include "ulysses/group.h"

@@ -6,7 +6,7 @@
 #include <limits>
 #include <sstream>
 
-#include "detail/ops.h"
+#include "detail/kernel_ops.h"
 #include "ulysses/flash_attention.h"
 #include "ulysses/mask.h"
 

@@ -1,5 +1,6 @@
 // The library's calls into its own dispatcher ops (torch.ops.ulysses, registered in
-// src/ops.cpp), and the kernels those ops run.
+// src/ops.cpp) from the ops floor, and the kernels those ops run (the kernels floor's calls are
+// in kernel_ops.h).
 //
 // Note [One autograd]: every differentiable step of the library is a dispatcher op whose
 // autograd kernel (src/ops.cpp) records the backward, the adjoint op. The C++ API functions
@@ -16,11 +17,8 @@
 #include <vector>
 
 #include "ulysses/all_to_all.h"
-#include "ulysses/attention.h"
-#include "ulysses/flash_attention.h"
 #include "ulysses/group.h"
 #include "ulysses/partition.h"
-#include "ulysses/ring_attention.h"
 
 namespace ulysses::detail {
 
@@ -48,11 +46,6 @@ at::Tensor call_sequence_collective(const at::Tensor& x, int64_t dim, const Sequ
                                     const Group& group, bool reduce, bool agree = true);
 at::Tensor call_rebuild_mask(const at::Tensor& mask, const AllToAllPlan& plan, const Group& group,
                              int64_t key_len);
-std::tuple<at::Tensor, at::Tensor> call_flash_attention(const LocalAttentionArgs& args,
-                                                        const FlashOptions& options);
-std::tuple<at::Tensor, at::Tensor> call_ring_attention(const LocalAttentionArgs& args,
-                                                       const RingLayout& layout,
-                                                       const at::Tensor& docs, const Group& ring);
 
 // ---- kernels (no autograd) ----
 std::vector<at::Tensor> scatter_heads_kernel(const std::vector<at::Tensor>& xs,
