@@ -137,6 +137,8 @@ void bind_shape_rules(py::module_& m) {
       py::arg("rank"), py::arg("key_len") = -1);
   m.def("check_window", &check_window, py::arg("window"), py::arg("causal"),
         "The sliding-window rule (raises ValueError unless 0, or > 0 with causal).");
+  m.def("check_softcap", &check_softcap, py::arg("softcap"),
+        "The logit-softcap rule (raises ValueError unless 0, or finite and > 0).");
   auto to_ranges = [](const std::vector<std::pair<int64_t, int64_t>>& rs) {
     std::vector<Range> out;
     for (auto [a, b] : rs) out.push_back({a, b});
@@ -205,7 +207,7 @@ void bind_groups_and_hooks(py::module_& m) {
          const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& positions,
          const std::string& group, int64_t timeout_ms, int64_t q_heads, int64_t kv_heads,
          const std::string& layout, bool causal, double scale, const std::string& local,
-         int64_t window) {
+         int64_t window, double softcap) {
         py::gil_scoped_release release;  // Rank threads run collectives meanwhile.
         GroupOptions options;
         options.timeout = std::chrono::milliseconds(timeout_ms);
@@ -216,6 +218,7 @@ void bind_groups_and_hooks(py::module_& m) {
         a.causal = causal;
         a.scale = scale;
         a.window = window;
+        a.softcap = softcap;
         a.kernel = parse_local_kernel(local);
         DistributedAttention attention(Group::resolve(group, options), a);
         return attention(q, k, v, {mask, positions});
@@ -223,7 +226,7 @@ void bind_groups_and_hooks(py::module_& m) {
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("positions"),
       py::arg("group"), py::arg("timeout_ms"), py::arg("q_heads"), py::arg("kv_heads"),
       py::arg("layout"), py::arg("causal"), py::arg("scale"), py::arg("local"),
-      py::arg("window") = 0,
+      py::arg("window") = 0, py::arg("softcap") = 0.0,
       "One call of the C++ API's DistributedAttention (q_heads/kv_heads 0: from the tensors), "
       "for tests that hold the Python module to it.");
 }

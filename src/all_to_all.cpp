@@ -387,6 +387,7 @@ void check_call_locally(const HeadPartition& heads, Layout layout,
                     " ranks but the SP group has ", P);
   check_4d(tensors, layout);
   check_window(call.window, call.causal);
+  check_softcap(call.softcap);
   const at::Tensor& first = tensors[0].tensor;
   for (const TensorSpec& spec : tensors) {
     const at::Tensor& x = spec.tensor;
@@ -475,6 +476,7 @@ CallFingerprint call_fingerprint(const Group& group, const HeadPartition& heads,
   f.causal = call.causal;
   f.scale = call.scale;
   f.window = call.window;
+  f.softcap = call.softcap;
   f.step_context = call.step_context;
   return f;
 }

@@ -73,6 +73,7 @@ at::Tensor math_attention(const LocalAttentionArgs& a) {
   at::Tensor k = a.k.index_select(1, map).to(compute);
   at::Tensor v = a.v.index_select(1, map).to(compute);
   at::Tensor s = at::matmul(a.q.to(compute), k.transpose(-1, -2)) * scale;  // [B, H, S, S]
+  if (a.softcap > 0) s = at::tanh(s / a.softcap) * a.softcap;  // Before any mask (Gemma2's).
   const int64_t Sq = s.size(-2), Sk = s.size(-1);
   at::Tensor allowed = at::ones({1, 1, Sq, Sk}, s.options().dtype(at::kBool));
   if (a.mask) {
@@ -107,6 +108,8 @@ constexpr const char* kKernelNames[] = {"auto", "fused", "sdpa", "math"};
 }  // namespace
 
 at::Tensor sdpa_attention(const LocalAttentionArgs& a) {
+  TORCH_CHECK_VALUE(a.softcap == 0, "local attention \"sdpa\" has no logit softcap; use \"auto\", ",
+                    "\"fused\" or \"math\" with softcap=", a.softcap);
   at::Tensor map = at::tensor(a.kv_map, a.q.options().dtype(at::kLong));
   at::Tensor k = a.k.index_select(1, map), v = a.v.index_select(1, map);
   const c10::optional<double> scale =
@@ -132,7 +135,7 @@ std::string to_string(LocalKernel kernel) { return kKernelNames[static_cast<int>
 LocalKernel choose_local_kernel(const LocalAttentionArgs& a, LocalKernel requested) {
   const bool cpu = a.q.device().is_cpu(), fp64 = a.q.scalar_type() == at::kDouble;
   if (requested == LocalKernel::kAuto) {
-    if (!cpu) return LocalKernel::kSdpa;
+    if (!cpu) return a.softcap > 0 ? LocalKernel::kMath : LocalKernel::kSdpa;  // SDPA: no cap.
     return fp64 ? LocalKernel::kMath : LocalKernel::kFused;
   }
   if (requested == LocalKernel::kFused) {
@@ -145,6 +148,7 @@ LocalKernel choose_local_kernel(const LocalAttentionArgs& a, LocalKernel request
 }
 
 at::Tensor local_attention(const LocalAttentionArgs& args, LocalKernel kernel) {
+  check_softcap(args.softcap);
   switch (choose_local_kernel(args, kernel)) {
     case LocalKernel::kFused:
       return flash_attention(args);

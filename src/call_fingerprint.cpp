@@ -81,6 +81,13 @@ std::string as_device(int64_t v) {
 }
 std::string as_layout(int64_t v) { return to_string(static_cast<Layout>(v)); }
 std::string as_window(int64_t v) { return v == 0 ? "none" : std::to_string(v); }
+std::string as_softcap(int64_t v) {
+  const double d = double_of(v);
+  if (d == 0) return "none";
+  std::ostringstream os;
+  os << d;
+  return os.str();
+}
 std::string as_split(int64_t v) { return v < 0 ? "none (learned)" : "given"; }
 std::string as_scale(int64_t v) {
   const double d = double_of(v);
@@ -137,6 +144,7 @@ std::vector<Field> fields(const CallFingerprint& c, const std::vector<std::strin
   f.push_back({"causal", c.causal, as_bool});
   f.push_back({"scale", bits_of(c.scale), as_scale});
   f.push_back({"window", c.window, as_window});
+  f.push_back({"softcap", bits_of(c.softcap), as_softcap});
   f.push_back({"whether a StepContext is used", c.step_context, as_bool});
   f.push_back({"GroupOptions::pipeline_min_bytes", c.pipeline_min_bytes, as_int});
   f.push_back({"GroupOptions::message_bytes", c.message_bytes, as_int});
@@ -155,6 +163,7 @@ std::vector<int64_t> CallFingerprint::encode() const {
   out.push_back(causal);
   out.push_back(bits_of(scale));
   out.push_back(window);
+  out.push_back(bits_of(softcap));
   out.push_back(step_context);
   return out;
 }
@@ -177,6 +186,7 @@ CallFingerprint CallFingerprint::decode(const std::vector<int64_t>& values) {
   c.causal = r.next() != 0;
   c.scale = double_of(r.next());
   c.window = r.next();
+  c.softcap = double_of(r.next());
   c.step_context = r.next() != 0;
   TORCH_CHECK(r.done(), "CallFingerprint::decode: ", values.size(), " values, more than encoded");
   return c;

@@ -201,6 +201,7 @@ AttentionHeads attend_heads(const AttentionCall& call,
   options.causal = call.causal;
   options.scale = call.scale;
   options.window = call.window;
+  options.softcap = call.softcap;
   options.step_context = call.step != nullptr;
   options.check_mask = !ring && !call.mask_rebuilt;
 
@@ -225,6 +226,7 @@ AttentionHeads attend_heads(const AttentionCall& call,
   args.causal = call.causal;
   args.scale = call.scale;
   args.window = call.window;
+  args.softcap = call.softcap;
   StepContext* step = call.step;
   if (mask && call.mask_rebuilt) {
     args.mask = mask;
@@ -271,6 +273,7 @@ DistributedAttention::DistributedAttention(Group group, AttentionOptions options
                     "first call); got q_heads=",
                     options_.q_heads, ", kv_heads=", options_.kv_heads);
   check_window(options_.window, options_.causal);
+  check_softcap(options_.softcap);
   if (options_.q_heads > 0 && options_.kv_heads > 0) {
     partition_ = HeadPartition::make(options_.q_heads, options_.kv_heads, group_.size());
   }
@@ -291,6 +294,7 @@ AttentionCall DistributedAttention::call(const AttentionInputs& in) const {
   c.causal = options_.causal;
   c.scale = options_.scale;
   c.window = options_.window;
+  c.softcap = options_.softcap;
   c.fuse_qkv = options_.fuse_qkv;
   c.kernel = options_.kernel;
   c.local = options_.local ? &options_.local : nullptr;

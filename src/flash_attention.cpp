@@ -100,7 +100,8 @@ struct Problem {
   at::Tensor q_doc, k_doc;      // [B, Sq], [B, Sk] document ids (stride 0 over B allowed), or {}.
   std::vector<int64_t> kv_map;  // Local kv head of each query head.
   bool causal = false;
-  int64_t window = 0;  // > 0: keys with index <= query index - window are not seen.
+  int64_t window = 0;    // > 0: keys with index <= query index - window are not seen.
+  float softcap = 0.0f;  // > 0: scores s become softcap * tanh(s / softcap) before the masks.
   float scale = 1.0f;
   int64_t bq = 128, bk = 256;
   int64_t B = 0, Hq = 0, Hkv = 0, Sq = 0, Sk = 0, D = 0, Dv = 0;
@@ -118,6 +119,20 @@ struct Problem {
     const int64_t* dk = k_doc.data_ptr<int64_t>() + b * k_doc.stride(0);
     const int64_t sq = q_doc.stride(1), sk = k_doc.stride(1);
     return dk[(j0 + cols - 1) * sk] < dq[i0 * sq] || dk[j0 * sk] > dq[(i0 + rows - 1) * sq];
+  }
+
+  // Caps the scores of tile s (rows x cols, leading dim lds): s = softcap * tanh(s / softcap).
+  // With `slope`, also stores d(capped)/ds = 1 - (capped / softcap)^2 there (the backward's).
+  void cap_tile(int64_t rows, int64_t cols, float* s, int64_t lds, float* slope = nullptr) const {
+    const float c = softcap, inv = 1.0f / softcap;
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = s + r * lds;
+      at::vec::map([c, inv](Vec x) { return (x * Vec(inv)).tanh() * Vec(c); }, row, row, cols);
+      if (slope) {
+        at::vec::map([inv](Vec x) { return Vec(1.0f) - (x * Vec(inv)) * (x * Vec(inv)); },
+                     slope + r * lds, row, cols);
+      }
+    }
   }
 
   // Adds the bias and sets disallowed entries of tile s (rows x cols, leading dim lds) to -inf.
@@ -195,6 +210,7 @@ std::pair<at::Tensor, at::Tensor> forward(const Problem& p) {
         if (p.skip(b, i0, rows, j0, cols)) continue;
         gemm(false, true, rows, cols, p.D, p.scale, Q, q.s2, k.at(b, g, j0), k.s2, 0.0f, s.data(),
              p.bk);
+        if (p.softcap > 0) p.cap_tile(rows, cols, s.data(), p.bk);
         p.mask_tile(b, h, i0, rows, j0, cols, s.data(), p.bk);
         for (int64_t r = 0; r < rows; ++r) {
           float* row = s.data() + r * p.bk;
@@ -253,6 +269,7 @@ Grads backward(const Problem& p, const at::Tensor& d_out, const at::Tensor& out,
   const float* delta_p = delta.data_ptr<float>();
   at::parallel_for(0, p.B * p.Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(p.bq * p.bk), dp(p.bq * p.bk), dk(p.bk * p.D), dv(p.bk * p.Dv);
+    std::vector<float> slope(p.softcap > 0 ? p.bq * p.bk : 0);  // d(capped score)/d(score).
     for (int64_t task = begin; task < end; ++task) {
       const int64_t c = task % chunks, kvh = (task / chunks) % p.Hkv, b = task / (chunks * p.Hkv);
       float* dq_base = dq_parts.data_ptr<float>() + c * p.B * p.Hq * p.Sq * p.D;
@@ -271,6 +288,7 @@ Grads backward(const Problem& p, const at::Tensor& d_out, const at::Tensor& out,
             const float* Q = q.at(b, h, i0);
             const float* dO_i = dO + (bh * p.Sq + i0) * p.Dv;
             gemm(false, true, rows, cols, p.D, p.scale, Q, q.s2, K, k.s2, 0.0f, s.data(), p.bk);
+            if (p.softcap > 0) p.cap_tile(rows, cols, s.data(), p.bk, slope.data());
             p.mask_tile(b, h, i0, rows, j0, cols, s.data(), p.bk);
             for (int64_t r = 0; r < rows; ++r)
               exp_shifted(s.data() + r * p.bk, cols, lse_p[bh * p.Sq + i0 + r]);
@@ -284,9 +302,13 @@ Grads backward(const Problem& p, const at::Tensor& d_out, const at::Tensor& out,
               float* dpr = dp.data() + r * p.bk;
               at::vec::map2([dr](Vec pv, Vec dpv) { return pv * (dpv - Vec(dr)); }, dpr, pr, dpr,
                             cols);
-              if (want_dbias) {
+              if (want_dbias) {  // The bias is added after the cap: its gradient is ds.
                 std::memcpy(g.dbias.data_ptr<float>() + (bh * p.Sq + i0 + r) * p.Sk + j0, dpr,
                             cols * sizeof(float));
+              }
+              if (p.softcap > 0) {
+                at::vec::map2([](Vec d, Vec sl) { return d * sl; }, dpr, dpr,
+                              slope.data() + r * p.bk, cols);
               }
             }
             // dk += scale ds^T q;  dq += scale ds k.
@@ -318,6 +340,7 @@ at::Tensor as_kernel_input(const at::Tensor& t) {
 // Shapes, dtypes, kv_map, window and tile sizes of a kernel call (before any work).
 void check_problem(const LocalAttentionArgs& a, const FlashOptions& options) {
   check_window(a.window, a.causal);
+  check_softcap(a.softcap);
   TORCH_CHECK_VALUE(a.q.dim() == 4 && a.k.dim() == 4 && a.v.dim() == 4,
                     "flash_attention: q, k, v must be 4-D BHSD; got ", a.q.sizes(), ", ",
                     a.k.sizes(), ", ", a.v.sizes());
@@ -411,6 +434,7 @@ Problem make_problem(const LocalAttentionArgs& a, const FlashOptions& options) {
   p.kv_map = a.kv_map;
   p.causal = a.causal;
   p.window = a.window;
+  p.softcap = static_cast<float>(a.softcap);
   p.scale = static_cast<float>(a.scale > 0 ? a.scale : 1.0 / std::sqrt(static_cast<double>(p.D)));
   p.bq = options.block_q;
   p.bk = options.block_k;

@@ -110,7 +110,7 @@ std::vector<std::string> tensor_names(const std::vector<Heads>& kinds) {
 
 CallOptions call_options(const std::vector<std::string>& names, const OptTensor& mask,
                          const OptTensor& positions, bool causal, double scale, bool step,
-                         bool check_mask, int64_t window) {
+                         bool check_mask, int64_t window, double softcap) {
   CallOptions o;
   o.check_mask = check_mask;
   o.attention = names.size() == 3 && names[0] == "q";
@@ -119,6 +119,7 @@ CallOptions call_options(const std::vector<std::string>& names, const OptTensor&
   o.causal = causal;
   o.scale = scale;
   o.window = window;
+  o.softcap = softcap;
   o.step_context = step;
   return o;
 }
@@ -152,7 +153,7 @@ std::vector<at::Tensor> scatter_heads_op(at::TensorList xs, Strings heads, int64
                                          c10::IntArrayRef group_options, bool agree,
                                          const OptTensor& mask, const OptTensor& positions,
                                          bool causal, double scale, bool step, bool check_mask,
-                                         int64_t window) {
+                                         int64_t window, double softcap) {
   const Group group = Group::from_op(group_name, group_options);
   if (!agree) {  // The library's own call (a backward, or the C++ API after agree_plan).
     const std::vector<Heads> kinds = parse_heads(heads);
@@ -171,9 +172,9 @@ std::vector<at::Tensor> scatter_heads_op(at::TensorList xs, Strings heads, int64
     return plan_of(q_heads, kv_heads, seq_lens, layout, group.size());
   });
   // Checks every rank's tensors and the given split in one small collective before data moves.
-  const AllToAllPlan plan = agree_plan(
-      group, given.heads, given.layout, specs, given.seq,
-      call_options(tensor_names(kinds), mask, positions, causal, scale, step, check_mask, window));
+  const AllToAllPlan plan = agree_plan(group, given.heads, given.layout, specs, given.seq,
+                                       call_options(tensor_names(kinds), mask, positions, causal,
+                                                    scale, step, check_mask, window, softcap));
   return unaliased(detail::scatter_heads_kernel(xs.vec(), kinds, plan, group), xs);
 }
 
@@ -181,11 +182,11 @@ std::vector<at::Tensor> scatter_heads_autograd(
     at::TensorList xs, Strings heads, int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_lens,
     const std::string& layout, const std::string& group_name, c10::IntArrayRef group_options,
     bool agree, const OptTensor& mask, const OptTensor& positions, bool causal, double scale,
-    bool step, bool check_mask, int64_t window) {
+    bool step, bool check_mask, int64_t window, double softcap) {
   static const auto op = handle<decltype(scatter_heads_op)>("ulysses::scatter_heads");
   std::vector<at::Tensor> outs = below_autograd([&] {
     return op.call(xs, heads, q_heads, kv_heads, seq_lens, layout, group_name, group_options, agree,
-                   mask, positions, causal, scale, step, check_mask, window);
+                   mask, positions, causal, scale, step, check_mask, window, softcap);
   });
   if (!needs_grad(xs)) return outs;
   // The kernel checked the arguments on every rank: parsing them again cannot fail.
@@ -203,7 +204,7 @@ std::vector<at::Tensor> scatter_head_parts_op(
     at::TensorList parts, Strings heads, int64_t q_heads, int64_t kv_heads,
     c10::IntArrayRef seq_lens, const std::string& layout, const std::string& group_name,
     c10::IntArrayRef group_options, bool agree, const OptTensor& mask, const OptTensor& positions,
-    bool causal, double scale, bool step, bool check_mask, int64_t window) {
+    bool causal, double scale, bool step, bool check_mask, int64_t window, double softcap) {
   const Group group = Group::from_op(group_name, group_options);
   const auto P = static_cast<size_t>(group.size());
   std::vector<std::vector<at::Tensor>> nested;
@@ -229,9 +230,9 @@ std::vector<at::Tensor> scatter_head_parts_op(
     return unaliased(detail::scatter_head_parts_kernel(nested, kinds, parse(), group), parts);
   }
   const AllToAllPlan given = fail_together_on_error(group, parse);
-  const AllToAllPlan plan = agree_plan(
-      group, given.heads, given.layout, specs, given.seq,
-      call_options(tensor_names(kinds), mask, positions, causal, scale, step, check_mask, window));
+  const AllToAllPlan plan = agree_plan(group, given.heads, given.layout, specs, given.seq,
+                                       call_options(tensor_names(kinds), mask, positions, causal,
+                                                    scale, step, check_mask, window, softcap));
   return unaliased(detail::scatter_head_parts_kernel(nested, kinds, plan, group), parts);
 }
 
@@ -239,11 +240,11 @@ std::vector<at::Tensor> scatter_head_parts_autograd(
     at::TensorList parts, Strings heads, int64_t q_heads, int64_t kv_heads,
     c10::IntArrayRef seq_lens, const std::string& layout, const std::string& group_name,
     c10::IntArrayRef group_options, bool agree, const OptTensor& mask, const OptTensor& positions,
-    bool causal, double scale, bool step, bool check_mask, int64_t window) {
+    bool causal, double scale, bool step, bool check_mask, int64_t window, double softcap) {
   static const auto op = handle<decltype(scatter_head_parts_op)>("ulysses::scatter_head_parts");
   std::vector<at::Tensor> outs = below_autograd([&] {
     return op.call(parts, heads, q_heads, kv_heads, seq_lens, layout, group_name, group_options,
-                   agree, mask, positions, causal, scale, step, check_mask, window);
+                   agree, mask, positions, causal, scale, step, check_mask, window, softcap);
   });
   if (!needs_grad(parts)) return outs;
   const Group group = Group::from_op(group_name, group_options);
@@ -388,7 +389,7 @@ at::Tensor rebuild_mask_autograd(const at::Tensor& mask, int64_t q_heads, int64_
 LocalAttentionArgs local_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               c10::IntArrayRef kv_map, const OptTensor& mask,
                               const OptTensor& positions, bool causal, double scale,
-                              int64_t window = 0) {
+                              int64_t window = 0, double softcap = 0.0) {
   LocalAttentionArgs a;
   a.q = q, a.k = k, a.v = v;
   a.kv_map = kv_map.vec();
@@ -396,6 +397,7 @@ LocalAttentionArgs local_args(const at::Tensor& q, const at::Tensor& k, const at
   a.positions = positions;
   a.causal = causal;
   a.window = window;
+  a.softcap = softcap;
   a.scale = scale;
   return a;
 }
@@ -428,8 +430,9 @@ bool learns_mask(const OptTensor& mask) {
 std::tuple<at::Tensor, at::Tensor> flash_attention_op(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c10::IntArrayRef kv_map,
     const OptTensor& mask, const OptTensor& positions, bool causal, double scale,
-    at::TensorList rows, int64_t block_q, int64_t block_k, int64_t window) {
-  LocalAttentionArgs a = local_args(q, k, v, kv_map, mask, positions, causal, scale, window);
+    at::TensorList rows, int64_t block_q, int64_t block_k, int64_t window, double softcap) {
+  LocalAttentionArgs a =
+      local_args(q, k, v, kv_map, mask, positions, causal, scale, window, softcap);
   a.rows = rows_of(rows);
   auto [out, lse] = flash_attention_forward(a, FlashOptions{block_q, block_k});
   return {out.contiguous(), lse.contiguous()};
@@ -439,8 +442,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attention_backw
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::IntArrayRef kv_map, const OptTensor& mask,
     const OptTensor& positions, bool causal, double scale, bool mask_grad, at::TensorList rows,
-    int64_t block_q, int64_t block_k, int64_t window) {
-  LocalAttentionArgs a = local_args(q, k, v, kv_map, mask, positions, causal, scale, window);
+    int64_t block_q, int64_t block_k, int64_t window, double softcap) {
+  LocalAttentionArgs a =
+      local_args(q, k, v, kv_map, mask, positions, causal, scale, window, softcap);
   a.rows = rows_of(rows);
   auto g =
       flash_attention_backward(grad_out, a, out, lse, mask_grad, FlashOptions{block_q, block_k});
@@ -466,12 +470,13 @@ OptTensor detached(const OptTensor& t) {
 std::tuple<at::Tensor, at::Tensor> flash_attention_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c10::IntArrayRef kv_map,
     const OptTensor& mask, const OptTensor& positions, bool causal, double scale,
-    at::TensorList rows, int64_t block_q, int64_t block_k, int64_t window) {
+    at::TensorList rows, int64_t block_q, int64_t block_k, int64_t window, double softcap) {
   static const auto op = handle<decltype(flash_attention_op)>("ulysses::flash_attention");
   static const auto backward =
       handle<decltype(flash_attention_backward_op)>("ulysses::flash_attention_backward");
   auto [out, lse] = below_autograd([&] {
-    return op.call(q, k, v, kv_map, mask, positions, causal, scale, rows, block_q, block_k, window);
+    return op.call(q, k, v, kv_map, mask, positions, causal, scale, rows, block_q, block_k, window,
+                   softcap);
   });
   const std::vector<at::Tensor> inputs = attention_inputs(q, k, v, mask);
   if (!needs_grad(inputs)) return {out, lse};
@@ -481,10 +486,10 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_autograd(
       inputs, outs, "FlashAttentionBackward",
       [q = q.detach(), k = k.detach(), v = v.detach(), o = out.detach(), lse, map = kv_map.vec(),
        mask = detached(mask), positions, causal, scale, mask_grad, block_q, block_k, window,
-       rows = rows.vec()](std::vector<at::Tensor>&& g) {
+       softcap, rows = rows.vec()](std::vector<at::Tensor>&& g) {
         auto [dq, dk, dv, dmask] =
             backward.call(g[0], q, k, v, o, lse, map, mask, positions, causal, scale, mask_grad,
-                          rows, block_q, block_k, window);
+                          rows, block_q, block_k, window, softcap);
         std::vector<at::Tensor> grads{dq, dk, dv};
         if (mask_grad) grads.push_back(dmask);
         return grads;
@@ -499,26 +504,28 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_op(const at::Tensor& q, const 
                                                      const OptTensor& mask, const OptTensor& docs,
                                                      bool causal, double scale, int64_t seq_len,
                                                      int64_t ulysses, const std::string& ring_group,
-                                                     c10::IntArrayRef group_options,
-                                                     int64_t window) {
+                                                     c10::IntArrayRef group_options, int64_t window,
+                                                     double softcap) {
   const Group ring = Group::from_op(ring_group, group_options);
   const RingLayout layout = RingLayout::make(seq_len, ulysses, ring.size());
   // Eager only (no fake kernel): the outputs keep the kernel's strides, which the backward's
   // row sums read in the same order as the forward wrote them.
-  return ring_attention_forward(local_args(q, k, v, kv_map, mask, {}, causal, scale, window),
-                                layout, docs.value_or(at::Tensor()), ring);
+  return ring_attention_forward(
+      local_args(q, k, v, kv_map, mask, {}, causal, scale, window, softcap), layout,
+      docs.value_or(at::Tensor()), ring);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ring_attention_backward_op(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::IntArrayRef kv_map, const OptTensor& mask,
     const OptTensor& docs, bool causal, double scale, int64_t seq_len, int64_t ulysses,
-    const std::string& ring_group, c10::IntArrayRef group_options, bool mask_grad, int64_t window) {
+    const std::string& ring_group, c10::IntArrayRef group_options, bool mask_grad, int64_t window,
+    double softcap) {
   const Group ring = Group::from_op(ring_group, group_options);
   const RingLayout layout = RingLayout::make(seq_len, ulysses, ring.size());
-  auto g = ring_attention_backward(grad_out,
-                                   local_args(q, k, v, kv_map, mask, {}, causal, scale, window),
-                                   layout, docs.value_or(at::Tensor()), ring, out, lse, mask_grad);
+  auto g = ring_attention_backward(
+      grad_out, local_args(q, k, v, kv_map, mask, {}, causal, scale, window, softcap), layout,
+      docs.value_or(at::Tensor()), ring, out, lse, mask_grad);
   if (!g[3].defined()) g[3] = at::empty({0}, q.options());
   return {g[0].contiguous(), g[1].contiguous(), g[2].contiguous(), g[3].contiguous()};
 }
@@ -526,14 +533,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ring_attention_backwa
 std::tuple<at::Tensor, at::Tensor> ring_attention_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c10::IntArrayRef kv_map,
     const OptTensor& mask, const OptTensor& docs, bool causal, double scale, int64_t seq_len,
-    int64_t ulysses, const std::string& ring_group, c10::IntArrayRef group_options,
-    int64_t window) {
+    int64_t ulysses, const std::string& ring_group, c10::IntArrayRef group_options, int64_t window,
+    double softcap) {
   static const auto op = handle<decltype(ring_attention_op)>("ulysses::ring_attention");
   static const auto backward =
       handle<decltype(ring_attention_backward_op)>("ulysses::ring_attention_backward");
   auto [out, lse] = below_autograd([&] {
     return op.call(q, k, v, kv_map, mask, docs, causal, scale, seq_len, ulysses, ring_group,
-                   group_options, window);
+                   group_options, window, softcap);
   });
   const std::vector<at::Tensor> inputs = attention_inputs(q, k, v, mask);
   if (!needs_grad(inputs)) return {out, lse};
@@ -543,10 +550,10 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_autograd(
       inputs, outs, "RingAttentionBackward",
       [q = q.detach(), k = k.detach(), v = v.detach(), o = out.detach(), lse, map = kv_map.vec(),
        mask = detached(mask), docs, causal, scale, seq_len, ulysses, ring_group,
-       options = group_options.vec(), mask_grad, window](std::vector<at::Tensor>&& g) {
+       options = group_options.vec(), mask_grad, window, softcap](std::vector<at::Tensor>&& g) {
         auto [dq, dk, dv, dmask] =
             backward.call(g[0], q, k, v, o, lse, map, mask, docs, causal, scale, seq_len, ulysses,
-                          ring_group, options, mask_grad, window);
+                          ring_group, options, mask_grad, window, softcap);
         std::vector<at::Tensor> grads{dq, dk, dv};
         if (mask_grad) grads.push_back(dmask);
         return grads;
@@ -632,9 +639,10 @@ void all_reduce_gradients_op(at::TensorList grads, const std::string& group_name
 at::Tensor local_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               c10::IntArrayRef kv_map, const OptTensor& mask,
                               const OptTensor& positions, bool causal, double scale,
-                              const std::string& kernel, int64_t window) {
-  return local_attention(local_args(q, k, v, kv_map, mask, positions, causal, scale, window),
-                         parse_local_kernel(kernel));
+                              const std::string& kernel, int64_t window, double softcap) {
+  return local_attention(
+      local_args(q, k, v, kv_map, mask, positions, causal, scale, window, softcap),
+      parse_local_kernel(kernel));
 }
 
 // Everything but the tensors of one `attention` op call, as the C++ orchestration takes it.
@@ -643,7 +651,7 @@ AttentionCall attention_call(int64_t q_heads, int64_t kv_heads, c10::IntArrayRef
                              const std::string& local, const std::string& group_name,
                              c10::IntArrayRef group_options,
                              const c10::optional<std::string>& ring_group, const StepHandle& step,
-                             bool mask_rebuilt, int64_t window) {
+                             bool mask_rebuilt, int64_t window, double softcap) {
   AttentionCall call(Group::from_op(group_name, group_options));
   if (ring_group) call.ring = Group::from_op(*ring_group, group_options);
   call.q_heads = q_heads;
@@ -653,6 +661,7 @@ AttentionCall attention_call(int64_t q_heads, int64_t kv_heads, c10::IntArrayRef
   call.causal = causal;
   call.scale = scale;
   call.window = window;
+  call.softcap = softcap;
   call.kernel = parse_local_kernel(local);
   if (step && *step) call.step = &(*step)->context_for(call.group);
   call.mask_rebuilt = mask_rebuilt;
@@ -665,10 +674,10 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         bool causal, double scale, const std::string& local,
                         const std::string& group_name, c10::IntArrayRef group_options,
                         const c10::optional<std::string>& ring_group, const StepHandle& step,
-                        bool mask_rebuilt, int64_t window) {
+                        bool mask_rebuilt, int64_t window, double softcap) {
   const AttentionCall call =
       attention_call(q_heads, kv_heads, seq_lens, layout, causal, scale, local, group_name,
-                     group_options, ring_group, step, mask_rebuilt, window);
+                     group_options, ring_group, step, mask_rebuilt, window, softcap);
   return attend(call, {{q}, {k}, {v}}, /*parts=*/false, mask, positions)[0];
 }
 
@@ -678,24 +687,27 @@ std::vector<at::Tensor> attention_parts_op(
     const std::string& layout, bool causal, double scale, const std::string& local,
     const std::string& group_name, c10::IntArrayRef group_options,
     const c10::optional<std::string>& ring_group, const StepHandle& step, bool mask_rebuilt,
-    int64_t window) {
+    int64_t window, double softcap) {
   const AttentionCall call =
       attention_call(q_heads, kv_heads, seq_lens, layout, causal, scale, local, group_name,
-                     group_options, ring_group, step, mask_rebuilt, window);
+                     group_options, ring_group, step, mask_rebuilt, window, softcap);
   return attend(call, {q.vec(), k.vec(), v.vec()}, /*parts=*/true, mask, positions);
 }
 
 // The orchestration up to local attention, for a local attention of the caller's (a Python
 // callable): [q, k, v] on this rank's heads over the whole sequence (BHSD), then the rebuilt
 // mask and the gathered position ids where given.
-std::vector<at::Tensor> attention_heads_op(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
-    const OptTensor& positions, int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_lens,
-    const std::string& layout, bool causal, double scale, const std::string& group_name,
-    c10::IntArrayRef group_options, const StepHandle& step, bool mask_rebuilt, int64_t window) {
+std::vector<at::Tensor> attention_heads_op(const at::Tensor& q, const at::Tensor& k,
+                                           const at::Tensor& v, const OptTensor& mask,
+                                           const OptTensor& positions, int64_t q_heads,
+                                           int64_t kv_heads, c10::IntArrayRef seq_lens,
+                                           const std::string& layout, bool causal, double scale,
+                                           const std::string& group_name,
+                                           c10::IntArrayRef group_options, const StepHandle& step,
+                                           bool mask_rebuilt, int64_t window, double softcap) {
   const AttentionCall call =
       attention_call(q_heads, kv_heads, seq_lens, layout, causal, scale, "auto", group_name,
-                     group_options, c10::nullopt, step, mask_rebuilt, window);
+                     group_options, c10::nullopt, step, mask_rebuilt, window, softcap);
   const AttentionHeads h = attend_heads(call, {{q}, {k}, {v}}, /*parts=*/false, mask, positions);
   std::vector<at::Tensor> out{h.args.q, h.args.k, h.args.v};
   if (h.args.mask) out.push_back(*h.args.mask);
@@ -716,7 +728,7 @@ std::vector<at::Tensor> call_scatter_heads(const std::vector<at::Tensor>& xs,
   return op.call(xs, heads_names(kinds), plan.heads.q_heads(), plan.heads.kv_heads(),
                  plan.seq.lengths(), to_string(plan.layout), group.op_name(),
                  options_to_ints(group.options()), /*agree=*/false, {}, {}, false, 0.0, false, true,
-                 0);
+                 0, 0.0);
 }
 
 std::vector<at::Tensor> call_scatter_head_parts(const std::vector<std::vector<at::Tensor>>& parts,
@@ -728,7 +740,7 @@ std::vector<at::Tensor> call_scatter_head_parts(const std::vector<std::vector<at
   return op.call(flat, heads_names(kinds), plan.heads.q_heads(), plan.heads.kv_heads(),
                  plan.seq.lengths(), to_string(plan.layout), group.op_name(),
                  options_to_ints(group.options()), /*agree=*/false, {}, {}, false, 0.0, false, true,
-                 0);
+                 0, 0.0);
 }
 
 std::vector<at::Tensor> call_scatter_agreed(const std::vector<std::vector<at::Tensor>>& qkv,
@@ -745,7 +757,7 @@ std::vector<at::Tensor> call_scatter_agreed(const std::vector<std::vector<at::Te
       .call(flat, heads_names(kinds), q_heads, kv_heads, seq.lengths(), to_string(layout),
             group.op_name(), options_to_ints(group.options()), /*agree=*/true, options.mask,
             options.positions, options.causal, options.scale, options.step_context,
-            options.check_mask, options.window);
+            options.check_mask, options.window, options.softcap);
 }
 
 std::vector<at::Tensor> call_gather_heads(const std::vector<at::Tensor>& ys,
@@ -778,7 +790,7 @@ std::tuple<at::Tensor, at::Tensor> call_flash_attention(const LocalAttentionArgs
                                                         const FlashOptions& options) {
   static const auto op = handle<decltype(flash_attention_op)>("ulysses::flash_attention");
   return op.call(a.q, a.k, a.v, a.kv_map, a.mask, a.positions, a.causal, a.scale, rows_list(a.rows),
-                 options.block_q, options.block_k, a.window);
+                 options.block_q, options.block_k, a.window, a.softcap);
 }
 
 std::tuple<at::Tensor, at::Tensor> call_ring_attention(const LocalAttentionArgs& a,
@@ -789,7 +801,7 @@ std::tuple<at::Tensor, at::Tensor> call_ring_attention(const LocalAttentionArgs&
                     "ring_attention: packed documents come as `docs` (ring_document_ids)");
   return op.call(a.q, a.k, a.v, a.kv_map, a.mask, docs.defined() ? OptTensor(docs) : OptTensor(),
                  a.causal, a.scale, layout.seq_len(), layout.ulysses(), ring.op_name(),
-                 options_to_ints(ring.options()), a.window);
+                 options_to_ints(ring.options()), a.window, a.softcap);
 }
 
 }  // namespace detail
@@ -808,7 +820,7 @@ TORCH_LIBRARY(ulysses, m) {
       "scatter_heads(Tensor[] xs, str[] heads, int q_heads, int kv_heads, int[] seq_lens, "
       "str layout, str group, int[] group_options, bool agree=True, Tensor? mask=None, "
       "Tensor? positions=None, bool causal=False, float scale=0., bool step=False, "
-      "bool check_mask=True, int window=0) -> Tensor[]",
+      "bool check_mask=True, int window=0, float softcap=0.) -> Tensor[]",
       pt2);
   m.def(
       "gather_heads(Tensor[] ys, str[] heads, int q_heads, int kv_heads, int[] seq_lens, "
@@ -819,7 +831,7 @@ TORCH_LIBRARY(ulysses, m) {
       "scatter_head_parts(Tensor[] parts, str[] heads, int q_heads, int kv_heads, "
       "int[] seq_lens, str layout, str group, int[] group_options, bool agree=True, "
       "Tensor? mask=None, Tensor? positions=None, bool causal=False, float scale=0., "
-      "bool step=False, bool check_mask=True, int window=0) -> Tensor[]",
+      "bool step=False, bool check_mask=True, int window=0, float softcap=0.) -> Tensor[]",
       pt2);
   m.def(
       "gather_head_parts(Tensor[] ys, str[] heads, int q_heads, int kv_heads, int[] seq_lens, "
@@ -845,12 +857,13 @@ TORCH_LIBRARY(ulysses, m) {
   m.def(
       "flash_attention(Tensor q, Tensor k, Tensor v, int[] kv_map, Tensor? mask, "
       "Tensor? positions, bool causal, float scale, Tensor[] rows, int block_q=128, "
-      "int block_k=0, int window=0) -> (Tensor, Tensor)",
+      "int block_k=0, int window=0, float softcap=0.) -> (Tensor, Tensor)",
       pt2);
   m.def(
       "flash_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, int[] kv_map, Tensor? mask, Tensor? positions, bool causal, float scale, "
-      "bool mask_grad, Tensor[] rows, int block_q=128, int block_k=0, int window=0) -> "
+      "bool mask_grad, Tensor[] rows, int block_q=128, int block_k=0, int window=0, float "
+      "softcap=0.) -> "
       "(Tensor, Tensor, Tensor, Tensor)",
       pt2);
   // Ring attention over `ring_group` for this ring rank's tokens of RingLayout(seq_len,
@@ -858,12 +871,12 @@ TORCH_LIBRARY(ulysses, m) {
   m.def(
       "ring_attention(Tensor q, Tensor k, Tensor v, int[] kv_map, Tensor? mask, Tensor? docs, "
       "bool causal, float scale, int seq_len, int ulysses, str ring_group, int[] group_options, "
-      "int window=0) -> (Tensor, Tensor)");
+      "int window=0, float softcap=0.) -> (Tensor, Tensor)");
   m.def(
       "ring_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, int[] kv_map, Tensor? mask, Tensor? docs, bool causal, float scale, "
       "int seq_len, int ulysses, str ring_group, int[] group_options, bool mask_grad, "
-      "int window=0) -> "
+      "int window=0, float softcap=0.) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "ring_document_ids(Tensor positions, int seq_len, int ulysses, str ring_group, "
@@ -882,7 +895,8 @@ TORCH_LIBRARY(ulysses, m) {
   // Local attention on the exact kernel `kernel` picks ("auto": the rule in attention.h).
   m.def(
       "local_attention(Tensor q, Tensor k, Tensor v, int[] kv_map, Tensor? mask, "
-      "Tensor? positions, bool causal, float scale, str kernel=\"auto\", int window=0) -> Tensor",
+      "Tensor? positions, bool causal, float scale, str kernel=\"auto\", int window=0, float "
+      "softcap=0.) -> Tensor",
       pt2);
   // One DistributedAttention call (distributed_attention.h): empty seq_lens are learned in the
   // call's agreement (eager only); `step` shares rebuilt masks across layers (eager only);
@@ -891,7 +905,7 @@ TORCH_LIBRARY(ulysses, m) {
       "Tensor? mask, Tensor? positions, int q_heads, int kv_heads, int[] seq_lens, str layout, "
       "bool causal, float scale, str local, str group, int[] group_options, "
       "str? ring_group=None, __torch__.torch.classes.ulysses.StepContext? step=None, "
-      "bool mask_rebuilt=False, int window=0)";
+      "bool mask_rebuilt=False, int window=0, float softcap=0.)";
   static const std::string attention =
       std::string("attention(Tensor q, Tensor k, Tensor v, ") + call_args + " -> Tensor";
   static const std::string attention_parts =
@@ -903,7 +917,7 @@ TORCH_LIBRARY(ulysses, m) {
       "attention_heads(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? positions, "
       "int q_heads, int kv_heads, int[] seq_lens, str layout, bool causal, float scale, "
       "str group, int[] group_options, __torch__.torch.classes.ulysses.StepContext? step=None, "
-      "bool mask_rebuilt=False, int window=0) -> Tensor[]");
+      "bool mask_rebuilt=False, int window=0, float softcap=0.) -> Tensor[]");
 }
 
 // Collectives: one kernel for every device (the ProcessGroup dispatches by device).

@@ -19,7 +19,7 @@ CallFingerprint sample() {
   f.tensors = {q, q, q};
   f.positions = q;
   f.positions.sizes = {2, 5};
-  f.causal = true, f.scale = 0.25, f.window = 7, f.step_context = true;
+  f.causal = true, f.scale = 0.25, f.window = 7, f.softcap = 50.0, f.step_context = true;
   return f;
 }
 
@@ -37,6 +37,7 @@ TEST(CallFingerprint, DecodeInvertsEncode) {
   const CallFingerprint g = CallFingerprint::decode(f.encode());
   EXPECT_EQ(g.encode(), f.encode());
   EXPECT_EQ(g.window, 7);
+  EXPECT_EQ(g.softcap, 50.0);
   EXPECT_EQ(g.scale, 0.25);
   EXPECT_EQ(g.positions.sizes, (std::vector<int64_t>{2, 5}));
   EXPECT_EQ(disagreement(f, g), "");
@@ -50,6 +51,16 @@ TEST(CallFingerprint, NamesTheWindowAndEveryRanksValue) {
                       "has 7"),
             std::string::npos)
       << disagreement(none, sample());
+}
+
+TEST(CallFingerprint, NamesTheSoftcap) {
+  CallFingerprint other = sample();
+  other.softcap = 30.0;
+  EXPECT_NE(disagreement(sample(), other)
+                .find("ranks disagree on softcap: rank 0 has 50, rank 1 "
+                      "has 30"),
+            std::string::npos)
+      << disagreement(sample(), other);
 }
 
 TEST(CallFingerprint, TheSequenceDimMayDiffer) {

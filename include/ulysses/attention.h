@@ -44,6 +44,9 @@ struct LocalAttentionArgs {
   // A sliding window (HF's sliding_window, with causal): query i sees keys j with
   // i - window < j <= i, by global index; 0: no window.
   int64_t window = 0;
+  // A logit softcap (Gemma2's attn_logit_softcapping): scores s become softcap * tanh(s /
+  // softcap) before any mask is added; 0: none.
+  double softcap = 0.0;
 };
 
 // A local attention implementation.

@@ -38,8 +38,9 @@ struct CallFingerprint {
   TensorFacts mask;
   TensorFacts positions;
   bool causal = false;
-  double scale = 0.0;  // 0: 1/sqrt(D).
-  int64_t window = 0;  // 0: no sliding window.
+  double scale = 0.0;    // 0: 1/sqrt(D).
+  int64_t window = 0;    // 0: no sliding window.
+  double softcap = 0.0;  // 0: no logit softcap.
   bool step_context = false;
 
   // The integers the agreement round moves; decode(encode()) == *this.

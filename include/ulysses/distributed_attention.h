@@ -75,6 +75,7 @@ struct AttentionOptions {
   bool causal = false;                      // Causal attention (within each document when packed).
   double scale = 0.0;                       // Softmax scale; 0 means 1/sqrt(D).
   int64_t window = 0;                       // Sliding window (needs causal); 0: none.
+  double softcap = 0.0;                     // Logit softcap (attention.h); 0: none.
   bool fuse_qkv = true;                     // Move q, k, v in one all-to-all (else three).
   LocalKernel kernel = LocalKernel::kAuto;  // Local attention's kernel (attention.h).
   LocalAttention local;                     // A local attention of the caller's; empty: `kernel`.
@@ -100,6 +101,7 @@ struct AttentionCall {
   bool causal = false;
   double scale = 0.0;
   int64_t window = 0;
+  double softcap = 0.0;
   bool fuse_qkv = true;
   LocalKernel kernel = LocalKernel::kAuto;
   const LocalAttention* local = nullptr;  // Overrides `kernel`.

@@ -74,4 +74,8 @@ std::vector<int64_t> rebuilt_mask_shape(const std::vector<int64_t>& sizes,
 // is 0 (none), or > 0 with causal attention.
 void check_window(int64_t window, bool causal);
 
+// The logit-softcap rule (LocalAttentionArgs::softcap): throws c10::ValueError unless softcap
+// is 0 (none) or a finite positive number.
+void check_softcap(double softcap);
+
 }  // namespace ulysses

@@ -63,6 +63,9 @@ class DistributedAttention(nn.Module):
         window: a sliding window, with ``causal``: query i sees keys j with i - window < j <= i
             (global positions; within each document when packed). None or 0: no window. Every
             rank must give the same (part of the call's agreement). Not with a callable ``local``.
+        softcap: a logit softcap: scores s become ``softcap * tanh(s / softcap)`` before the mask
+            (Gemma2's ``attn_logit_softcapping``). None or 0: none. Agreed like ``window``; not
+            with ``local="sdpa"`` or a callable.
         timeout: longest wait for any collective (timedelta or seconds; default 120 s).
         ring_group: for hybrid Ulysses x ring attention, the ring group (same forms as
             ``group``, which is then the Ulysses group): key/value blocks circulate over its R
@@ -80,19 +83,22 @@ class DistributedAttention(nn.Module):
 
     def __init__(self, group: O.GroupLike = None, *, q_heads: int | None = None, kv_heads: int | None = None,
                  layout: str = "BSHD", causal: bool = False, scale: float | None = None,
-                 window: int | None = None, timeout: O.Timeout = None, ring_group: O.GroupLike = None,
-                 local: str | LocalAttention = "auto") -> None:
+                 window: int | None = None, softcap: float | None = None, timeout: O.Timeout = None,
+                 ring_group: O.GroupLike = None, local: str | LocalAttention = "auto") -> None:
         super().__init__()
         for name, value in (("q_heads", q_heads), ("kv_heads", kv_heads)):
             if value is not None and value < 1:
                 raise ValueError(f"DistributedAttention: {name} must be >= 1 (or None: taken from "
                                  f"the first call); got {value}")
         window = int(window or 0)
-        _C.check_window(window, causal)  # Fail fast (the call's agreement checks it too).
-        if window and callable(local):
-            raise ValueError("DistributedAttention: a callable local attention takes no window; give "
-                             "local='auto', 'fused', 'sdpa' or 'math' with window=, or apply the window "
-                             "inside the callable (window=None)")
+        softcap = float(softcap or 0.0)
+        _C.check_window(window, causal)  # Fail fast (the call's agreement checks them too).
+        _C.check_softcap(softcap)
+        for name, given in (("window", window), ("softcap", softcap)):
+            if given and callable(local):
+                raise ValueError(f"DistributedAttention: a callable local attention takes no {name}; give "
+                                 f"local='auto', 'fused' or 'math' with {name}=, or apply it inside the "
+                                 f"callable ({name}=None)")
         if not callable(local) and local not in _KERNELS:
             raise ValueError(f"DistributedAttention: local must be one of {', '.join(_KERNELS)} or a "
                              f"callable; got {local!r}")
@@ -113,6 +119,7 @@ class DistributedAttention(nn.Module):
         self.causal = causal
         self.scale = scale
         self.window = window
+        self.softcap = softcap
         self.local = local
         self.timeout_ms = O.timeout_ms(timeout)
         self.q_heads, self.kv_heads = q_heads, kv_heads
@@ -127,7 +134,7 @@ class DistributedAttention(nn.Module):
         local = self.local if isinstance(self.local, str) else getattr(self.local, "__name__", "callable")
         return (f"group={self.group_name!r}, sp={self.sp_size}{ring}, q_heads={self.q_heads}, "
                 f"kv_heads={self.kv_heads}, layout={self.layout}, causal={self.causal}, "
-                f"window={self.window or None}, local={local}")
+                f"window={self.window or None}, softcap={self.softcap or None}, local={local}")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -148,7 +155,8 @@ class DistributedAttention(nn.Module):
             return self._forward_with(self.local, q, k, v, mask, position_ids, hq, hkv, seq_lens, step)
         o = torch.ops.ulysses.attention(q, k, v, mask, position_ids, hq, hkv, seq_lens, self.layout, self.causal,
                              self._scale(), self.local, self.group_name, [self.timeout_ms], self.ring_name,
-                             self._step(step), window=self.window)
+                             self._step(step), window=self.window,
+                             softcap=self.softcap)
         self.q_heads, self.kv_heads = hq, hkv  # This instance's from the first call on.
         return o
 
@@ -173,7 +181,8 @@ class DistributedAttention(nn.Module):
         return torch.ops.ulysses.attention_parts(list(q), list(k), list(v), mask, position_ids, self.q_heads,
                                       self.kv_heads, seq_lens, self.layout, self.causal, self._scale(),
                                       self.local, self.group_name, [self.timeout_ms], self.ring_name,
-                                      self._step(step), window=self.window)
+                                      self._step(step), window=self.window,
+                             softcap=self.softcap)
 
     def _heads(self, q, k) -> tuple[int, int]:
         # Head counts not given are read from the first call's q and k (0 when not 4-D: the

@@ -67,7 +67,7 @@ def ulysses_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     if dropout and module.training:
         raise NotImplementedError("ulysses attention: attention dropout is not supported; set the "
                                   "model's attention_dropout to 0")
-    for unsupported in ("softcap", "position_bias", "s_aux"):
+    for unsupported in ("position_bias", "s_aux"):
         if kwargs.get(unsupported) is not None:
             raise NotImplementedError(f"ulysses attention: {unsupported} is not supported")
     attention = _attention_of(module, query, key)
@@ -83,6 +83,7 @@ def ulysses_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     # transformers' sliding_window W: query i sees keys i - W < j <= i (its mask functions'
     # rule), the kernels' window. Set per call: a layer's kind (sliding or full) is fixed.
     attention.window = int(kwargs.get("sliding_window") or 0)
+    attention.softcap = float(kwargs.get("softcap") or 0.0)  # Gemma2's attn_logit_softcapping
     out = attention(query, key, value, mask=mask, position_ids=kwargs.get("position_ids"),
                     seq_lens=seq_lens)
     return out.transpose(1, 2), None

@@ -5,18 +5,20 @@ from __future__ import annotations
 import torch
 
 
-def reference_attention(q, k, v, mask=None, positions=None, causal=False, window=0):
+def reference_attention(q, k, v, mask=None, positions=None, causal=False, window=0, softcap=0.0):
     """q [B, S, Hq, D], k/v [B, S, Hkv, D] (BSHD) -> [B, S, Hq, Dv], in float64.
 
     GQA by repeating kv heads; packed documents from position ids (a document starts where the
     position is 0); ``window`` > 0: query i sees keys i - window < j <= i; a query with no allowed
-    key gets 0.
+    key gets 0. ``softcap`` > 0: scores s become softcap * tanh(s / softcap) before the mask.
     """
     B, S, Hq, D = q.shape
     r = Hq // k.shape[2]
     qf, kf, vf = (t.double().transpose(1, 2) for t in (q, k, v))
     kf, vf = kf.repeat_interleave(r, 1), vf.repeat_interleave(r, 1)
     s = qf @ kf.transpose(-1, -2) / D**0.5
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     allowed = torch.ones(S, S, dtype=torch.bool).expand(B, Hq, S, S)
     if causal:
         allowed = allowed & torch.ones(S, S, dtype=torch.bool).tril()

@@ -254,3 +254,31 @@ def test_a_window_without_causal_is_refused():
     q = torch.randn(1, 2, 5, 8)
     with pytest.raises(ValueError, match="a sliding window is a causal rule"):
         ulysses.local_attention(q, q, q, [0, 1], window=3)
+
+
+@pytest.mark.parametrize("kernel", ["fused", "math"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_logit_softcap_matches_the_reference(kernel, causal):
+    # Scores of size ~3 against a cap of 1.5: capped hard. A learnable bias is added after the
+    # cap, so its gradient is that of the capped scores (no tanh slope).
+    B, S, hq, hkv, D = 2, 70, 4, 2, 8
+    gen = torch.Generator().manual_seed(3)
+    Q, K, V = (torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) * 2 for h in (hq, hkv, hkv))
+    M = torch.randn(B, 1, S, S, generator=gen, dtype=torch.float64)
+    q, k, v, m = (t.clone().requires_grad_() for t in (Q, K, V, M))
+    ref = reference_attention(q, k, v, m, None, causal=causal, softcap=1.5)
+    dO = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    (ref * dO).sum().backward()
+    dtype = torch.float32 if kernel == "fused" else torch.float64
+    ql, kl, vl = (t.to(dtype).transpose(1, 2).detach().requires_grad_() for t in (Q, K, V))
+    ml = M.to(dtype).requires_grad_()
+    out = ulysses.local_attention(ql, kl, vl, [h // (hq // hkv) for h in range(hq)], ml, causal=causal,
+                                  kernel=kernel, softcap=1.5).transpose(1, 2)
+    (out * dO.to(dtype)).sum().backward()
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert rel(out, ref) < tol
+    for got, want in ((ql.grad.transpose(1, 2), q.grad), (kl.grad.transpose(1, 2), k.grad),
+                      (vl.grad.transpose(1, 2), v.grad), (ml.grad, m.grad)):
+        assert rel(got, want) < 10 * tol
+    uncapped = reference_attention(Q, K, V, M, None, causal=causal)
+    assert rel(uncapped, ref) > 1e-2  # the cap matters here

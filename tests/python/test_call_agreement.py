@@ -25,13 +25,13 @@ def packed_positions(B, S, starts=(0, 2, 5)):
 
 
 def run_attention(P, S, hq, hkv, D, dtype, *, causal=True, packed=True, local="auto", mixed_positions=False,
-                  scale_on_rank1=None, window=0):
+                  scale_on_rank1=None, window=0, softcap=0.0, softcap_on_rank1=None):
     g = torch.Generator().manual_seed(P * 100 + S)
     B = 1 if mixed_positions else 2
     Q, K, V = (torch.randn(B, S, h, D, generator=g, dtype=dtype) for h in (hq, hkv, hkv))
     pos = packed_positions(B, S) if packed else None
     ref_q, ref_k, ref_v = (t.detach().clone().double().requires_grad_() for t in (Q, K, V))
-    ref = reference_attention(ref_q, ref_k, ref_v, None, pos, causal, window=window)
+    ref = reference_attention(ref_q, ref_k, ref_v, None, pos, causal, window=window, softcap=softcap)
     dO = torch.randn(ref.shape, generator=g, dtype=torch.float64)
     (ref * dO).sum().backward()
     lens = seq_lens(S, P)
@@ -39,6 +39,7 @@ def run_attention(P, S, hq, hkv, D, dtype, *, causal=True, packed=True, local="a
     def body(rank, group):
         attn = ulysses.DistributedAttention(group, causal=causal, local=local,
                                             scale=scale_on_rank1 if rank == 1 else None, window=window,
+                                            softcap=softcap_on_rank1 if rank == 1 and softcap_on_rank1 else softcap,
                                             timeout=20)
         q, k, v = (shard(t, 1, rank, lens).clone().requires_grad_() for t in (Q, K, V))
         p = shard(pos, 1, rank, lens) if pos is not None else None
@@ -128,6 +129,28 @@ def test_a_sliding_window_is_exact_at_every_P(P, local, dtype):
             assert max_rel(a, b) < (1e-12 if dtype == torch.float64 else 1e-5), (local, packed)
 
 
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("local,dtype", [("auto", torch.float32), ("math", torch.float32), ("auto", torch.float64)])
+def test_a_logit_softcap_is_exact_at_every_P(P, local, dtype):
+    # softcap 0.3 against scores of about 0.35 (D = 8): the cap changes them, and the result.
+    got, want = run_attention(P, S=11, hq=4, hkv=2, D=8, dtype=dtype, local=local, softcap=0.3, window=4)
+    for a, b in zip(got, want):
+        assert max_rel(a, b) < (1e-12 if dtype == torch.float64 else 1e-5), local
+    uncapped = run_attention(P, S=11, hq=4, hkv=2, D=8, dtype=dtype, local=local, window=4)[1]
+    assert max_rel(uncapped[0], want[0]) > 1e-3  # the cap matters here
+
+
+def test_a_softcap_on_one_rank_only_fails_alike():
+    def body(rank, group):
+        attn = ulysses.DistributedAttention(group, softcap=30.0 if rank == 1 else None, timeout=5)
+        q = torch.randn(1, 4, 2, 8)
+        attn(q, q, q)
+
+    errors = run_ranks_errors(2, body, timeout_s=5)
+    assert errors[0] == errors[1] and "ranks disagree on softcap: rank 0 has none, rank 1 has 30" in errors[0], \
+        errors
+
+
 def test_a_window_on_one_rank_only_fails_alike():
     def body(rank, group):
         attn = ulysses.DistributedAttention(group, causal=True, window=3 if rank == 1 else None, timeout=5)
@@ -144,6 +167,11 @@ def test_a_window_without_causal_or_with_a_callable_is_refused():
         ulysses.DistributedAttention(None, window=3)
     with pytest.raises(ValueError, match="a callable local attention takes no window"):
         ulysses.DistributedAttention(None, causal=True, window=3, local=lambda *a: a[0])
+    with pytest.raises(ValueError, match="softcap must be 0 .none. or a finite positive number"):
+        ulysses.DistributedAttention(None, softcap=-1.0)
+    with pytest.raises(ValueError, match='"sdpa" has no logit softcap'):
+        q = torch.randn(1, 2, 5, 4)
+        ulysses.local_attention(q, q, q, [0, 1], kernel="sdpa", softcap=5.0)
 
 
 @pytest.mark.parametrize("mask_shape,message", [

@@ -32,11 +32,11 @@ def run_both(c, inputs, rank: int, group: str):
         hq, hkv = (c.hq, c.hkv) if c.give_heads else (None, None)
         if path == "python":
             attn = ulysses.DistributedAttention(group, layout=c.layout, causal=c.causal, q_heads=hq, kv_heads=hkv,
-                                                window=c.window or None)
+                                                window=c.window or None, softcap=c.softcap or None)
             o = attn(q, k, v, mask=m, position_ids=p)
         else:
             o = ulysses._C.cpp_distributed_attention(q, k, v, m, p, group, 60_000, hq or 0, hkv or 0, c.layout,
-                                                     c.causal, 0.0, "auto", c.window)
+                                                     c.causal, 0.0, "auto", c.window, c.softcap)
         (o * shard(dO.permute(to_layout), seq_dim, rank, lens)).sum().backward()
         results.append([o.detach(), q.grad, k.grad, v.grad, m.grad if m is not None and m.requires_grad else None])
     return results

@@ -7,7 +7,15 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, StableLmConfig
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+    StableLmConfig,
+)
 
 import ulysses.hf as uhf
 from conftest import run_ranks, run_ranks_errors
@@ -24,6 +32,11 @@ CONFIGS = {
     "mistral_window": lambda: MistralConfig(num_attention_heads=8, num_key_value_heads=2, sliding_window=4, **COMMON),
     "qwen2_window": lambda: Qwen2Config(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
                                         sliding_window=5, max_window_layers=1, **COMMON),
+    # Logit softcap 0.5 on scores made large enough to meet it (initializer_range 0.3), a sliding
+    # window of 5 on the first of two layers, and the final logit softcap (the model's own).
+    "gemma2": lambda: Gemma2Config(num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
+                                   attn_logit_softcapping=0.5, sliding_window=5, initializer_range=0.3,
+                                   **COMMON),
     # Dispatches through the attention interface without declaring it (is_backend_compatible False).
     "stablelm": lambda: StableLmConfig(num_attention_heads=4, num_key_value_heads=2, **COMMON),
 }
@@ -82,7 +95,8 @@ def assert_matches(got, want):
 
 @pytest.mark.parametrize("P", [2, 3])
 @pytest.mark.parametrize("kind", ["padded", "packed"])
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "stablelm", "mistral_window", "qwen2_window"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "stablelm", "mistral_window", "qwen2_window",
+                                  "gemma2"])
 def test_loss_and_every_gradient_equal_the_unsharded_model(name, kind, P):
     base = make_model(name)
     batch = make_batch(kind)
@@ -188,6 +202,17 @@ def test_the_sliding_window_reaches_attention():
     full.config.sliding_window = None
     batch = make_batch("padded")
     assert abs(reference(base, batch)[0] - reference(full, batch)[0]) > 1e-4
+
+
+def test_the_logit_softcap_reaches_attention():
+    # Guards the Gemma2 rows of the sweep: its loss without the attention softcap differs.
+    base = make_model("gemma2")
+    uncapped = copy.deepcopy(base)
+    uncapped.config.attn_logit_softcapping = None
+    for layer in uncapped.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    batch = make_batch("padded")
+    assert abs(reference(base, batch)[0] - reference(uncapped, batch)[0]) > 1e-3
 
 
 def test_example_trains_under_torchrun():

@@ -1,7 +1,7 @@
 """Seeded random configurations of DistributedAttention vs the single-rank reference, forward and
 backward: P 1-4, every layout, even/uneven/GQA/MQA heads, uneven S (empty shards included),
 every mask kind (bool or learnable float; shared or per head; sharded, full or broadcast rows;
-2-, 3- and 4-D), packed documents, causal (with or without a sliding window), fp32 and fp64
+2-, 3- and 4-D), packed documents, causal (with or without a sliding window), logit softcaps, fp32 and fp64
 (the math kernel: exact). One group per P serves all of its configurations."""
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class Config:
     seed: int
     fp64: bool = False
     window: int = 0  # A sliding window (causal only); 0: none.
+    softcap: float = 0.0  # A logit softcap; 0: none.
 
 
 def random_configs(P: int, n: int, rng: random.Random) -> list[Config]:
@@ -59,6 +60,8 @@ def random_configs(P: int, n: int, rng: random.Random) -> list[Config]:
         c = out[-1]
         if c.causal and rng.random() < 0.4:
             c.window = rng.randint(1, c.S)
+        if rng.random() < 0.25:
+            c.softcap = rng.choice([0.3, 1.0, 5.0])
     return out
 
 
@@ -95,7 +98,7 @@ def reference(c: Config):
     learn = M is not None and M.is_floating_point()
     q, k, v = (t.double().requires_grad_() for t in (Q, K, V))
     m = M.double().requires_grad_() if learn else M
-    ref = reference_attention(q, k, v, m, pos, c.causal, window=c.window)
+    ref = reference_attention(q, k, v, m, pos, c.causal, window=c.window, softcap=c.softcap)
     dO = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
     (ref * dO).sum().backward()
     grads = [q.grad, k.grad, v.grad, m.grad if learn else None]
@@ -111,6 +114,7 @@ def run_config(c: Config, inputs, rank: int, group: str):
     to_layout = LAYOUT_FROM_BSHD[c.layout]
     seq_dim = to_layout.index(1)
     attn = ulysses.DistributedAttention(group, layout=c.layout, causal=c.causal, window=c.window or None,
+                                        softcap=c.softcap or None,
                                         q_heads=c.hq if c.give_heads else None,
                                         kv_heads=c.hkv if c.give_heads else None)
     q, k, v = (shard(t.permute(to_layout), seq_dim, rank, lens).clone().requires_grad_() for t in (Q, K, V))

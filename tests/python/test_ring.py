@@ -52,6 +52,7 @@ def test_plan_sp_mesh_lists_every_split_best_first():
     (2, 2, 6, 2, 13, True, True, None, 0),           # GQA, uneven S, causal packed documents
     (2, 2, 4, 2, 13, True, True, None, 3),           # sliding window: some blocks wholly outside
     (1, 3, 4, 2, 17, True, False, "learnable", 5),   # window with a learnable bias
+    (2, 2, 4, 2, 13, False, False, "learnable", -1),  # logit softcap (window -1: cap 0.3 instead)
     (1, 2, 4, 4, 9, False, False, None, 0),          # pure ring
     (2, 2, 4, 1, 10, True, False, None, 0),          # MQA: kv replicated over U
     (2, 2, 4, 2, 11, True, False, "learnable", 0),   # float bias [B, 1, S_r, S] with gradient
@@ -70,14 +71,15 @@ def test_hybrid_matches_single_rank_reference(U, R, hq, hkv, S, causal, packed, 
     learn = mask_kind == "learnable"
     q, k, v = (t.clone().double().requires_grad_() for t in (Q, K, V))
     m_ref = M.clone().double().requires_grad_() if learn else M
-    ref = reference_attention(q, k, v, m_ref, pos, causal, window=window)
+    window, softcap = (0, 0.3) if window < 0 else (window, 0.0)
+    ref = reference_attention(q, k, v, m_ref, pos, causal, window=window, softcap=softcap)
     dO = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
     (ref * dO).sum().backward()
     names, keep = hybrid_group_names(U, R)
 
     def body(p, _world):
         uly, ring = names[p]
-        attn = ulysses.DistributedAttention(uly, ring_group=ring, causal=causal, window=window)
+        attn = ulysses.DistributedAttention(uly, ring_group=ring, causal=causal, window=window, softcap=softcap)
         cut = lambda t: ulysses.shard_sequence(t, 1, p, P, ring=R)  # noqa: E731
         ql, kl, vl = (cut(t).clone().requires_grad_() for t in (Q, K, V))
         ml = None
