@@ -81,21 +81,17 @@ std::string as_device(int64_t v) {
 }
 std::string as_layout(int64_t v) { return to_string(static_cast<Layout>(v)); }
 std::string as_window(int64_t v) { return v == 0 ? "none" : std::to_string(v); }
-std::string as_softcap(int64_t v) {
+// A double's bits as its value, or `zero` for 0 (the option's default).
+std::string as_real(int64_t v, const char* zero) {
   const double d = double_of(v);
-  if (d == 0) return "none";
+  if (d == 0) return zero;
   std::ostringstream os;
   os << d;
   return os.str();
 }
+std::string as_softcap(int64_t v) { return as_real(v, "none"); }
 std::string as_split(int64_t v) { return v < 0 ? "none (learned)" : "given"; }
-std::string as_scale(int64_t v) {
-  const double d = double_of(v);
-  if (d == 0) return "default (1/sqrt(D))";
-  std::ostringstream os;
-  os << d;
-  return os.str();
-}
+std::string as_scale(int64_t v) { return as_real(v, "default (1/sqrt(D))"); }
 
 // The fields every rank must hold alike, in the order they are compared: counts and dims come
 // before the sizes they govern, so two lists differ first where their structure does.

@@ -106,17 +106,6 @@ def test_mixed_position_id_forms_are_accepted_and_exact():
         assert max_rel(a, b) < 1e-5
 
 
-def test_scale_on_one_rank_only_fails_alike():
-    def body(rank, group):
-        attn = ulysses.DistributedAttention(group, scale=0.5 if rank == 1 else None, timeout=5)
-        q = torch.randn(1, 4, 2, 8)
-        attn(q, q, q)
-
-    errors = run_ranks_errors(2, body, timeout_s=5)
-    assert errors[0] == errors[1] and "ranks disagree on scale: rank 0 has default (1/sqrt(D)), rank 1 has 0.5" \
-        in errors[0], errors
-
-
 @pytest.mark.parametrize("P", [1, 2, 3])
 @pytest.mark.parametrize("local,dtype", [("auto", torch.float32), ("sdpa", torch.float32),
                                          ("math", torch.float32), ("auto", torch.float64)])
@@ -140,26 +129,19 @@ def test_a_logit_softcap_is_exact_at_every_P(P, local, dtype):
     assert max_rel(uncapped[0], want[0]) > 1e-3  # the cap matters here
 
 
-def test_a_softcap_on_one_rank_only_fails_alike():
+@pytest.mark.parametrize("option,values,message", [
+    ("scale", (None, 0.5), "ranks disagree on scale: rank 0 has default (1/sqrt(D)), rank 1 has 0.5"),
+    ("window", (None, 3), "ranks disagree on window: rank 0 has none, rank 1 has 3"),
+    ("softcap", (None, 30.0), "ranks disagree on softcap: rank 0 has none, rank 1 has 30"),
+])
+def test_an_option_on_one_rank_only_fails_alike(option, values, message):
     def body(rank, group):
-        attn = ulysses.DistributedAttention(group, softcap=30.0 if rank == 1 else None, timeout=5)
+        attn = ulysses.DistributedAttention(group, causal=True, timeout=5, **{option: values[rank]})
         q = torch.randn(1, 4, 2, 8)
         attn(q, q, q)
 
     errors = run_ranks_errors(2, body, timeout_s=5)
-    assert errors[0] == errors[1] and "ranks disagree on softcap: rank 0 has none, rank 1 has 30" in errors[0], \
-        errors
-
-
-def test_a_window_on_one_rank_only_fails_alike():
-    def body(rank, group):
-        attn = ulysses.DistributedAttention(group, causal=True, window=3 if rank == 1 else None, timeout=5)
-        q = torch.randn(1, 4, 2, 8)
-        attn(q, q, q)
-
-    errors = run_ranks_errors(2, body, timeout_s=5)
-    assert errors[0] == errors[1] and "ranks disagree on window: rank 0 has none, rank 1 has 3" in errors[0], \
-        errors
+    assert errors[0] == errors[1] and message in errors[0], errors
 
 
 def test_a_window_without_causal_or_with_a_callable_is_refused():
