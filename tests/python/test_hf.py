@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     Gemma2Config,
     LlamaConfig,
     MistralConfig,
@@ -37,6 +38,10 @@ CONFIGS = {
     "gemma2": lambda: Gemma2Config(num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
                                    attn_logit_softcapping=0.5, sliding_window=5, initializer_range=0.3,
                                    **COMMON),
+    # Value heads narrower than query/key heads (Dv 6, D 8 + 4 rotary), dense layers (MLA, no MoE).
+    "deepseek_v3": lambda: DeepseekV3Config(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+                                            kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                                            first_k_dense_replace=2, **COMMON),
     # Dispatches through the attention interface without declaring it (is_backend_compatible False).
     "stablelm": lambda: StableLmConfig(num_attention_heads=4, num_key_value_heads=2, **COMMON),
 }
@@ -96,7 +101,7 @@ def assert_matches(got, want):
 @pytest.mark.parametrize("P", [2, 3])
 @pytest.mark.parametrize("kind", ["padded", "packed"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "stablelm", "mistral_window", "qwen2_window",
-                                  "gemma2"])
+                                  "gemma2", "deepseek_v3"])
 def test_loss_and_every_gradient_equal_the_unsharded_model(name, kind, P):
     base = make_model(name)
     batch = make_batch(kind)
