@@ -111,11 +111,29 @@ def _refusal(model_class: type) -> str:
             "ulysses.DistributedAttention into its attention, or compile it with ulysses.autosp")
 
 
+def _chunked_refusal(model_class: type) -> str:
+    return (f"ulysses.hf: {model_class.__name__} has chunked-attention layers (Llama 4's "
+            "attention_chunk_size), which transformers expresses only in masks that the 'ulysses' "
+            "implementation does not build; each rank would attend across chunks. Not supported "
+            "yet: set config.attention_chunk_size = None (full attention) or train it without "
+            "sequence parallelism")
+
+
+def _refusal_of(module: PreTrainedModel) -> str | None:
+    """Why ``module`` cannot run the "ulysses" implementation exactly, or None."""
+    if not _uses_attention_interface(type(module)):
+        return _refusal(type(module))
+    if "chunked_attention" in (getattr(module.config, "layer_types", None) or ()):
+        return _chunked_refusal(type(module))
+    return None
+
+
 def _check_backend(model: torch.nn.Module) -> None:
-    """Raises for a model (or any sub-model) that would silently keep its own attention."""
+    """Raises for a model (or any sub-model) that would silently keep its own attention, or
+    attend by rules the implementation does not see."""
     for module in model.modules():
-        if isinstance(module, PreTrainedModel) and not _uses_attention_interface(type(module)):
-            raise ValueError(_refusal(type(module)))
+        if isinstance(module, PreTrainedModel) and (why := _refusal_of(module)) is not None:
+            raise ValueError(why)
 
 
 def _refuse_incompatible(get_correct_attn_implementation):
@@ -124,8 +142,8 @@ def _refuse_incompatible(get_correct_attn_implementation):
     attention. For "ulysses" such models are refused with a message that says what to do."""
 
     def checked(self, requested_attention, is_init_check=False):
-        if requested_attention == IMPLEMENTATION and not _uses_attention_interface(type(self)):
-            raise ValueError(_refusal(type(self)))
+        if requested_attention == IMPLEMENTATION and (why := _refusal_of(self)) is not None:
+            raise ValueError(why)
         return get_correct_attn_implementation(self, requested_attention, is_init_check)
 
     return checked

@@ -268,3 +268,30 @@ def test_from_config_takes_the_ulysses_implementation():
     # StableLM dispatches through the interface without declaring it: accepted.
     model = AutoModelForCausalLM.from_config(CONFIGS["stablelm"](), attn_implementation="ulysses")
     assert model.config._attn_implementation == "ulysses"
+
+
+def llama4_config():
+    from transformers import Llama4TextConfig
+
+    return Llama4TextConfig(vocab_size=32, hidden_size=16, intermediate_size=32, intermediate_size_mlp=32,
+                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+                            num_local_experts=2, attention_chunk_size=4)
+
+
+def test_chunked_attention_is_refused_on_every_rank():
+    # Llama 4's chunked layers exist only in the masks transformers builds, which the "ulysses"
+    # implementation does not: accepted, each rank would attend across chunks.
+    refused = "ulysses.hf: Llama4ForCausalLM has chunked-attention layers"
+    with pytest.raises(ValueError, match=refused):
+        AutoModelForCausalLM.from_config(llama4_config(), attn_implementation="ulysses")
+
+    def body(rank, group):
+        uhf.sequence_parallel(AutoModelForCausalLM.from_config(llama4_config()), group)
+
+    errors = run_ranks_errors(2, body)
+    assert errors[0] == errors[1] and refused in errors[0], errors
+    # Without chunks (attention_chunk_size None) the same model is accepted.
+    cfg = llama4_config()
+    cfg.attention_chunk_size = None
+    cfg.layer_types = ["full_attention"] * cfg.num_hidden_layers
+    AutoModelForCausalLM.from_config(cfg, attn_implementation="ulysses")
