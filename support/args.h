@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -140,7 +141,7 @@ class Args {
     return v;
   }
   // The number value (given, else the default), which must lie in [lo, hi].
-  double real(const std::string& name, double lo = -1e300, double hi = 1e300) const {
+  double real(const std::string& name, double lo = -kMaxReal, double hi = kMaxReal) const {
     const std::string text = value_of(name);
     double v = 0;
     try {
@@ -151,8 +152,13 @@ class Args {
       throw UsageError("option " + name + " must be a number; got '" + shown(text) + "'");
     }
     if (!(v >= lo && v <= hi)) {
-      throw UsageError("option " + name + " must be in [" + std::to_string(lo) + ", " +
-                       std::to_string(hi) + "]; got " + shown(text));
+      std::ostringstream range;  // "0", "10", "0.5": as typed, not to_string's 6 decimals.
+      if (hi == kMaxReal) {
+        range << ">= " << lo;
+      } else {
+        range << "in [" << lo << ", " << hi << "]";
+      }
+      throw UsageError("option " + name + " must be " + range.str() + "; got " + shown(text));
     }
     return v;
   }
@@ -181,6 +187,7 @@ class Args {
 
  private:
   static constexpr int64_t kMin = INT64_MIN, kMax = INT64_MAX;
+  static constexpr double kMaxReal = 1e300;
   const Option* find(const std::string& name) const {
     for (const Option& o : options_)
       if (o.name == name) return &o;

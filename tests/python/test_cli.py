@@ -213,7 +213,8 @@ def test_version_and_help_per_command():
     (["bench", "a2a", "--message-kib", "0"], "option --message-kib must be in [1, 1099511627776]; got 0"),
     (["train", "--steps", "0"], "option --steps must be >= 1; got 0"),
     (["plan", "--q-heads", "4", "--sp", "2", "--seq-len", "0"], "option --seq-len must be >= 1; got 0"),
-    (["bench", "attention", "--math-limit-gb", "-1"], "option --math-limit-gb must be"),
+    (["bench", "attention", "--math-limit-gb", "-1"], "option --math-limit-gb must be >= 0; got -1"),
+    (["train", "--lr", "11"], "option --lr must be in [0, 10]; got 11"),
     (["launch", "-n", "2", "--addr", "not-an-address!", "--", "true"],
      "option --addr must be an IP address or a host name that resolves here; got 'not-an-address!'"),
     # Found by scripts/fuzz.sh: a plan listing 5e16 heads per rank; a newline in an option.
