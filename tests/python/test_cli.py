@@ -171,6 +171,14 @@ def test_version_and_help_do_not_import_torch():
     assert "torch" in imported_modules("launch", "-n", "1", "--", sys.executable, "-c", "pass", "--help")
 
 
+def test_import_ulysses_does_not_load_dynamo():
+    # torch._dynamo costs each rank about 3 s of start-up; only AutoSP (first use) needs it.
+    # (ulysses.hf imports transformers, which loads it by itself.)
+    code = "import sys, ulysses; print('torch._dynamo' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0 and r.stdout.strip() == "False", (r.stdout, r.stderr[-2000:])
+
+
 def test_version_and_help_per_command():
     r = run(ULYSSES, "--version")
     assert r.returncode == 0 and r.stdout.startswith("ulysses 0.3.0 (torch 2.13")
