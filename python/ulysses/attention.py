@@ -44,6 +44,16 @@ class StepContext:
         return self._handle.reuses()
 
 
+def _under_autocast(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under autocast, attention runs in its lower precision, as torch's SDPA does: a model's
+    q (fp32 after RoPE) and v (bf16 from its projection) then meet in one dtype."""
+    device = xs[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return xs
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(x.to(dtype) if x.is_floating_point() else x for x in xs)
+
+
 class DistributedAttention(nn.Module):
     """Sequence-parallel attention over the ranks of ``group``.
 
@@ -149,6 +159,7 @@ class DistributedAttention(nn.Module):
         call's agreement round when None; required under torch.compile). ``step``: shares
         rebuilt masks across layers.
         """
+        q, k, v = _under_autocast(q, k, v)
         hq, hkv = self._heads(q, k)
         seq_lens = self._seq_lens(seq_lens)
         if callable(self.local):
@@ -178,6 +189,7 @@ class DistributedAttention(nn.Module):
             raise ValueError("DistributedAttention.forward_parts: a callable local attention takes whole "
                              "tensors; use forward")
         seq_lens = self._seq_lens(seq_lens)
+        q, k, v = (list(_under_autocast(*parts)) for parts in (q, k, v))
         return torch.ops.ulysses.attention_parts(list(q), list(k), list(v), mask, position_ids, self.q_heads,
                                       self.kv_heads, seq_lens, self.layout, self.causal, self._scale(),
                                       self.local, self.group_name, [self.timeout_ms], self.ring_name,

@@ -282,3 +282,31 @@ def test_logit_softcap_matches_the_reference(kernel, causal):
         assert rel(got, want) < 10 * tol
     uncapped = reference_attention(Q, K, V, M, None, causal=causal)
     assert rel(uncapped, ref) > 1e-2  # the cap matters here
+
+
+def test_autocast_runs_attention_in_its_dtype():
+    # Under autocast a model's q (fp32 after RoPE) meets a bf16 v: attention runs in bf16, as
+    # torch's SDPA does, and matches the reference on the same bf16 inputs (forward and dq).
+    B, S, hq, hkv, D = 2, 11, 4, 2, 8
+    gen = torch.Generator().manual_seed(5)
+    Q, K, V = (torch.randn(B, S, h, D, generator=gen) for h in (hq, hkv, hkv))
+    q16, k16, v16 = (t.bfloat16().double().requires_grad_() for t in (Q, K, V))
+    ref = reference_attention(q16, k16, v16, causal=True)
+    ref.sum().backward()
+    lens = seq_lens(S, 2)
+
+    def body(rank, group):
+        q = shard(Q, 1, rank, lens).requires_grad_()
+        k, v = (shard(t, 1, rank, lens).bfloat16() for t in (K, V))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            o = ulysses.DistributedAttention(group, causal=True)(q, k, v)
+        o.float().sum().backward()
+        return o, q.grad
+
+    results = run_ranks(2, body)
+    assert all(o.dtype == torch.bfloat16 for o, _ in results)
+    assert rel(torch.cat([o for o, _ in results], 1), ref) < 2e-2
+    assert rel(torch.cat([g for _, g in results], 1), q16.grad) < 5e-2
+    with pytest.raises(Exception, match="v is BFloat16 but q is Float"):  # without autocast: refused
+        run_ranks(2, lambda rank, group: ulysses.DistributedAttention(group)(
+            shard(Q, 1, rank, lens), shard(K, 1, rank, lens), shard(V, 1, rank, lens).bfloat16()))

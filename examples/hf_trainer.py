@@ -1,0 +1,146 @@
+"""Trains a small Llama (random init from a config; nothing downloaded) with transformers' Trainer
+and ulysses sequence parallelism, no DeepSpeed:
+
+    torchrun --nproc_per_node 4 examples/hf_trainer.py --sp 2      # DP 2 x SP 2
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --sp 2 --packed
+    python examples/hf_trainer.py --sp 1                           # the plain Trainer, one process
+
+The lines that make it sequence parallel are marked "ulysses". The task: copy the first half of
+each sequence into its second half (lengths vary, so batches are padded, or packed with
+--packed), so the loss falls only if attention reaches across each rank's shard. With --trl the
+same runs under TRL's SFTTrainer with packing. --report writes the logged losses and the final
+parameters (rank 0), which the tests compare with the single-process run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    DataCollatorWithFlattening,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Trainer,
+    TrainingArguments,
+)
+
+import ulysses.hf  # noqa: F401  (registers attn_implementation="ulysses")
+from ulysses.trainer import SequenceParallel, SequenceParallelTrainer
+
+
+def copy_task(count: int, max_len: int, vocab: int, seed: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(count):
+        half = int(torch.randint(max_len // 4, max_len // 2 + 1, (), generator=gen))
+        first = torch.randint(2, vocab, (half,), generator=gen)
+        ids = torch.cat([first, torch.ones(1, dtype=torch.long), first]).tolist()
+        labels = [-100] * (half + 1) + first.tolist()  # only the copied half is scored
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def word_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
+    """A tokenizer for token ids as words ("t0".."t31"), built here: TRL wants one, and nothing
+    is downloaded."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    words = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t1"))
+    words.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", unk_token="t1", eos_token="t1")
+
+
+def pad_right(rows: list[dict]) -> dict:
+    longest = max(len(r["input_ids"]) for r in rows)
+
+    def padded(key: str, fill: int) -> torch.Tensor:
+        return torch.tensor([r[key] + [fill] * (longest - len(r[key])) for r in rows])
+
+    mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * (longest - len(r["input_ids"])) for r in rows])
+    return {"input_ids": padded("input_ids", 0), "labels": padded("labels", -100), "attention_mask": mask}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sp", type=int, default=2, help="sequence-parallel ranks per data-parallel group")
+    p.add_argument("--packed", action="store_true", help="pack each batch into one row (position ids restart)")
+    p.add_argument("--trl", action="store_true", help="TRL's SFTTrainer with packing instead of Trainer")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, over all ranks")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--max-len", type=int, default=96)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    p.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (default: fp32, exact against one process)")
+    p.add_argument("--eval", action="store_true", help="evaluate on held-out sequences at the end")
+    p.add_argument("--out", default="hf_trainer_out")
+    p.add_argument("--report", default=None, help="write logged losses (json) and final parameters (.pt)")
+    a = p.parse_args()
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dp = world // a.sp
+    per_device = a.global_batch // (dp * a.grad_accum)
+    if per_device * dp * a.grad_accum != a.global_batch:
+        raise SystemExit(f"--global-batch {a.global_batch} must divide by dp {dp} x --grad-accum {a.grad_accum}")
+
+    torch.manual_seed(0)  # the same initial weights on every rank
+    vocab = 32
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4 * a.max_len,
+                         attention_dropout=0.0, pad_token_id=0)
+    sequence_parallel = world > 1
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="ulysses" if sequence_parallel else "eager")
+    train = copy_task(a.steps * a.global_batch, a.max_len, vocab, seed=1)
+    held_out = copy_task(2 * a.global_batch + 3, a.max_len, vocab, seed=2)  # uneven last batch
+    common = dict(output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=per_device,
+                  per_device_eval_batch_size=per_device, gradient_accumulation_steps=a.grad_accum,
+                  learning_rate=a.lr, lr_scheduler_type="constant", logging_steps=1, report_to=[],
+                  save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
+                  use_cpu=True, bf16=a.bf16, seed=0, dataloader_drop_last=False)
+    collator = DataCollatorWithFlattening() if a.packed else pad_right
+    if a.trl:
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+
+        class SequenceParallelSFTTrainer(SequenceParallel, SFTTrainer):  # ulysses
+            pass
+
+        args = SFTConfig(**common, packing=True, max_length=2 * a.max_len)  # packed rows of whole sequences
+        trainer_class = SequenceParallelSFTTrainer if sequence_parallel else SFTTrainer
+        extra = {"sp_size": a.sp} if sequence_parallel else {}
+        trainer = trainer_class(model=model, args=args, train_dataset=Dataset.from_list(train),
+                                eval_dataset=Dataset.from_list(held_out), processing_class=word_tokenizer(vocab),
+                                **extra)
+    else:
+        args = TrainingArguments(**common, remove_unused_columns=False)
+        if sequence_parallel:
+            trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
+                                              data_collator=collator, sp_size=a.sp)  # ulysses
+        else:
+            trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
+                              data_collator=collator)
+    trainer.train(resume_from_checkpoint=a.resume)
+    metrics = trainer.evaluate() if a.eval else {}
+    losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+    if trainer.args.process_index == 0:
+        first, last = min(losses), max(losses)
+        kind = "TRL SFTTrainer, packed" if a.trl else "packed" if a.packed else "padded"
+        evaluated = f", eval loss {metrics['eval_loss']:.4f}" if a.eval else ""
+        print(f"hf_trainer: world {world} (dp {dp} x sp {a.sp if sequence_parallel else 1}), {kind} batches, "
+              f"step {first} loss {losses[first]:.4f}, step {last} loss {losses[last]:.4f}{evaluated}", flush=True)
+        if a.report:
+            with open(a.report + ".json", "w") as f:
+                json.dump({"losses": losses, "eval_loss": metrics.get("eval_loss")}, f)
+            torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, a.report + ".pt")
+
+
+if __name__ == "__main__":
+    main()

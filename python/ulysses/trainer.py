@@ -1,0 +1,200 @@
+"""Sequence parallelism under ``transformers.Trainer`` and TRL's trainers, without DeepSpeed.
+
+A script that trains with ``Trainer`` changes by two lines, and is launched with torchrun::
+
+    from ulysses.trainer import SequenceParallelTrainer
+    trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=ds, sp_size=2)
+
+For another Trainer class (TRL's ``SFTTrainer``, a project's own), put the mixin first::
+
+    class SequenceParallelSFTTrainer(ulysses.trainer.SequenceParallel, SFTTrainer): ...
+
+The launched world is a ``("dp", "sp")`` mesh of ``world / sp_size`` data-parallel groups of
+``sp_size`` ranks (consecutive ranks form a group). What changes against a plain Trainer:
+
+- **Data:** every rank of an SP group gets the same batch and different groups get different
+  batches (the loader is sharded over ``"dp"``, not over the world). Resuming skips batches the
+  Trainer's way.
+- **The step:** each rank shifts the labels on the whole sequence, keeps its shard
+  (:func:`ulysses.hf.shard_batch`), and runs the model on it; attention runs through ulysses over
+  ``"sp"``. Padded and packed batches (``DataCollatorWithFlattening``, TRL packing: position ids
+  restarting at 0) are exact.
+- **The loss** is the exact token mean over the whole optimizer step: every micro-batch of the
+  gradient accumulation and every DP group (one all-reduce of the token count per step).
+  Gradients are averaged over the world by the Trainer's DDP, so each rank's loss is its
+  shard's token sum x world / count, and the logged loss is the global mean.
+- **Evaluation** computes the same mean per batch; gathered predictions take one copy per SP
+  group, and logits are gathered along the sequence when they are asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
+from accelerate.utils import recursively_apply
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import Trainer
+
+from . import hf
+from . import ops as O
+
+# Batch keys that carry nothing the shard needs: documents are given by position_ids, and
+# TRL's masks are already folded into the labels.
+_DROPPED_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
+                           "completion_mask", "assistant_masks"})
+_SHARDED_KEYS = frozenset({"input_ids", "labels", "attention_mask", "position_ids"})
+
+
+def _valid_targets(batch: Mapping[str, torch.Tensor], ignore_index: int) -> torch.Tensor:
+    """The number of tokens a batch scores: the shifted labels that are not ignored (one rule,
+    the shard's, so the count and the loss cannot disagree)."""
+    whole = torch.ops.ulysses.shard_batch(batch["input_ids"], batch.get("labels"), batch.get("attention_mask"),
+                                          batch.get("position_ids"), 0, 1, 1, ignore_index)
+    return (whole[1] != ignore_index).sum()
+
+
+class SequenceParallel:
+    """Mixin for a ``transformers.Trainer`` class: trains with Ulysses sequence parallelism over
+    ``sp_size`` ranks per data-parallel group (module docstring). Put it first in the bases."""
+
+    ignore_index = hf.IGNORE_INDEX
+
+    def __init__(self, *args: Any, sp_size: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        trainer: Any = self
+        world = trainer.args.world_size
+        if not dist.is_initialized():
+            raise RuntimeError("ulysses.trainer: torch.distributed is not initialized; launch the script with "
+                               f"torchrun (e.g. torchrun --nproc_per_node {sp_size} train.py)")
+        if sp_size < 1 or world % sp_size:
+            raise ValueError(f"ulysses.trainer: sp_size must divide the world size {world}; got {sp_size}")
+        if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or trainer.args.n_gpu > 1:
+            raise ValueError("ulysses.trainer: runs under the Trainer's DDP (one device per process); "
+                             "DeepSpeed, FSDP and DataParallel are not supported with it")
+        self.sp_size = sp_size
+        self.sequence_mesh = init_device_mesh(trainer.args.device.type, (world // sp_size, sp_size),
+                                              mesh_dim_names=("dp", "sp"))
+        hf.sequence_parallel(trainer.model, self.sequence_mesh["sp"])
+        # compute_loss normalises by the count of the whole optimizer step (get_batch_samples).
+        trainer.loss_is_scaled_for_ga = True
+        self._step_tokens: torch.Tensor | None = None
+
+    # --- data: sharded over "dp", the same batch on every rank of an SP group ---------------
+
+    def _shard_over_data_parallel(self, loader: Any) -> Any:
+        dp = self.sequence_mesh["dp"]
+        shard: Any = getattr(loader, "batch_sampler", None)
+        if not isinstance(shard, BatchSamplerShard):
+            shard = getattr(loader, "dataset", None)
+            if not isinstance(shard, IterableDatasetShard):
+                raise ValueError(f"ulysses.trainer: the Trainer's data loader is a {type(loader).__name__}, which "
+                                 "cannot be sharded over the data-parallel ranks only; for an iterable dataset "
+                                 "pass TrainingArguments(accelerator_config={'dispatch_batches': False})")
+        shard.num_processes, shard.process_index = dp.size(), dp.get_local_rank()
+        if dp.size() == 1 and isinstance(shard, BatchSamplerShard):
+            shard.even_batches = False  # one group: no batch to even out, as in a single process
+        return loader
+
+    def get_train_dataloader(self) -> Any:
+        return self._shard_over_data_parallel(super().get_train_dataloader())  # type: ignore[misc]
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        return self._shard_over_data_parallel(super().get_eval_dataloader(eval_dataset))  # type: ignore[misc]
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        return super().get_total_train_batch_size(args) // self.sp_size  # type: ignore[misc]
+
+    # --- the step ------------------------------------------------------------------------
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> Any:
+        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
+        # The tokens the whole optimizer step scores, over every micro-batch and DP group.
+        tokens = sum((_valid_targets(b, self.ignore_index) for b in batches), torch.zeros((), dtype=torch.long))
+        tokens = tokens.to(device)
+        dist.all_reduce(tokens, group=self.sequence_mesh["dp"].get_group())
+        return batches, tokens
+
+    def _sharded_forward(self, model: torch.nn.Module, inputs: Mapping[str, Any]) -> tuple[Any, dict]:
+        unknown = sorted(set(inputs) - _SHARDED_KEYS - _DROPPED_KEYS)
+        if unknown:
+            raise ValueError(f"ulysses.trainer: the batch has {unknown}, which the sequence shard does not "
+                             f"carry; a batch may hold {sorted(_SHARDED_KEYS)}")
+        sp = self.sequence_mesh["sp"]
+        shard = hf.shard_batch({k: v for k, v in inputs.items() if k in _SHARDED_KEYS}, sp,
+                               ignore_index=self.ignore_index)
+        model_inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"],
+                        "ulysses_seq_lens": shard["seq_lens"]}
+        if "attention_mask" in shard:
+            model_inputs["attention_mask"] = shard["attention_mask"]
+        return model(**model_inputs), shard
+
+    def compute_loss(self, model: torch.nn.Module, inputs: Mapping[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        outputs, shard = self._sharded_forward(model, inputs)
+        logits = outputs.logits.float()
+        labels = shard["shift_labels"]
+        token_sum = torch.nn.functional.cross_entropy(logits.flatten(0, -2), labels.flatten(),
+                                                      ignore_index=self.ignore_index, reduction="sum")
+        if model.training:
+            # The step's count comes from get_batch_samples (None only outside the training loop).
+            tokens = num_items_in_batch if torch.is_tensor(num_items_in_batch) else None
+            if tokens is None:
+                tokens = (labels != self.ignore_index).sum()
+                dist.all_reduce(tokens)
+            # DDP averages gradients over the world: scale so that the average is the mean's.
+            loss = token_sum * dist.get_world_size() / tokens.clamp(min=1)
+        else:
+            # Evaluation: this batch's mean over its SP group, the same value on each of its ranks.
+            total = torch.stack([token_sum.detach(), (labels != self.ignore_index).sum().to(token_sum.dtype)])
+            dist.all_reduce(total, group=self.sequence_mesh["sp"].get_group())
+            loss = total[0] / total[1].clamp(min=1)
+        return (loss, outputs) if return_outputs else loss
+
+    # --- evaluation ----------------------------------------------------------------------
+
+    def prediction_step(self, model: torch.nn.Module, inputs: dict, prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> Any:
+        trainer: Any = self
+        inputs = trainer._prepare_inputs(inputs)
+        with torch.no_grad(), trainer.compute_loss_context_manager():
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+        if prediction_loss_only:
+            return loss.detach(), None, None
+        sp = self.sequence_mesh["sp"]
+        shard_lens = O.sequence_lengths(outputs.logits, 1, sp)
+        logits = O.all_gather_sequence(outputs.logits.detach(), 1, shard_lens, sp)  # the whole sequence
+        return loss.detach(), logits, inputs.get("labels")
+
+    def _gather_once_per_sequence_group(self, data: Any, use_gather_object: bool = False) -> Any:
+        """accelerate's gather_for_metrics, over one rank of each SP group (its peers hold the
+        same batch): gather over the world, keep each group's first copy, drop the padding that
+        evened out the last batch."""
+        trainer: Any = self
+        accelerator = trainer.accelerator
+        dp, sp = self.sequence_mesh["dp"].size(), self.sp_size
+
+        def once(t: torch.Tensor) -> torch.Tensor:
+            whole = accelerator.gather(t)
+            return whole.reshape(dp, sp, -1, *t.shape[1:])[:, 0].flatten(0, 1)
+
+        data = recursively_apply(once, data)
+        state = accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            data = recursively_apply(lambda t: t[: state.remainder], data)
+        return data
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        trainer: Any = self
+        trainer.gather_function = self._gather_once_per_sequence_group  # the Trainer resets it after
+        return super().evaluation_loop(*args, **kwargs)  # type: ignore[misc]
+
+
+class SequenceParallelTrainer(SequenceParallel, Trainer):
+    """``transformers.Trainer`` with Ulysses sequence parallelism (:class:`SequenceParallel`)."""
+
+
+__all__ = ["SequenceParallel", "SequenceParallelTrainer"]
