@@ -104,7 +104,7 @@ def main() -> None:
                   per_device_eval_batch_size=per_device, gradient_accumulation_steps=a.grad_accum,
                   learning_rate=a.lr, lr_scheduler_type="constant", logging_steps=1, report_to=[],
                   save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
-                  use_cpu=True, bf16=a.bf16, seed=0, dataloader_drop_last=False)
+                  use_cpu=True, bf16=a.bf16, seed=0, ddp_find_unused_parameters=False, dataloader_drop_last=False)
     collator = DataCollatorWithFlattening() if a.packed else pad_right
     if a.trl:
         from datasets import Dataset

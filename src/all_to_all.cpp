@@ -388,6 +388,7 @@ void check_call_locally(const HeadPartition& heads, Layout layout,
   check_4d(tensors, layout);
   check_window(call.window, call.causal);
   check_softcap(call.softcap);
+  check_sinks(call.sinks, heads.q_heads());
   const at::Tensor& first = tensors[0].tensor;
   for (const TensorSpec& spec : tensors) {
     const at::Tensor& x = spec.tensor;
@@ -477,6 +478,7 @@ CallFingerprint call_fingerprint(const Group& group, const HeadPartition& heads,
   f.scale = call.scale;
   f.window = call.window;
   f.softcap = call.softcap;
+  f.sinks = facts_of(call.sinks, first);
   f.step_context = call.step_context;
   return f;
 }

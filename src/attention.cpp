@@ -85,6 +85,11 @@ at::Tensor math_attention(const LocalAttentionArgs& a) {
   }
   if (auto rule = structure_mask(a)) allowed = allowed.logical_and(*rule);
   s = s.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+  if (a.sinks) {  // One more column per row: the head's sink logit, whose value is 0.
+    at::Tensor sink = a.sinks->to(compute).view({1, -1, 1, 1}).expand({s.size(0), -1, Sq, 1});
+    s = at::cat({s, sink}, -1);
+    v = at::cat({v, at::zeros({v.size(0), v.size(1), 1, v.size(3)}, v.options())}, -2);
+  }
   // Softmax that yields 0 (not NaN) for rows with no allowed key, gradients included.
   at::Tensor row_max = std::get<0>(s.max(-1, true)).detach();
   row_max = row_max.masked_fill(row_max.isinf(), 0);
@@ -110,6 +115,8 @@ constexpr const char* kKernelNames[] = {"auto", "fused", "sdpa", "math"};
 at::Tensor sdpa_attention(const LocalAttentionArgs& a) {
   TORCH_CHECK_VALUE(a.softcap == 0, "local attention \"sdpa\" has no logit softcap; use \"auto\", ",
                     "\"fused\" or \"math\" with softcap=", a.softcap);
+  TORCH_CHECK_VALUE(!a.sinks, "local attention \"sdpa\" has no attention sinks; use \"auto\", ",
+                    "\"fused\" or \"math\"");
   at::Tensor map = at::tensor(a.kv_map, a.q.options().dtype(at::kLong));
   at::Tensor k = a.k.index_select(1, map), v = a.v.index_select(1, map);
   const c10::optional<double> scale =
@@ -135,7 +142,8 @@ std::string to_string(LocalKernel kernel) { return kKernelNames[static_cast<int>
 LocalKernel choose_local_kernel(const LocalAttentionArgs& a, LocalKernel requested) {
   const bool cpu = a.q.device().is_cpu(), fp64 = a.q.scalar_type() == at::kDouble;
   if (requested == LocalKernel::kAuto) {
-    if (!cpu) return a.softcap > 0 ? LocalKernel::kMath : LocalKernel::kSdpa;  // SDPA: no cap.
+    // SDPA has neither a softcap nor sinks.
+    if (!cpu) return a.softcap > 0 || a.sinks ? LocalKernel::kMath : LocalKernel::kSdpa;
     return fp64 ? LocalKernel::kMath : LocalKernel::kFused;
   }
   if (requested == LocalKernel::kFused) {
@@ -149,6 +157,7 @@ LocalKernel choose_local_kernel(const LocalAttentionArgs& a, LocalKernel request
 
 at::Tensor local_attention(const LocalAttentionArgs& args, LocalKernel kernel) {
   check_softcap(args.softcap);
+  check_sinks(args.sinks, args.q.size(1));
   switch (choose_local_kernel(args, kernel)) {
     case LocalKernel::kFused:
       return flash_attention(args);

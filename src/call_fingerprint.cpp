@@ -141,6 +141,8 @@ std::vector<Field> fields(const CallFingerprint& c, const std::vector<std::strin
   f.push_back({"scale", bits_of(c.scale), as_scale});
   f.push_back({"window", c.window, as_window});
   f.push_back({"softcap", bits_of(c.softcap), as_softcap});
+  facts_fields(f, "sinks", c.sinks, -1, true);
+  if (c.sinks.given) f.push_back({"whether sinks require grad", c.sinks.requires_grad, as_bool});
   f.push_back({"whether a StepContext is used", c.step_context, as_bool});
   f.push_back({"GroupOptions::pipeline_min_bytes", c.pipeline_min_bytes, as_int});
   f.push_back({"GroupOptions::message_bytes", c.message_bytes, as_int});
@@ -160,6 +162,7 @@ std::vector<int64_t> CallFingerprint::encode() const {
   out.push_back(bits_of(scale));
   out.push_back(window);
   out.push_back(bits_of(softcap));
+  put(out, sinks);
   out.push_back(step_context);
   return out;
 }
@@ -183,6 +186,7 @@ CallFingerprint CallFingerprint::decode(const std::vector<int64_t>& values) {
   c.scale = double_of(r.next());
   c.window = r.next();
   c.softcap = double_of(r.next());
+  c.sinks = r.facts();
   c.step_context = r.next() != 0;
   TORCH_CHECK(r.done(), "CallFingerprint::decode: ", values.size(), " values, more than encoded");
   return c;

@@ -202,6 +202,7 @@ AttentionHeads attend_heads(const AttentionCall& call,
   options.scale = call.scale;
   options.window = call.window;
   options.softcap = call.softcap;
+  options.sinks = call.sinks;
   options.step_context = call.step != nullptr;
   options.check_mask = !ring && !call.mask_rebuilt;
 
@@ -227,6 +228,10 @@ AttentionHeads attend_heads(const AttentionCall& call,
   args.scale = call.scale;
   args.window = call.window;
   args.softcap = call.softcap;
+  if (call.sinks) {  // This rank's query heads' entries (Note [Attention sinks], ops.cpp).
+    const Range r = out.plan.heads.q_range(group.rank());
+    args.sinks = call.sinks->slice(0, r.begin, r.end);
+  }
   StepContext* step = call.step;
   if (mask && call.mask_rebuilt) {
     args.mask = mask;
@@ -295,6 +300,7 @@ AttentionCall DistributedAttention::call(const AttentionInputs& in) const {
   c.scale = options_.scale;
   c.window = options_.window;
   c.softcap = options_.softcap;
+  c.sinks = in.sinks;
   c.fuse_qkv = options_.fuse_qkv;
   c.kernel = options_.kernel;
   c.local = options_.local ? &options_.local : nullptr;

@@ -136,6 +136,14 @@ void check_window(int64_t window, bool causal) {
                     window, " with causal=", causal ? "True" : "False");
 }
 
+void check_sinks(const c10::optional<at::Tensor>& sinks, int64_t q_heads) {
+  if (!sinks || !sinks->defined()) return;
+  TORCH_CHECK_VALUE(sinks->dim() == 1 && sinks->size(0) == q_heads && sinks->is_floating_point(),
+                    "attention: sinks must be a floating-point [q_heads] = [", q_heads,
+                    "] tensor (one logit per query head); got ", sinks->scalar_type(), " ",
+                    sinks->sizes());
+}
+
 void check_softcap(double softcap) {
   TORCH_CHECK_VALUE(softcap >= 0 && std::isfinite(softcap),
                     "attention: softcap must be 0 (none) or a finite positive number (scores s "

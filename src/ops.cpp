@@ -110,7 +110,7 @@ std::vector<std::string> tensor_names(const std::vector<Heads>& kinds) {
 
 CallOptions call_options(const std::vector<std::string>& names, const OptTensor& mask,
                          const OptTensor& positions, bool causal, double scale, bool step,
-                         bool check_mask, int64_t window, double softcap) {
+                         bool check_mask, int64_t window, double softcap, const OptTensor& sinks) {
   CallOptions o;
   o.check_mask = check_mask;
   o.attention = names.size() == 3 && names[0] == "q";
@@ -120,6 +120,7 @@ CallOptions call_options(const std::vector<std::string>& names, const OptTensor&
   o.scale = scale;
   o.window = window;
   o.softcap = softcap;
+  o.sinks = sinks;
   o.step_context = step;
   return o;
 }
@@ -153,7 +154,7 @@ std::vector<at::Tensor> scatter_heads_op(at::TensorList xs, Strings heads, int64
                                          c10::IntArrayRef group_options, bool agree,
                                          const OptTensor& mask, const OptTensor& positions,
                                          bool causal, double scale, bool step, bool check_mask,
-                                         int64_t window, double softcap) {
+                                         int64_t window, double softcap, const OptTensor& sinks) {
   const Group group = Group::from_op(group_name, group_options);
   if (!agree) {  // The library's own call (a backward, or the C++ API after agree_plan).
     const std::vector<Heads> kinds = parse_heads(heads);
@@ -172,9 +173,10 @@ std::vector<at::Tensor> scatter_heads_op(at::TensorList xs, Strings heads, int64
     return plan_of(q_heads, kv_heads, seq_lens, layout, group.size());
   });
   // Checks every rank's tensors and the given split in one small collective before data moves.
-  const AllToAllPlan plan = agree_plan(group, given.heads, given.layout, specs, given.seq,
-                                       call_options(tensor_names(kinds), mask, positions, causal,
-                                                    scale, step, check_mask, window, softcap));
+  const AllToAllPlan plan =
+      agree_plan(group, given.heads, given.layout, specs, given.seq,
+                 call_options(tensor_names(kinds), mask, positions, causal, scale, step, check_mask,
+                              window, softcap, sinks));
   return unaliased(detail::scatter_heads_kernel(xs.vec(), kinds, plan, group), xs);
 }
 
@@ -182,11 +184,11 @@ std::vector<at::Tensor> scatter_heads_autograd(
     at::TensorList xs, Strings heads, int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_lens,
     const std::string& layout, const std::string& group_name, c10::IntArrayRef group_options,
     bool agree, const OptTensor& mask, const OptTensor& positions, bool causal, double scale,
-    bool step, bool check_mask, int64_t window, double softcap) {
+    bool step, bool check_mask, int64_t window, double softcap, const OptTensor& sinks) {
   static const auto op = handle<decltype(scatter_heads_op)>("ulysses::scatter_heads");
   std::vector<at::Tensor> outs = below_autograd([&] {
     return op.call(xs, heads, q_heads, kv_heads, seq_lens, layout, group_name, group_options, agree,
-                   mask, positions, causal, scale, step, check_mask, window, softcap);
+                   mask, positions, causal, scale, step, check_mask, window, softcap, sinks);
   });
   if (!needs_grad(xs)) return outs;
   // The kernel checked the arguments on every rank: parsing them again cannot fail.
@@ -204,7 +206,8 @@ std::vector<at::Tensor> scatter_head_parts_op(
     at::TensorList parts, Strings heads, int64_t q_heads, int64_t kv_heads,
     c10::IntArrayRef seq_lens, const std::string& layout, const std::string& group_name,
     c10::IntArrayRef group_options, bool agree, const OptTensor& mask, const OptTensor& positions,
-    bool causal, double scale, bool step, bool check_mask, int64_t window, double softcap) {
+    bool causal, double scale, bool step, bool check_mask, int64_t window, double softcap,
+    const OptTensor& sinks) {
   const Group group = Group::from_op(group_name, group_options);
   const auto P = static_cast<size_t>(group.size());
   std::vector<std::vector<at::Tensor>> nested;
@@ -230,9 +233,10 @@ std::vector<at::Tensor> scatter_head_parts_op(
     return unaliased(detail::scatter_head_parts_kernel(nested, kinds, parse(), group), parts);
   }
   const AllToAllPlan given = fail_together_on_error(group, parse);
-  const AllToAllPlan plan = agree_plan(group, given.heads, given.layout, specs, given.seq,
-                                       call_options(tensor_names(kinds), mask, positions, causal,
-                                                    scale, step, check_mask, window, softcap));
+  const AllToAllPlan plan =
+      agree_plan(group, given.heads, given.layout, specs, given.seq,
+                 call_options(tensor_names(kinds), mask, positions, causal, scale, step, check_mask,
+                              window, softcap, sinks));
   return unaliased(detail::scatter_head_parts_kernel(nested, kinds, plan, group), parts);
 }
 
@@ -240,11 +244,12 @@ std::vector<at::Tensor> scatter_head_parts_autograd(
     at::TensorList parts, Strings heads, int64_t q_heads, int64_t kv_heads,
     c10::IntArrayRef seq_lens, const std::string& layout, const std::string& group_name,
     c10::IntArrayRef group_options, bool agree, const OptTensor& mask, const OptTensor& positions,
-    bool causal, double scale, bool step, bool check_mask, int64_t window, double softcap) {
+    bool causal, double scale, bool step, bool check_mask, int64_t window, double softcap,
+    const OptTensor& sinks) {
   static const auto op = handle<decltype(scatter_head_parts_op)>("ulysses::scatter_head_parts");
   std::vector<at::Tensor> outs = below_autograd([&] {
     return op.call(parts, heads, q_heads, kv_heads, seq_lens, layout, group_name, group_options,
-                   agree, mask, positions, causal, scale, step, check_mask, window, softcap);
+                   agree, mask, positions, causal, scale, step, check_mask, window, softcap, sinks);
   });
   if (!needs_grad(parts)) return outs;
   const Group group = Group::from_op(group_name, group_options);
@@ -389,7 +394,8 @@ at::Tensor rebuild_mask_autograd(const at::Tensor& mask, int64_t q_heads, int64_
 LocalAttentionArgs local_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               c10::IntArrayRef kv_map, const OptTensor& mask,
                               const OptTensor& positions, bool causal, double scale,
-                              int64_t window = 0, double softcap = 0.0) {
+                              int64_t window = 0, double softcap = 0.0,
+                              const OptTensor& sinks = {}) {
   LocalAttentionArgs a;
   a.q = q, a.k = k, a.v = v;
   a.kv_map = kv_map.vec();
@@ -398,8 +404,35 @@ LocalAttentionArgs local_args(const at::Tensor& q, const at::Tensor& k, const at
   a.causal = causal;
   a.window = window;
   a.softcap = softcap;
+  if (sinks && sinks->defined()) a.sinks = sinks;
   a.scale = scale;
   return a;
+}
+
+// Note [Attention sinks]: a sink is one more key per head, with logit sinks[h] and value 0. On
+// a finished attention (out, lse) it is a merge with an empty block (exact), and the backward
+// kernels, run on the merged out and lse, give dq, dk, dv unchanged: p = exp(s - lse) are then
+// the probabilities with the sink, and ds = p * (dp - rowsum(do * o)) holds as it is.
+std::tuple<at::Tensor, at::Tensor> with_sinks(const at::Tensor& out, const at::Tensor& lse,
+                                              const OptTensor& sinks) {
+  if (!sinks || !sinks->defined()) return {out, lse};
+  at::Tensor o = out.to(at::kFloat);
+  at::Tensor logits = sinks->detach().to(at::kFloat).view({1, -1, 1}).expand_as(lse);
+  auto [merged, merged_lse] = merge_attention(o, lse, at::zeros_like(o), logits);
+  return {merged.to(out.scalar_type()).contiguous(), merged_lse.contiguous()};
+}
+
+// d/dsinks[h] = -sum over h's rows of p_sink * rowsum(do * o), p_sink = exp(sinks[h] - lse),
+// from the merged out and lse.
+at::Tensor sinks_grad(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
+                      const at::Tensor& sinks) {
+  at::Tensor p_sink = (sinks.to(at::kFloat).view({1, -1, 1}) - lse).exp();
+  at::Tensor delta = (grad_out.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
+  return (p_sink * delta).sum({0, 2}).neg().to(sinks.scalar_type());
+}
+
+bool learns_sinks(const OptTensor& sinks) {
+  return sinks && sinks->defined() && sinks->requires_grad();
 }
 
 // The flash op's `rows`: [q_index, k_index] or [q_index, k_index, q_docs, k_docs] (GlobalRows),
@@ -430,12 +463,14 @@ bool learns_mask(const OptTensor& mask) {
 std::tuple<at::Tensor, at::Tensor> flash_attention_op(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c10::IntArrayRef kv_map,
     const OptTensor& mask, const OptTensor& positions, bool causal, double scale,
-    at::TensorList rows, int64_t block_q, int64_t block_k, int64_t window, double softcap) {
+    at::TensorList rows, int64_t block_q, int64_t block_k, int64_t window, double softcap,
+    const OptTensor& sinks) {
   LocalAttentionArgs a =
       local_args(q, k, v, kv_map, mask, positions, causal, scale, window, softcap);
   a.rows = rows_of(rows);
+  check_sinks(sinks, q.size(1));
   auto [out, lse] = flash_attention_forward(a, FlashOptions{block_q, block_k});
-  return {out.contiguous(), lse.contiguous()};
+  return with_sinks(out.contiguous(), lse.contiguous(), sinks);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attention_backward_op(
@@ -470,30 +505,33 @@ OptTensor detached(const OptTensor& t) {
 std::tuple<at::Tensor, at::Tensor> flash_attention_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c10::IntArrayRef kv_map,
     const OptTensor& mask, const OptTensor& positions, bool causal, double scale,
-    at::TensorList rows, int64_t block_q, int64_t block_k, int64_t window, double softcap) {
+    at::TensorList rows, int64_t block_q, int64_t block_k, int64_t window, double softcap,
+    const OptTensor& sinks) {
   static const auto op = handle<decltype(flash_attention_op)>("ulysses::flash_attention");
   static const auto backward =
       handle<decltype(flash_attention_backward_op)>("ulysses::flash_attention_backward");
   auto [out, lse] = below_autograd([&] {
     return op.call(q, k, v, kv_map, mask, positions, causal, scale, rows, block_q, block_k, window,
-                   softcap);
+                   softcap, sinks);
   });
-  const std::vector<at::Tensor> inputs = attention_inputs(q, k, v, mask);
+  std::vector<at::Tensor> inputs = attention_inputs(q, k, v, mask);
+  const bool mask_grad = inputs.size() == 4, sink_grad = learns_sinks(sinks);
+  if (sink_grad) inputs.push_back(*sinks);
   if (!needs_grad(inputs)) return {out, lse};
   std::vector<at::Tensor> outs{out};
-  const bool mask_grad = inputs.size() == 4;
-  detail::attach_backward(
-      inputs, outs, "FlashAttentionBackward",
-      [q = q.detach(), k = k.detach(), v = v.detach(), o = out.detach(), lse, map = kv_map.vec(),
-       mask = detached(mask), positions, causal, scale, mask_grad, block_q, block_k, window,
-       softcap, rows = rows.vec()](std::vector<at::Tensor>&& g) {
-        auto [dq, dk, dv, dmask] =
-            backward.call(g[0], q, k, v, o, lse, map, mask, positions, causal, scale, mask_grad,
-                          rows, block_q, block_k, window, softcap);
-        std::vector<at::Tensor> grads{dq, dk, dv};
-        if (mask_grad) grads.push_back(dmask);
-        return grads;
-      });
+  detail::attach_backward(inputs, outs, "FlashAttentionBackward",
+                          [q = q.detach(), k = k.detach(), v = v.detach(), o = out.detach(), lse,
+                           map = kv_map.vec(), mask = detached(mask), positions, causal, scale,
+                           mask_grad, block_q, block_k, window, softcap, rows = rows.vec(),
+                           sinks = detached(sinks), sink_grad](std::vector<at::Tensor>&& g) {
+                            auto [dq, dk, dv, dmask] = backward.call(
+                                g[0], q, k, v, o, lse, map, mask, positions, causal, scale,
+                                mask_grad, rows, block_q, block_k, window, softcap);
+                            std::vector<at::Tensor> grads{dq, dk, dv};
+                            if (mask_grad) grads.push_back(dmask);
+                            if (sink_grad) grads.push_back(sinks_grad(g[0], o, lse, *sinks));
+                            return grads;
+                          });
   return {outs[0], lse};
 }
 
@@ -505,14 +543,17 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_op(const at::Tensor& q, const 
                                                      bool causal, double scale, int64_t seq_len,
                                                      int64_t ulysses, const std::string& ring_group,
                                                      c10::IntArrayRef group_options, int64_t window,
-                                                     double softcap) {
+                                                     double softcap, const OptTensor& sinks) {
   const Group ring = Group::from_op(ring_group, group_options);
   const RingLayout layout = RingLayout::make(seq_len, ulysses, ring.size());
+  check_sinks(sinks, q.size(1));
   // Eager only (no fake kernel): the outputs keep the kernel's strides, which the backward's
-  // row sums read in the same order as the forward wrote them.
-  return ring_attention_forward(
-      local_args(q, k, v, kv_map, mask, {}, causal, scale, window, softcap), layout,
-      docs.value_or(at::Tensor()), ring);
+  // row sums read in the same order as the forward wrote them. Sinks join the merged result
+  // once (Note [Attention sinks]).
+  auto [out, lse] =
+      ring_attention_forward(local_args(q, k, v, kv_map, mask, {}, causal, scale, window, softcap),
+                             layout, docs.value_or(at::Tensor()), ring);
+  return with_sinks(out, lse, sinks);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ring_attention_backward_op(
@@ -534,28 +575,31 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c10::IntArrayRef kv_map,
     const OptTensor& mask, const OptTensor& docs, bool causal, double scale, int64_t seq_len,
     int64_t ulysses, const std::string& ring_group, c10::IntArrayRef group_options, int64_t window,
-    double softcap) {
+    double softcap, const OptTensor& sinks) {
   static const auto op = handle<decltype(ring_attention_op)>("ulysses::ring_attention");
   static const auto backward =
       handle<decltype(ring_attention_backward_op)>("ulysses::ring_attention_backward");
   auto [out, lse] = below_autograd([&] {
     return op.call(q, k, v, kv_map, mask, docs, causal, scale, seq_len, ulysses, ring_group,
-                   group_options, window, softcap);
+                   group_options, window, softcap, sinks);
   });
-  const std::vector<at::Tensor> inputs = attention_inputs(q, k, v, mask);
+  std::vector<at::Tensor> inputs = attention_inputs(q, k, v, mask);
+  const bool mask_grad = inputs.size() == 4, sink_grad = learns_sinks(sinks);
+  if (sink_grad) inputs.push_back(*sinks);
   if (!needs_grad(inputs)) return {out, lse};
   std::vector<at::Tensor> outs{out};
-  const bool mask_grad = inputs.size() == 4;
   detail::attach_backward(
       inputs, outs, "RingAttentionBackward",
       [q = q.detach(), k = k.detach(), v = v.detach(), o = out.detach(), lse, map = kv_map.vec(),
        mask = detached(mask), docs, causal, scale, seq_len, ulysses, ring_group,
-       options = group_options.vec(), mask_grad, window, softcap](std::vector<at::Tensor>&& g) {
+       options = group_options.vec(), mask_grad, window, softcap, sinks = detached(sinks),
+       sink_grad](std::vector<at::Tensor>&& g) {
         auto [dq, dk, dv, dmask] =
             backward.call(g[0], q, k, v, o, lse, map, mask, docs, causal, scale, seq_len, ulysses,
                           ring_group, options, mask_grad, window, softcap);
         std::vector<at::Tensor> grads{dq, dk, dv};
         if (mask_grad) grads.push_back(dmask);
+        if (sink_grad) grads.push_back(sinks_grad(g[0], o, lse, *sinks));
         return grads;
       });
   return {outs[0], lse};
@@ -639,9 +683,10 @@ void all_reduce_gradients_op(at::TensorList grads, const std::string& group_name
 at::Tensor local_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               c10::IntArrayRef kv_map, const OptTensor& mask,
                               const OptTensor& positions, bool causal, double scale,
-                              const std::string& kernel, int64_t window, double softcap) {
+                              const std::string& kernel, int64_t window, double softcap,
+                              const OptTensor& sinks) {
   return local_attention(
-      local_args(q, k, v, kv_map, mask, positions, causal, scale, window, softcap),
+      local_args(q, k, v, kv_map, mask, positions, causal, scale, window, softcap, sinks),
       parse_local_kernel(kernel));
 }
 
@@ -651,7 +696,8 @@ AttentionCall attention_call(int64_t q_heads, int64_t kv_heads, c10::IntArrayRef
                              const std::string& local, const std::string& group_name,
                              c10::IntArrayRef group_options,
                              const c10::optional<std::string>& ring_group, const StepHandle& step,
-                             bool mask_rebuilt, int64_t window, double softcap) {
+                             bool mask_rebuilt, int64_t window, double softcap,
+                             const OptTensor& sinks) {
   AttentionCall call(Group::from_op(group_name, group_options));
   if (ring_group) call.ring = Group::from_op(*ring_group, group_options);
   call.q_heads = q_heads;
@@ -662,6 +708,7 @@ AttentionCall attention_call(int64_t q_heads, int64_t kv_heads, c10::IntArrayRef
   call.scale = scale;
   call.window = window;
   call.softcap = softcap;
+  if (sinks && sinks->defined()) call.sinks = sinks;
   call.kernel = parse_local_kernel(local);
   if (step && *step) call.step = &(*step)->context_for(call.group);
   call.mask_rebuilt = mask_rebuilt;
@@ -674,10 +721,10 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         bool causal, double scale, const std::string& local,
                         const std::string& group_name, c10::IntArrayRef group_options,
                         const c10::optional<std::string>& ring_group, const StepHandle& step,
-                        bool mask_rebuilt, int64_t window, double softcap) {
+                        bool mask_rebuilt, int64_t window, double softcap, const OptTensor& sinks) {
   const AttentionCall call =
       attention_call(q_heads, kv_heads, seq_lens, layout, causal, scale, local, group_name,
-                     group_options, ring_group, step, mask_rebuilt, window, softcap);
+                     group_options, ring_group, step, mask_rebuilt, window, softcap, sinks);
   return attend(call, {{q}, {k}, {v}}, /*parts=*/false, mask, positions)[0];
 }
 
@@ -687,10 +734,10 @@ std::vector<at::Tensor> attention_parts_op(
     const std::string& layout, bool causal, double scale, const std::string& local,
     const std::string& group_name, c10::IntArrayRef group_options,
     const c10::optional<std::string>& ring_group, const StepHandle& step, bool mask_rebuilt,
-    int64_t window, double softcap) {
+    int64_t window, double softcap, const OptTensor& sinks) {
   const AttentionCall call =
       attention_call(q_heads, kv_heads, seq_lens, layout, causal, scale, local, group_name,
-                     group_options, ring_group, step, mask_rebuilt, window, softcap);
+                     group_options, ring_group, step, mask_rebuilt, window, softcap, sinks);
   return attend(call, {q.vec(), k.vec(), v.vec()}, /*parts=*/true, mask, positions);
 }
 
@@ -707,7 +754,7 @@ std::vector<at::Tensor> attention_heads_op(const at::Tensor& q, const at::Tensor
                                            bool mask_rebuilt, int64_t window, double softcap) {
   const AttentionCall call =
       attention_call(q_heads, kv_heads, seq_lens, layout, causal, scale, "auto", group_name,
-                     group_options, c10::nullopt, step, mask_rebuilt, window, softcap);
+                     group_options, c10::nullopt, step, mask_rebuilt, window, softcap, {});
   const AttentionHeads h = attend_heads(call, {{q}, {k}, {v}}, /*parts=*/false, mask, positions);
   std::vector<at::Tensor> out{h.args.q, h.args.k, h.args.v};
   if (h.args.mask) out.push_back(*h.args.mask);
@@ -728,7 +775,7 @@ std::vector<at::Tensor> call_scatter_heads(const std::vector<at::Tensor>& xs,
   return op.call(xs, heads_names(kinds), plan.heads.q_heads(), plan.heads.kv_heads(),
                  plan.seq.lengths(), to_string(plan.layout), group.op_name(),
                  options_to_ints(group.options()), /*agree=*/false, {}, {}, false, 0.0, false, true,
-                 0, 0.0);
+                 0, 0.0, {});
 }
 
 std::vector<at::Tensor> call_scatter_head_parts(const std::vector<std::vector<at::Tensor>>& parts,
@@ -740,7 +787,7 @@ std::vector<at::Tensor> call_scatter_head_parts(const std::vector<std::vector<at
   return op.call(flat, heads_names(kinds), plan.heads.q_heads(), plan.heads.kv_heads(),
                  plan.seq.lengths(), to_string(plan.layout), group.op_name(),
                  options_to_ints(group.options()), /*agree=*/false, {}, {}, false, 0.0, false, true,
-                 0, 0.0);
+                 0, 0.0, {});
 }
 
 std::vector<at::Tensor> call_scatter_agreed(const std::vector<std::vector<at::Tensor>>& qkv,
@@ -757,7 +804,7 @@ std::vector<at::Tensor> call_scatter_agreed(const std::vector<std::vector<at::Te
       .call(flat, heads_names(kinds), q_heads, kv_heads, seq.lengths(), to_string(layout),
             group.op_name(), options_to_ints(group.options()), /*agree=*/true, options.mask,
             options.positions, options.causal, options.scale, options.step_context,
-            options.check_mask, options.window, options.softcap);
+            options.check_mask, options.window, options.softcap, options.sinks);
 }
 
 std::vector<at::Tensor> call_gather_heads(const std::vector<at::Tensor>& ys,
@@ -790,7 +837,7 @@ std::tuple<at::Tensor, at::Tensor> call_flash_attention(const LocalAttentionArgs
                                                         const FlashOptions& options) {
   static const auto op = handle<decltype(flash_attention_op)>("ulysses::flash_attention");
   return op.call(a.q, a.k, a.v, a.kv_map, a.mask, a.positions, a.causal, a.scale, rows_list(a.rows),
-                 options.block_q, options.block_k, a.window, a.softcap);
+                 options.block_q, options.block_k, a.window, a.softcap, a.sinks);
 }
 
 std::tuple<at::Tensor, at::Tensor> call_ring_attention(const LocalAttentionArgs& a,
@@ -801,7 +848,7 @@ std::tuple<at::Tensor, at::Tensor> call_ring_attention(const LocalAttentionArgs&
                     "ring_attention: packed documents come as `docs` (ring_document_ids)");
   return op.call(a.q, a.k, a.v, a.kv_map, a.mask, docs.defined() ? OptTensor(docs) : OptTensor(),
                  a.causal, a.scale, layout.seq_len(), layout.ulysses(), ring.op_name(),
-                 options_to_ints(ring.options()), a.window, a.softcap);
+                 options_to_ints(ring.options()), a.window, a.softcap, a.sinks);
 }
 
 }  // namespace detail
@@ -820,7 +867,7 @@ TORCH_LIBRARY(ulysses, m) {
       "scatter_heads(Tensor[] xs, str[] heads, int q_heads, int kv_heads, int[] seq_lens, "
       "str layout, str group, int[] group_options, bool agree=True, Tensor? mask=None, "
       "Tensor? positions=None, bool causal=False, float scale=0., bool step=False, "
-      "bool check_mask=True, int window=0, float softcap=0.) -> Tensor[]",
+      "bool check_mask=True, int window=0, float softcap=0., Tensor? sinks=None) -> Tensor[]",
       pt2);
   m.def(
       "gather_heads(Tensor[] ys, str[] heads, int q_heads, int kv_heads, int[] seq_lens, "
@@ -831,7 +878,8 @@ TORCH_LIBRARY(ulysses, m) {
       "scatter_head_parts(Tensor[] parts, str[] heads, int q_heads, int kv_heads, "
       "int[] seq_lens, str layout, str group, int[] group_options, bool agree=True, "
       "Tensor? mask=None, Tensor? positions=None, bool causal=False, float scale=0., "
-      "bool step=False, bool check_mask=True, int window=0, float softcap=0.) -> Tensor[]",
+      "bool step=False, bool check_mask=True, int window=0, float softcap=0., Tensor? sinks=None) "
+      "-> Tensor[]",
       pt2);
   m.def(
       "gather_head_parts(Tensor[] ys, str[] heads, int q_heads, int kv_heads, int[] seq_lens, "
@@ -857,7 +905,7 @@ TORCH_LIBRARY(ulysses, m) {
   m.def(
       "flash_attention(Tensor q, Tensor k, Tensor v, int[] kv_map, Tensor? mask, "
       "Tensor? positions, bool causal, float scale, Tensor[] rows, int block_q=128, "
-      "int block_k=0, int window=0, float softcap=0.) -> (Tensor, Tensor)",
+      "int block_k=0, int window=0, float softcap=0., Tensor? sinks=None) -> (Tensor, Tensor)",
       pt2);
   m.def(
       "flash_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
@@ -871,7 +919,7 @@ TORCH_LIBRARY(ulysses, m) {
   m.def(
       "ring_attention(Tensor q, Tensor k, Tensor v, int[] kv_map, Tensor? mask, Tensor? docs, "
       "bool causal, float scale, int seq_len, int ulysses, str ring_group, int[] group_options, "
-      "int window=0, float softcap=0.) -> (Tensor, Tensor)");
+      "int window=0, float softcap=0., Tensor? sinks=None) -> (Tensor, Tensor)");
   m.def(
       "ring_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, int[] kv_map, Tensor? mask, Tensor? docs, bool causal, float scale, "
@@ -896,7 +944,7 @@ TORCH_LIBRARY(ulysses, m) {
   m.def(
       "local_attention(Tensor q, Tensor k, Tensor v, int[] kv_map, Tensor? mask, "
       "Tensor? positions, bool causal, float scale, str kernel=\"auto\", int window=0, float "
-      "softcap=0.) -> Tensor",
+      "softcap=0., Tensor? sinks=None) -> Tensor",
       pt2);
   // One DistributedAttention call (distributed_attention.h): empty seq_lens are learned in the
   // call's agreement (eager only); `step` shares rebuilt masks across layers (eager only);
@@ -905,7 +953,7 @@ TORCH_LIBRARY(ulysses, m) {
       "Tensor? mask, Tensor? positions, int q_heads, int kv_heads, int[] seq_lens, str layout, "
       "bool causal, float scale, str local, str group, int[] group_options, "
       "str? ring_group=None, __torch__.torch.classes.ulysses.StepContext? step=None, "
-      "bool mask_rebuilt=False, int window=0, float softcap=0.)";
+      "bool mask_rebuilt=False, int window=0, float softcap=0., Tensor? sinks=None)";
   static const std::string attention =
       std::string("attention(Tensor q, Tensor k, Tensor v, ") + call_args + " -> Tensor";
   static const std::string attention_parts =

@@ -63,6 +63,21 @@ TEST(CallFingerprint, NamesTheSoftcap) {
       << disagreement(sample(), other);
 }
 
+TEST(CallFingerprint, NamesTheSinks) {
+  CallFingerprint with = sample();
+  with.sinks = with.tensors[0];
+  with.sinks.sizes = {4};
+  EXPECT_EQ(CallFingerprint::decode(with.encode()).sinks.sizes, (std::vector<int64_t>{4}));
+  EXPECT_NE(disagreement(sample(), with)
+                .find("ranks disagree on whether sinks is given: rank 0 has no, rank 1 has yes"),
+            std::string::npos)
+      << disagreement(sample(), with);
+  CallFingerprint wider = with;
+  wider.sinks.sizes = {8};
+  EXPECT_NE(disagreement(with, wider).find("ranks disagree on sinks's dim 0"), std::string::npos)
+      << disagreement(with, wider);
+}
+
 TEST(CallFingerprint, TheSequenceDimMayDiffer) {
   CallFingerprint shorter = sample();
   for (TensorFacts& t : shorter.tensors) t.sizes[1] = 4;

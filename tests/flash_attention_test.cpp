@@ -205,6 +205,34 @@ TEST(FlashAttention, FullyMaskedRowsAreZero) {
   EXPECT_LT(rel_error(o, math_attention({q, k, k, {0}, mask})), 2e-5);
 }
 
+TEST(FlashAttention, SinksMatchMathAttentionWithTheirGradient) {
+  // gpt-oss's attention sinks, causal with a fully masked row: forward, dq and dsinks.
+  for (bool causal : {false, true}) {
+    at::Tensor q = seeded_randn({2, 4, 37, 16}, 1).requires_grad_();
+    at::Tensor k = seeded_randn({2, 2, 37, 16}, 2), v = seeded_randn({2, 2, 37, 8}, 3);
+    at::Tensor sinks = (seeded_randn({4}, 4) + 1.0).requires_grad_();
+    at::Tensor mask = at::ones({1, 1, 37, 37}, at::kBool);
+    mask[0][0][5].fill_(false);
+    LocalAttentionArgs args{q, k, v, {0, 0, 1, 1}, mask, {}, causal, 0.0};
+    args.sinks = sinks;
+    at::Tensor fused = flash_attention(args, {16, 8}), math = math_attention(args);
+    EXPECT_LT(rel_error(fused, math), 2e-5);
+    EXPECT_TRUE(fused[0][0][5].eq(0).all().item<bool>());
+    args.sinks.reset();
+    EXPECT_GT(rel_error(math_attention(args), math), 1e-2);  // The sinks matter.
+    at::Tensor dO = seeded_randn(fused.sizes().vec(), 5);
+    auto grads = [&](const at::Tensor& o) {
+      q.mutable_grad().reset();
+      sinks.mutable_grad().reset();
+      o.backward(dO);
+      return std::vector<at::Tensor>{q.grad().clone(), sinks.grad().clone()};
+    };
+    auto gf = grads(fused), gm = grads(math);
+    EXPECT_LT(rel_error(gf[0], gm[0]), 1e-4);
+    EXPECT_LT(rel_error(gf[1], gm[1]), 1e-4);
+  }
+}
+
 TEST(FlashAttention, MultiThreadedMatchesSingleThreaded) {
   const int threads = at::get_num_threads();
   at::Tensor q = seeded_randn({1, 4, 90, 16}, 1).requires_grad_(),

@@ -53,8 +53,9 @@ struct CallOptions {
   c10::optional<at::Tensor> positions;  // [B, S_r] (positions_for_call expands [S_r]).
   bool causal = false;
   double scale = 0.0;
-  int64_t window = 0;    // A sliding window (attention.h); 0: none.
-  double softcap = 0.0;  // A logit softcap (attention.h); 0: none.
+  int64_t window = 0;               // A sliding window (attention.h); 0: none.
+  double softcap = 0.0;             // A logit softcap (attention.h); 0: none.
+  c10::optional<at::Tensor> sinks;  // Attention sinks [Hq] (attention.h); facts, not data.
   bool step_context = false;
   bool check_mask = true;  // false: the caller checks the mask (the ring's rules).
 };

@@ -5,6 +5,8 @@
 //   allowed(i,j) = mask[b,h,i,j] (bool mask) && (!causal || j <= i) && doc(b,i) == doc(b,j)
 //                  && (window == 0 || i - j < window)
 //   o[b,h,i,:]  = sum_j softmax_j(s | allowed) * v[b,g,j,:]
+// (with sinks, the softmax's denominator also holds exp(sinks[h]): o = sum_j e^s_ij v_j /
+// (sum_j e^s_ij + e^sinks[h]))
 // where doc(b,i) counts the position ids equal to 0 up to i (packed documents restart their
 // positions at 0). A query row with no allowed key gets o = 0 (and zero gradients).
 #pragma once
@@ -47,6 +49,9 @@ struct LocalAttentionArgs {
   // A logit softcap (Gemma2's attn_logit_softcapping): scores s become softcap * tanh(s /
   // softcap) before any mask is added; 0: none.
   double softcap = 0.0;
+  // Attention sinks (gpt-oss's): one logit per local query head [Hq_r], added to each row's
+  // softmax denominator (a key no query's output reads); learnable. Unset: none.
+  c10::optional<at::Tensor> sinks;
 };
 
 // A local attention implementation.

@@ -41,6 +41,7 @@ struct CallFingerprint {
   double scale = 0.0;    // 0: 1/sqrt(D).
   int64_t window = 0;    // 0: no sliding window.
   double softcap = 0.0;  // 0: no logit softcap.
+  TensorFacts sinks;     // Attention sinks [Hq].
   bool step_context = false;
 
   // The integers the agreement round moves; decode(encode()) == *this.

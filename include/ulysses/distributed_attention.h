@@ -87,6 +87,10 @@ struct AttentionInputs {
   c10::optional<at::Tensor> positions;   // This shard's global position ids, [B, S_r] or [S_r].
   StepContext* context = nullptr;        // Shares rebuilt masks/positions across layers.
   c10::optional<SequencePartition> seq;  // Known sequence split (checked); else learned.
+  // Attention sinks (attention.h), [Hq]: one learnable logit per query head, owned by the
+  // caller's module. Each rank applies its heads' entries; its gradient holds only those (sum
+  // gradients over the group, as for every parameter).
+  c10::optional<at::Tensor> sinks;
 };
 
 // One attention call as the orchestration takes it (every field but the tensors).
@@ -102,6 +106,7 @@ struct AttentionCall {
   double scale = 0.0;
   int64_t window = 0;
   double softcap = 0.0;
+  c10::optional<at::Tensor> sinks;  // [Hq] (AttentionInputs::sinks); unset: none.
   bool fuse_qkv = true;
   LocalKernel kernel = LocalKernel::kAuto;
   const LocalAttention* local = nullptr;  // Overrides `kernel`.

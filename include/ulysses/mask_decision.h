@@ -14,6 +14,9 @@
 // collective), so all ranks take the same branch or raise the same error.
 #pragma once
 
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+
 #include <array>
 #include <cstdint>
 #include <string>
@@ -77,5 +80,8 @@ void check_window(int64_t window, bool causal);
 // The logit-softcap rule (LocalAttentionArgs::softcap): throws c10::ValueError unless softcap
 // is 0 (none) or a finite positive number.
 void check_softcap(double softcap);
+// The attention-sinks rule (LocalAttentionArgs::sinks): none, or a floating-point [q_heads]
+// tensor; throws c10::ValueError otherwise.
+void check_sinks(const c10::optional<at::Tensor>& sinks, int64_t q_heads);
 
 }  // namespace ulysses

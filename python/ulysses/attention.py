@@ -148,7 +148,8 @@ class DistributedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                seq_lens: Sequence[int] | None = None, step: StepContext | None = None) -> torch.Tensor:
+                seq_lens: Sequence[int] | None = None, step: StepContext | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """o = attention(q, k, v) on this rank's sequence shard.
 
         q ``[B, S_r, Hq, D]``, k ``[B, S_r, Hkv, D]``, v ``[B, S_r, Hkv, Dv]`` (BSHD shown) ->
@@ -157,24 +158,30 @@ class DistributedAttention(nn.Module):
         this shard's global positions ``[B, S_r]`` or ``[S_r]`` (packed documents restart at 0;
         ranks may mix the two forms). ``seq_lens``: every rank's token count (learned in the
         call's agreement round when None; required under torch.compile). ``step``: shares
-        rebuilt masks across layers.
+        rebuilt masks across layers. ``sinks`` ``[Hq]``: attention sinks (gpt-oss's ``sinks``),
+        one learnable logit per query head added to every row's softmax denominator; each rank
+        applies its own heads' entries, so their gradient, like every parameter's, is summed
+        over the group.
         """
         q, k, v = _under_autocast(q, k, v)
         hq, hkv = self._heads(q, k)
         seq_lens = self._seq_lens(seq_lens)
         if callable(self.local):
+            if sinks is not None:
+                raise ValueError("DistributedAttention: a callable local attention takes no sinks; "
+                                 "use a kernel name (\"auto\", \"fused\", \"math\")")
             return self._forward_with(self.local, q, k, v, mask, position_ids, hq, hkv, seq_lens, step)
         o = torch.ops.ulysses.attention(q, k, v, mask, position_ids, hq, hkv, seq_lens, self.layout, self.causal,
                              self._scale(), self.local, self.group_name, [self.timeout_ms], self.ring_name,
                              self._step(step), window=self.window,
-                             softcap=self.softcap)
+                             softcap=self.softcap, sinks=sinks)
         self.q_heads, self.kv_heads = hq, hkv  # This instance's from the first call on.
         return o
 
     def forward_parts(self, q: Sequence[torch.Tensor], k: Sequence[torch.Tensor],
                       v: Sequence[torch.Tensor], mask: torch.Tensor | None = None,
                       position_ids: torch.Tensor | None = None, seq_lens: Sequence[int] | None = None,
-                      step: StepContext | None = None) -> list[torch.Tensor]:
+                      step: StepContext | None = None, sinks: torch.Tensor | None = None) -> list[torch.Tensor]:
         """``forward`` with q, k, v as head parts and o returned as parts: part ``j`` holds the
         heads rank ``j`` gets (``ulysses.project_head_parts`` makes them from a projection's
         weight, ``ulysses.project_from_head_parts`` takes o's), so nothing is packed or
@@ -194,7 +201,7 @@ class DistributedAttention(nn.Module):
                                       self.kv_heads, seq_lens, self.layout, self.causal, self._scale(),
                                       self.local, self.group_name, [self.timeout_ms], self.ring_name,
                                       self._step(step), window=self.window,
-                             softcap=self.softcap)
+                             softcap=self.softcap, sinks=sinks)
 
     def _heads(self, q, k) -> tuple[int, int]:
         # Head counts not given are read from the first call's q and k (0 when not 4-D: the

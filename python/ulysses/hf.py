@@ -67,9 +67,8 @@ def ulysses_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     if dropout and module.training:
         raise NotImplementedError("ulysses attention: attention dropout is not supported; set the "
                                   "model's attention_dropout to 0")
-    for unsupported in ("position_bias", "s_aux"):
-        if kwargs.get(unsupported) is not None:
-            raise NotImplementedError(f"ulysses attention: {unsupported} is not supported")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("ulysses attention: position_bias is not supported")
     attention = _attention_of(module, query, key)
     if is_causal is not None and bool(is_causal) != attention.causal:
         raise ValueError(f"ulysses attention: is_causal={is_causal} but the module's attention "
@@ -85,7 +84,7 @@ def ulysses_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     attention.window = int(kwargs.get("sliding_window") or 0)
     attention.softcap = float(kwargs.get("softcap") or 0.0)  # Gemma2's attn_logit_softcapping
     out = attention(query, key, value, mask=mask, position_ids=kwargs.get("position_ids"),
-                    seq_lens=seq_lens)
+                    seq_lens=seq_lens, sinks=kwargs.get("s_aux"))  # gpt-oss's attention sinks
     return out.transpose(1, 2), None
 
 

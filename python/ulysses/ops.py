@@ -121,7 +121,8 @@ def _a2a_shapes(xs, heads, q_heads, kv_heads, seq_lens, layout, group, to_heads:
 
 @torch.library.register_fake("ulysses::scatter_heads")
 def _(xs, heads, q_heads, kv_heads, seq_lens, layout, group, group_options, agree=True, mask=None,
-      positions=None, causal=False, scale=0.0, step=False, check_mask=True, window=0, softcap=0.0):
+      positions=None, causal=False, scale=0.0, step=False, check_mask=True, window=0, softcap=0.0,
+      sinks=None):
     return _a2a_shapes(xs, heads, q_heads, kv_heads, seq_lens, layout, group, True)
 
 
@@ -161,7 +162,8 @@ def gather_heads(ys: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int,
 
 @torch.library.register_fake("ulysses::scatter_head_parts")
 def _(parts, heads, q_heads, kv_heads, seq_lens, layout, group, group_options, agree=True,
-      mask=None, positions=None, causal=False, scale=0.0, step=False, check_mask=True, window=0, softcap=0.0):
+      mask=None, positions=None, causal=False, scale=0.0, step=False, check_mask=True, window=0, softcap=0.0,
+      sinks=None):
     size = _rank_size(group)[1]
     return _a2a_shapes(parts[::size], heads, q_heads, kv_heads, seq_lens, layout, group, True)
 
@@ -302,7 +304,8 @@ def rebuild_mask(mask: torch.Tensor, q_heads: int, kv_heads: int, seq_lens: Sequ
 
 
 @torch.library.register_fake("ulysses::flash_attention")
-def _(q, k, v, kv_map, mask, positions, causal, scale, rows, block_q=128, block_k=0, window=0, softcap=0.0):
+def _(q, k, v, kv_map, mask, positions, causal, scale, rows, block_q=128, block_k=0, window=0, softcap=0.0,
+      sinks=None):
     B, H, S, _ = q.shape
     return q.new_empty((B, H, S, v.shape[-1])), q.new_empty((B, H, S), dtype=torch.float32)
 
@@ -317,32 +320,34 @@ def _(grad_out, q, k, v, out, lse, kv_map, mask, positions, causal, scale, mask_
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: Sequence[int],
                     mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                     causal: bool = False, scale: float | None = None, window: int = 0,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The fused CPU attention kernel: q ``[B, Hq, S, D]``, k ``[B, Hkv, S, D]``, v ``[B, Hkv, S, Dv]``
     (BHSD) -> ``[B, Hq, S, Dv]``. Query head h uses kv head ``kv_map[h]``; ``mask`` is bool or
     additive float broadcastable to ``[B, Hq, S, S]``; ``positions`` ``[B, S]`` or ``[S]`` are
     global position ids (packed documents restart at 0). ``window`` > 0 (with ``causal``): a
     sliding window, query i sees keys i - window < j <= i (tiles outside it are skipped).
     ``softcap`` > 0: scores s become ``softcap * tanh(s / softcap)`` before the mask (Gemma2's
-    attn_logit_softcapping). Never materialises the S x S scores.
+    attn_logit_softcapping). ``sinks`` ``[Hq]``: attention sinks (gpt-oss's), one learnable logit
+    per head added to each row's softmax denominator. Never materialises the S x S scores.
     """
     out, _ = _ops.flash_attention(q, k, v, list(kv_map), mask, positions, causal,
                                   0.0 if scale is None else float(scale), [], window=window,
-                                  softcap=float(softcap or 0.0))
+                                  softcap=float(softcap or 0.0), sinks=sinks)
     return out
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: Sequence[int],
                     mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                     causal: bool = False, scale: float | None = None,
-                    kernel: str = "auto", window: int = 0, softcap: float | None = None) -> torch.Tensor:
+                    kernel: str = "auto", window: int = 0, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Local attention (BHSD, as ``flash_attention``) on the exact kernel ``kernel`` names:
     ``"fused"`` (the CPU kernel), ``"sdpa"`` (torch's SDPA, any device), ``"math"`` (any dtype,
     fp64 exact) or ``"auto"``, the library's rule (Note [Local attention by case] in
     include/ulysses/attention.h): the fused kernel on CPU, math for fp64, SDPA elsewhere."""
     return _ops.local_attention(q, k, v, list(kv_map), mask, positions, causal,
                                 0.0 if scale is None else float(scale), kernel, window,
-                                float(softcap or 0.0))
+                                float(softcap or 0.0), sinks)
 
 
 # ---- sum_over_group ----------------------------------------------------------------------------

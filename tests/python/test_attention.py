@@ -310,3 +310,69 @@ def test_autocast_runs_attention_in_its_dtype():
     with pytest.raises(Exception, match="v is BFloat16 but q is Float"):  # without autocast: refused
         run_ranks(2, lambda rank, group: ulysses.DistributedAttention(group)(
             shard(Q, 1, rank, lens), shard(K, 1, rank, lens), shard(V, 1, rank, lens).bfloat16()))
+
+
+@pytest.mark.parametrize("kernel", ["fused", "math"])
+@pytest.mark.parametrize("window,packed", [(0, False), (0, True), (5, False), (5, True)])
+def test_attention_sinks_match_the_reference(kernel, window, packed):
+    # gpt-oss's sinks: one logit per head in every row's denominator; forward and every
+    # gradient (the sinks' and a learnable mask's too) against float64.
+    B, S, hq, hkv, D = 2, 19, 4, 2, 8
+    gen = torch.Generator().manual_seed(window + 10 * packed)
+    Q, K, V = (torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
+    M = torch.randn(B, 1, S, S, generator=gen, dtype=torch.float64)
+    sinks = torch.randn(hq, generator=gen, dtype=torch.float64) + 1.0
+    pos = positions_for(S) if packed else None
+    leaves = [t.clone().requires_grad_() for t in (Q, K, V, M, sinks)]
+    ref = reference_attention(*leaves[:3], leaves[3], pos, causal=True, window=window, sinks=leaves[4])
+    dO = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    (ref * dO).sum().backward()
+    ours = [t.float().detach().requires_grad_() for t in (Q, K, V, M, sinks)]
+    ql, kl, vl = (t.transpose(1, 2) for t in ours[:3])
+    out = ulysses.local_attention(ql, kl, vl, [h // (hq // hkv) for h in range(hq)], mask=ours[3], positions=pos,
+                                  causal=True, kernel=kernel, window=window, sinks=ours[4]).transpose(1, 2)
+    (out * dO.float()).sum().backward()
+    assert rel(out, ref) < 1e-5
+    assert rel(out, reference_attention(Q, K, V, M, pos, causal=True, window=window)) > 1e-2  # sinks matter
+    for name, got, want in zip("q k v mask sinks".split(), ours, leaves):
+        assert rel(got.grad, want.grad) < 1e-4, name
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_attention_sinks_are_exact_over_ranks_and_uneven_heads(world):
+    # 6 query heads over 4 ranks (uneven), GQA 6/3, packed documents, uneven S: output and the
+    # gradients of q, k, v and the sinks (each rank's holds its heads; summed over the group).
+    B, S, hq, hkv, D = 2, 17, 6, 3, 8
+    gen = torch.Generator().manual_seed(world)
+    Q, K, V = (torch.randn(B, S, h, D, generator=gen) for h in (hq, hkv, hkv))
+    sinks = torch.randn(hq, generator=gen)
+    pos = positions_for(S)
+    leaves = [t.double().requires_grad_() for t in (Q, K, V, sinks)]
+    ref = reference_attention(*leaves[:3], None, pos, causal=True, sinks=leaves[3])
+    ref.square().sum().backward()
+    lens = seq_lens(S, world)
+
+    def body(rank, group):
+        q, k, v = (shard(t, 1, rank, lens).requires_grad_() for t in (Q, K, V))
+        s = sinks.clone().requires_grad_()
+        o = ulysses.DistributedAttention(group, causal=True)(q, k, v, position_ids=shard(pos, 1, rank, lens),
+                                                             sinks=s)
+        o.square().sum().backward()
+        return o, q.grad, k.grad, v.grad, s.grad
+
+    results = run_ranks(world, body)
+    for i, want in enumerate(leaves[:3]):
+        got = torch.cat([r[1 + i] for r in results], 1)
+        assert rel(got, want.grad) < 1e-4, (world, "qkv"[i])
+    assert rel(torch.cat([r[0] for r in results], 1), ref) < 1e-5
+    assert rel(sum(r[4] for r in results), leaves[3].grad) < 1e-4
+    assert all((r[4] != 0).sum() < hq for r in results)  # each rank's: its heads only
+
+
+def test_sinks_on_one_rank_only_fail_alike():
+    S = 8
+    Q = torch.randn(1, S, 4, 8)
+    lens = seq_lens(S, 2)
+    errors = run_ranks_errors(2, lambda rank, group: ulysses.DistributedAttention(group)(
+        *(shard(Q, 1, rank, lens) for _ in range(3)), sinks=torch.zeros(4) if rank == 1 else None))
+    assert len(set(errors)) == 1 and "ranks disagree on whether sinks is given" in errors[0], errors

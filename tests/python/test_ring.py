@@ -48,17 +48,19 @@ def test_plan_sp_mesh_lists_every_split_best_first():
     assert all(p["ulysses"] <= 4 for p in ulysses.plan_sp_mesh(16, 4, 4, 1024))
 
 
-@pytest.mark.parametrize("U,R,hq,hkv,S,causal,packed,mask_kind,window", [
-    (2, 2, 6, 2, 13, True, True, None, 0),           # GQA, uneven S, causal packed documents
-    (2, 2, 4, 2, 13, True, True, None, 3),           # sliding window: some blocks wholly outside
-    (1, 3, 4, 2, 17, True, False, "learnable", 5),   # window with a learnable bias
-    (2, 2, 4, 2, 13, False, False, "learnable", -1),  # logit softcap (window -1: cap 0.3 instead)
-    (1, 2, 4, 4, 9, False, False, None, 0),          # pure ring
-    (2, 2, 4, 1, 10, True, False, None, 0),          # MQA: kv replicated over U
-    (2, 2, 4, 2, 11, True, False, "learnable", 0),   # float bias [B, 1, S_r, S] with gradient
-    (1, 3, 4, 2, 10, False, False, "per_head", 0),   # bool [1, Hq, S, S], full rows
+@pytest.mark.parametrize("U,R,hq,hkv,S,causal,packed,mask_kind,window,sinks", [
+    (2, 2, 6, 2, 13, True, True, None, 0, False),           # GQA, uneven S, causal packed documents
+    (2, 2, 4, 2, 13, True, True, None, 3, False),           # sliding window: some blocks wholly outside
+    (1, 3, 4, 2, 17, True, False, "learnable", 5, False),   # window with a learnable bias
+    (2, 2, 4, 2, 13, False, False, "learnable", -1, False),  # logit softcap (window -1: cap 0.3 instead)
+    (1, 2, 4, 4, 9, False, False, None, 0, False),          # pure ring
+    (2, 2, 4, 1, 10, True, False, None, 0, False),          # MQA: kv replicated over U
+    (2, 2, 4, 2, 11, True, False, "learnable", 0, False),   # float bias [B, 1, S_r, S] with gradient
+    (1, 3, 4, 2, 10, False, False, "per_head", 0, False),   # bool [1, Hq, S, S], full rows
+    (2, 2, 6, 2, 13, True, True, None, 0, True),     # attention sinks, packed documents
+    (1, 3, 4, 2, 17, True, False, "learnable", 5, True),  # sinks with a window and a bias
 ])
-def test_hybrid_matches_single_rank_reference(U, R, hq, hkv, S, causal, packed, mask_kind, window):
+def test_hybrid_matches_single_rank_reference(U, R, hq, hkv, S, causal, packed, mask_kind, window, sinks):
     B, D, P = 2, 8, U * R
     gen = torch.Generator().manual_seed(S)
     Q, K, V = (torch.randn(B, S, h, D, generator=gen) for h in (hq, hkv, hkv))
@@ -72,7 +74,8 @@ def test_hybrid_matches_single_rank_reference(U, R, hq, hkv, S, causal, packed, 
     q, k, v = (t.clone().double().requires_grad_() for t in (Q, K, V))
     m_ref = M.clone().double().requires_grad_() if learn else M
     window, softcap = (0, 0.3) if window < 0 else (window, 0.0)
-    ref = reference_attention(q, k, v, m_ref, pos, causal, window=window, softcap=softcap)
+    sink = torch.randn(hq, generator=gen, dtype=torch.float64).requires_grad_() if sinks else None
+    ref = reference_attention(q, k, v, m_ref, pos, causal, window=window, softcap=softcap, sinks=sink)
     dO = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
     (ref * dO).sum().backward()
     names, keep = hybrid_group_names(U, R)
@@ -85,9 +88,10 @@ def test_hybrid_matches_single_rank_reference(U, R, hq, hkv, S, causal, packed, 
         ml = None
         if M is not None:  # A learnable bias by query rows (this shard's), the bool mask whole.
             ml = ulysses.shard_sequence(M, 2, p, P, ring=R).clone().requires_grad_() if learn else M
-        o = attn(ql, kl, vl, mask=ml, position_ids=cut(pos) if packed else None)
+        sl = sink.detach().float().requires_grad_() if sinks else None
+        o = attn(ql, kl, vl, mask=ml, position_ids=cut(pos) if packed else None, sinks=sl)
         (o * cut(dO).float()).sum().backward()
-        return o.detach(), ql.grad, kl.grad, vl.grad, (ml.grad if learn else None)
+        return o.detach(), ql.grad, kl.grad, vl.grad, (ml.grad if learn else None), (sl.grad if sinks else None)
 
     results = run_ranks(P, body)
     full = lambda i: torch.zeros(B, S, *results[0][i].shape[2:], dtype=results[0][i].dtype)  # noqa: E731
@@ -102,6 +106,8 @@ def test_hybrid_matches_single_rank_reference(U, R, hq, hkv, S, causal, packed, 
         for p in range(P):
             got[:, :, torch.tensor(ulysses._C.ring_shard_index(S, U, R, p))] = results[p][4]
         assert rel(got, m_ref.grad) < 1e-4, "mask grad"
+    if sinks:  # Each rank's holds its heads' (summed over the whole SP group).
+        assert rel(sum(r[5] for r in results), sink.grad) < 1e-4, "sinks grad"
     del keep
 
 
