@@ -33,32 +33,63 @@ c10::optional<at::Tensor> packed_positions(int64_t S, int64_t documents) {
 }
 
 // One forward and backward pass of `attention` on `in`.
+// The score rules of a case besides causality and documents.
+struct Rules {
+  int64_t window = 0;
+  double softcap = 0.0;
+  c10::optional<at::Tensor> sinks;  // [Hq], learnable.
+};
+
 void step(const LocalAttention& attention, Inputs& in, const std::vector<int64_t>& kv_map,
-          bool causal, const c10::optional<at::Tensor>& positions, int64_t window) {
+          bool causal, const c10::optional<at::Tensor>& positions, const Rules& rules) {
   for (at::Tensor* t : {&in.q, &in.k, &in.v}) t->mutable_grad().reset();
+  if (rules.sinks) rules.sinks->mutable_grad().reset();
   LocalAttentionArgs args{in.q, in.k, in.v, kv_map, c10::nullopt, positions, causal, 0.0};
-  args.window = window;
+  args.window = rules.window;
+  args.softcap = rules.softcap;
+  args.sinks = rules.sinks;
   at::Tensor o = attention(args);
   (o.to(at::kFloat) * in.w).sum().backward();
 }
 
 // torch's SDPA on the same BHSD inputs: its CPU flash path (the anchor of the kernel's speed).
 // Packed documents and sliding windows, which SDPA has no notion of, become a bool mask (with
-// the causal rule in it: SDPA takes a mask or is_causal), built outside the timed step.
-LocalAttention sdpa_attention(const c10::optional<at::Tensor>& positions, int64_t S, bool causal,
-                              int64_t window) {
+// the causal rule in it: SDPA takes a mask or is_causal), built outside the timed step. Sinks
+// become one more key with value 0, whose column of an additive mask holds each head's logit
+// (its gradient flows through the mask). SDPA has no softcap: none is returned for one.
+c10::optional<LocalAttention> sdpa_attention(const c10::optional<at::Tensor>& positions, int64_t S,
+                                             bool causal, const Rules& rules) {
+  if (rules.softcap > 0) return c10::nullopt;
   c10::optional<at::Tensor> mask;
   if (positions) mask = document_mask(*positions).view({1, 1, S, S});
-  if (window > 0) {
-    at::Tensor band = at::ones({S, S}, at::kBool).triu(1 - window).view({1, 1, S, S});
+  if (rules.window > 0) {
+    at::Tensor band = at::ones({S, S}, at::kBool).triu(1 - rules.window).view({1, 1, S, S});
     mask = mask ? *mask & band : band;
   }
-  if (mask && causal) mask = *mask & at::ones({S, S}, at::kBool).tril();
-  return [mask](const LocalAttentionArgs& a) {
-    return at::scaled_dot_product_attention(a.q, a.k, a.v, mask, 0.0, a.causal && !mask,
-                                            c10::nullopt,
-                                            /*enable_gqa=*/a.q.size(1) != a.k.size(1));
-  };
+  if ((mask || rules.sinks) && causal) {
+    at::Tensor lower = at::ones({S, S}, at::kBool).tril().view({1, 1, S, S});
+    mask = mask ? *mask & lower : lower;
+  }
+  if (!rules.sinks) {
+    return LocalAttention([mask](const LocalAttentionArgs& a) {
+      return at::scaled_dot_product_attention(a.q, a.k, a.v, mask, 0.0, a.causal && !mask,
+                                              c10::nullopt,
+                                              /*enable_gqa=*/a.q.size(1) != a.k.size(1));
+    });
+  }
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  const at::Tensor allowed = mask ? *mask : at::ones({1, 1, S, S}, at::kBool);
+  const at::Tensor bias = at::zeros({1, 1, S, S}).masked_fill(allowed.logical_not(), -kInf);
+  return LocalAttention([bias](const LocalAttentionArgs& a) {
+    const int64_t B = a.q.size(0), H = a.q.size(1), Hkv = a.k.size(1);
+    at::Tensor sink =
+        a.sinks->to(a.q.scalar_type()).view({1, H, 1, 1}).expand({1, H, bias.size(2), 1});
+    at::Tensor m = at::cat({bias.to(a.q.scalar_type()).expand({1, H, -1, -1}), sink}, -1);
+    at::Tensor k = at::cat({a.k, at::zeros({B, Hkv, 1, a.k.size(3)}, a.k.options())}, 2);
+    at::Tensor v = at::cat({a.v, at::zeros({B, Hkv, 1, a.v.size(3)}, a.v.options())}, 2);
+    return at::scaled_dot_product_attention(a.q, k, v, m, 0.0, false, c10::nullopt,
+                                            /*enable_gqa=*/H != Hkv);
+  });
 }
 
 double matmul_gflops(int64_t n) {
@@ -77,6 +108,8 @@ struct AttentionBench {
   int threads = 2, repeats = 3;
   int64_t documents = 1;  // Packed documents of equal length per sequence.
   int64_t window = 0;     // Sliding window (causal only); 0: none.
+  double softcap = 0.0;   // Logit softcap; 0: none.
+  bool sinks = false;     // Attention sinks (one learnable logit per head).
   bool memory = false, no_math = false;
   double math_limit_gb = 0;
   std::string json, measure_peak;  // measure_peak: internal child mode (--memory's child).
@@ -100,6 +133,8 @@ const Options& bench_attention_options() {
                    value("--repeats", "3"),
                    value("--documents", "1"),
                    value("--window", "0"),
+                   value("--softcap", "0"),
+                   flag("--sinks"),
                    flag("--memory"),
                    flag("--no-math"),
                    placeholder("--math-limit-gb", "G"),  // Default: 60 % of this machine's memory.
@@ -123,6 +158,8 @@ AttentionBench parse(const Argv& argv) {
   o.D = args.integer("--head-dim", 1);
   o.dtype_name = args.str("--dtype");
   o.window = args.integer("--window", 0);
+  o.softcap = args.real("--softcap", 0.0);
+  o.sinks = args.has("--sinks");
   const std::string causal = args.has("--causal") ? args.str("--causal")
                              : o.window > 0       ? "1"
                                                   : "both";
@@ -151,21 +188,35 @@ AttentionBench parse(const Argv& argv) {
   return o;
 }
 
+// The case's rules; sinks are a learnable [Hq] tensor of logits around 1.
+Rules rules_of(const AttentionBench& o) {
+  Rules r;
+  r.window = o.window;
+  r.softcap = o.softcap;
+  if (o.sinks) r.sinks = (at::randn({o.Hq}) + 1.0).requires_grad_();
+  return r;
+}
+
 // Peak memory one fwd+bwd of `impl` ("fused" or "math") adds, measured in a fresh process.
 int64_t peak_of(const AttentionBench& o, const Runtime& runtime, const std::string& impl, int64_t S,
                 bool causal) {
-  return bench::peak_in_child(runtime.self, {"bench",          "attention",
-                                             "--measure-peak", impl,
-                                             "--seq-lens",     std::to_string(S),
-                                             "--causal",       causal ? "1" : "0",
-                                             "--batch",        std::to_string(o.B),
-                                             "--q-heads",      std::to_string(o.Hq),
-                                             "--kv-heads",     std::to_string(o.Hkv),
-                                             "--head-dim",     std::to_string(o.D),
-                                             "--dtype",        o.dtype_name,
-                                             "--threads",      std::to_string(o.threads),
-                                             "--documents",    std::to_string(o.documents),
-                                             "--window",       std::to_string(o.window)});
+  std::vector<std::string> args{
+      "bench",          "attention",
+      "--measure-peak", impl,
+      "--seq-lens",     std::to_string(S),
+      "--causal",       causal ? "1" : "0",
+      "--batch",        std::to_string(o.B),
+      "--q-heads",      std::to_string(o.Hq),
+      "--kv-heads",     std::to_string(o.Hkv),
+      "--head-dim",     std::to_string(o.D),
+      "--dtype",        o.dtype_name,
+      "--threads",      std::to_string(o.threads),
+      "--documents",    std::to_string(o.documents),
+      "--window",       std::to_string(o.window),
+      "--softcap",      std::to_string(o.softcap),
+  };
+  if (o.sinks) args.push_back("--sinks");
+  return bench::peak_in_child(runtime.self, args);
 }
 
 // One case: the fused kernel (and the math reference where it fits in memory), timed side by
@@ -177,7 +228,8 @@ bench::Record measure(const AttentionBench& o, const Runtime& runtime, int64_t S
   };
   Inputs in = make_inputs(o.B, o.Hq, o.Hkv, S, o.D, o.dtype);
   const auto positions = packed_positions(S, o.documents);
-  const LocalAttention sdpa = sdpa_attention(positions, S, causal, o.window);
+  const Rules rules = rules_of(o);
+  const auto sdpa = sdpa_attention(positions, S, causal, rules);
   // Useful FLOPs of forward (2 matmuls) + backward (4), halved by causality, and over the
   // allowed (query, key) pairs: 1 / documents of them when packed, S*W - W(W-1)/2 of S*S/2
   // in a window of W.
@@ -191,20 +243,25 @@ bench::Record measure(const AttentionBench& o, const Runtime& runtime, int64_t S
   r.add("seq_len", S).add("batch", o.B).add("q_heads", o.Hq).add("kv_heads", o.Hkv);
   r.add("head_dim", o.D).add("dtype", o.dtype_name).add("causal", causal);
   r.add("documents", o.documents).add("window", o.window);
+  r.add("softcap", o.softcap).add("sinks", o.sinks);
   const auto f =
-      bench::time_ms([&] { step(fused, in, o.kv_map, causal, positions, o.window); }, 1, o.repeats);
+      bench::time_ms([&] { step(fused, in, o.kv_map, causal, positions, rules); }, 1, o.repeats);
   r.add("fused", f);
   if (o.window > 0) {  // The same kernel without the window, side by side: tiles skipped.
-    const auto full =
-        bench::time_ms([&] { step(fused, in, o.kv_map, causal, positions, 0); }, 1, o.repeats);
+    Rules no_window = rules;
+    no_window.window = 0;
+    const auto full = bench::time_ms(
+        [&] { step(fused, in, o.kv_map, causal, positions, no_window); }, 1, o.repeats);
     r.add("fused_no_window", full).add("no_window_over_window", full.median / f.median);
   }
-  const auto t =
-      bench::time_ms([&] { step(sdpa, in, o.kv_map, causal, positions, o.window); }, 1, o.repeats);
-  r.add("sdpa", t).add("sdpa_over_fused", t.median / f.median);
+  if (sdpa) {  // (None for a softcap, which SDPA has no equivalent of.)
+    const auto t =
+        bench::time_ms([&] { step(*sdpa, in, o.kv_map, causal, positions, rules); }, 1, o.repeats);
+    r.add("sdpa", t).add("sdpa_over_fused", t.median / f.median);
+  }
   if (run_math) {
     const auto m = bench::time_ms(
-        [&] { step(math_attention, in, o.kv_map, causal, positions, o.window); }, 1, o.repeats);
+        [&] { step(math_attention, in, o.kv_map, causal, positions, rules); }, 1, o.repeats);
     r.add("math", m).add("math_over_fused", m.median / f.median);
   }
   const double gflops = flops / (f.median * 1e6);
@@ -212,7 +269,8 @@ bench::Record measure(const AttentionBench& o, const Runtime& runtime, int64_t S
   r.add("fused_pct_of_matmul", 100.0 * gflops / mm);
   if (o.memory) {
     const int64_t fp = peak_of(o, runtime, "fused", S, causal);
-    r.add("fused_peak_bytes", fp).add("sdpa_peak_bytes", peak_of(o, runtime, "sdpa", S, causal));
+    r.add("fused_peak_bytes", fp);
+    if (sdpa) r.add("sdpa_peak_bytes", peak_of(o, runtime, "sdpa", S, causal));
     if (run_math) {
       const int64_t mp = peak_of(o, runtime, "math", S, causal);
       r.add("math_peak_bytes", mp);
@@ -235,14 +293,24 @@ void print_causal_speedups(const std::vector<bench::Record>& records) {
   }
 }
 
-const std::vector<std::string> kColumns{"seq_len",          "causal",
-                                        "window",           "fused_ms",
-                                        "fused_spread",     "no_window_over_window",
-                                        "sdpa_ms",          "sdpa_over_fused",
-                                        "math_ms",          "math_over_fused",
-                                        "fused_gflops",     "fused_pct_of_matmul",
-                                        "fused_peak_bytes", "sdpa_peak_bytes",
-                                        "math_peak_bytes",  "fused_over_math_peak"};
+const std::vector<std::string> kColumns{"seq_len",
+                                        "causal",
+                                        "window",
+                                        "softcap",
+                                        "sinks",
+                                        "fused_ms",
+                                        "fused_spread",
+                                        "no_window_over_window",
+                                        "sdpa_ms",
+                                        "sdpa_over_fused",
+                                        "math_ms",
+                                        "math_over_fused",
+                                        "fused_gflops",
+                                        "fused_pct_of_matmul",
+                                        "fused_peak_bytes",
+                                        "sdpa_peak_bytes",
+                                        "math_peak_bytes",
+                                        "fused_over_math_peak"};
 
 }  // namespace
 
@@ -253,6 +321,7 @@ int bench_attention_main(const Argv& argv, const Runtime& runtime) {
     const int64_t S = o.seq_lens.at(0);
     const bool causal = o.causal_modes.at(0);
     const auto positions = packed_positions(S, o.documents);
+    const Rules rules = rules_of(o);
     Inputs in;
     LocalAttention impl;
     const int64_t bytes = bench::peak_extra_bytes(
@@ -260,10 +329,10 @@ int bench_attention_main(const Argv& argv, const Runtime& runtime) {
           in = make_inputs(o.B, o.Hq, o.Hkv, S, o.D, o.dtype);
           impl = o.measure_peak == "math" ? LocalAttention(math_attention)
                  : o.measure_peak == "sdpa"
-                     ? sdpa_attention(positions, S, causal, o.window)
+                     ? sdpa_attention(positions, S, causal, rules).value()
                      : [&](const LocalAttentionArgs& a) { return flash_attention(a, o.blocks); };
         },
-        [&] { step(impl, in, o.kv_map, causal, positions, o.window); });
+        [&] { step(impl, in, o.kv_map, causal, positions, rules); });
     std::cout << "peak_extra_bytes: " << bytes << std::endl;
     return 0;
   }
