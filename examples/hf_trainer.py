@@ -80,6 +80,8 @@ def main() -> None:
     p.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (default: fp32, exact against one process)")
     p.add_argument("--eval", action="store_true", help="evaluate on held-out sequences at the end")
+    p.add_argument("--long", action="store_true",
+                   help="long-sequence memory: tiled MLP, tiled logits + loss, layers checkpointed with offload")
     p.add_argument("--out", default="hf_trainer_out")
     p.add_argument("--report", default=None, help="write logged losses (json) and final parameters (.pt)")
     a = p.parse_args()
@@ -106,6 +108,8 @@ def main() -> None:
                   save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
                   use_cpu=True, bf16=a.bf16, seed=0, ddp_find_unused_parameters=False, dataloader_drop_last=False)
     collator = DataCollatorWithFlattening() if a.packed else pad_right
+    # Small tiles, so that the tiny model runs several of each.
+    long = dict(tiled_mlp=True, tiled_loss=True, checkpoint="offload", mlp_tile_tokens=16) if a.long else {}
     if a.trl:
         from datasets import Dataset
         from trl import SFTConfig, SFTTrainer
@@ -115,7 +119,7 @@ def main() -> None:
 
         args = SFTConfig(**common, packing=True, max_length=2 * a.max_len)  # packed rows of whole sequences
         trainer_class = SequenceParallelSFTTrainer if sequence_parallel else SFTTrainer
-        extra = {"sp_size": a.sp} if sequence_parallel else {}
+        extra = {"sp_size": a.sp, **long} if sequence_parallel else {}
         trainer = trainer_class(model=model, args=args, train_dataset=Dataset.from_list(train),
                                 eval_dataset=Dataset.from_list(held_out), processing_class=word_tokenizer(vocab),
                                 **extra)
@@ -123,7 +127,7 @@ def main() -> None:
         args = TrainingArguments(**common, remove_unused_columns=False)
         if sequence_parallel:
             trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
-                                              data_collator=collator, sp_size=a.sp)  # ulysses
+                                              data_collator=collator, sp_size=a.sp, **long)  # ulysses
         else:
             trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
                               data_collator=collator)

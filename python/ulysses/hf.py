@@ -21,15 +21,20 @@ ids (RoPE and packed documents need them). Masks are honoured, not dropped:
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import _C
 from . import ops as O
+from . import tiled
 from .attention import DistributedAttention
 from .ops import all_reduce_gradients  # noqa: F401  (part of this module's API)
 
@@ -148,11 +153,49 @@ def _refuse_incompatible(get_correct_attn_implementation):
     return checked
 
 
+CHECKPOINT_MODES = (None, "recompute", "offload")
+LOSS_TILE_BYTES = 64 << 20  # fp32 logits of one loss tile: rows = this / (4 * vocab)
+
+
+@dataclass
+class LongSequence:
+    """What :func:`sequence_parallel` turned on for a model's long-sequence memory (module
+    docstring of ``ulysses.tiled``). ``mlp_tile_tokens``: sequence rows per MLP tile;
+    ``loss_tile_bytes``: the fp32 logits of one loss tile."""
+
+    tiled_mlp: bool = False
+    tiled_loss: bool = False
+    checkpoint: str | None = None
+    mlp_tile_tokens: int = 0
+    loss_tile_bytes: int = LOSS_TILE_BYTES
+
+
 def sequence_parallel(model: PreTrainedModel, group: O.GroupLike = None, *,
-                      timeout: O.Timeout = None) -> PreTrainedModel:
+                      timeout: O.Timeout = None, tiled_mlp: bool = False, tiled_loss: bool = False,
+                      checkpoint: str | None = None, mlp_tile_tokens: int | None = None,
+                      loss_tile_bytes: int = LOSS_TILE_BYTES) -> PreTrainedModel:
     """Makes ``model`` (a ``transformers`` PreTrainedModel) run attention through ulysses over
     ``group`` (any form of ``ulysses.ops.GroupLike``; None: the default group). Turns the KV cache off
-    (training; a cache of sharded keys would be wrong). Returns the model."""
+    (training; a cache of sharded keys would be wrong). Returns the model.
+
+    Long sequences (``ulysses.tiled``; each exact):
+
+    - ``tiled_mlp``: every decoder layer's ``mlp`` runs in sequence tiles of ``mlp_tile_tokens``
+      rows (default: the hidden size), so its intermediate never exists whole;
+    - ``tiled_loss``: ``model(..., ulysses_shift_labels=labels)`` returns ``loss`` = this rank's
+      *summed* token loss (divide by the group's token count, :func:`sequence_parallel_loss`
+      does it for logits) and no logits: they are made and scored tile by tile;
+    - ``checkpoint="recompute"``: decoder layers keep only their input and recompute in
+      backward; ``"offload"``: that input also moves to host memory by a background copy and is
+      prefetched back in backward (it frees device memory on a GPU; on a CPU it is a copy).
+
+    The tile counts come from the group's agreed split (``ulysses_seq_lens``, else learned once
+    per forward), so they match on every rank.
+    """
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"ulysses.hf: checkpoint must be one of {CHECKPOINT_MODES}; got {checkpoint!r}")
+    if loss_tile_bytes < 1 or (mlp_tile_tokens is not None and mlp_tile_tokens < 1):
+        raise ValueError("ulysses.hf: mlp_tile_tokens and loss_tile_bytes must be >= 1")
     _check_backend(model)
     name = O.group_name(group)
     model.set_attn_implementation(IMPLEMENTATION)
@@ -165,7 +208,111 @@ def sequence_parallel(model: PreTrainedModel, group: O.GroupLike = None, *,
         object.__setattr__(module, "_ulysses_group", name)
         object.__setattr__(module, "_ulysses_timeout", timeout)
         module.__dict__.pop("_ulysses_attention", None)
+    hidden = model.config.get_text_config().hidden_size
+    settings = LongSequence(tiled_mlp, tiled_loss, checkpoint, mlp_tile_tokens or hidden, loss_tile_bytes)
+    _install_long_sequence(model, settings)
     return model
+
+
+def long_sequence(model: torch.nn.Module) -> LongSequence | None:
+    """The long-sequence settings :func:`sequence_parallel` gave ``model`` (None: not SP)."""
+    return model.__dict__.get("_ulysses_long")
+
+
+def _layers(model: torch.nn.Module) -> list[GradientCheckpointingLayer]:
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def _tiled_forward(forward, settings: LongSequence):
+    @functools.wraps(forward)
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3:
+            raise ValueError(f"ulysses.hf: tiled_mlp expects [B, S_r, E] hidden states; got {list(x.shape)}")
+        rows = tiled.current_rows() or x.shape[1]  # the largest rank's, when the forward declared it
+        return tiled.tiled_mlp(forward, x, tiled.tile_count(rows, settings.mlp_tile_tokens), dim=1)
+
+    return run
+
+
+def _install_long_sequence(model: PreTrainedModel, settings: LongSequence) -> None:
+    """Wraps the model's forward (declares the sequence rows, takes ulysses_shift_labels) and,
+    as asked, its MLPs and its layers' checkpointing. Idempotent: a second call replaces the first."""
+    object.__setattr__(model, "_ulysses_long", settings)
+    for layer in _layers(model):
+        mlp = getattr(layer, "mlp", None)
+        if isinstance(mlp, torch.nn.Module):
+            original = mlp.__dict__.pop("_ulysses_forward", None) or mlp.forward
+            if "forward" in mlp.__dict__:
+                del mlp.forward
+            if settings.tiled_mlp:
+                object.__setattr__(mlp, "_ulysses_forward", original)
+                mlp.forward = _tiled_forward(original, settings)
+    if settings.checkpoint is not None:
+        model.activation_checkpointing_enable()  # its layers then call the function set per forward
+    if "forward" in model.__dict__:
+        del model.forward
+    model.forward = _long_sequence_forward(model, model.forward, settings)
+
+
+def _use_our_checkpoint(model: torch.nn.Module, settings: LongSequence) -> None:
+    """Layers with checkpointing on (ours, or transformers' turned on by a Trainer) run
+    ulysses.tiled.checkpoint: its recompute replays the declared rows, so tiles cut alike."""
+    ours = functools.partial(tiled.checkpoint, offload=settings.checkpoint == "offload")
+    for layer in _layers(model):
+        if layer.gradient_checkpointing:
+            layer._gradient_checkpointing_func = ours
+
+
+def _sequence_rows(kwargs: dict, group: str, timeout) -> list[int]:
+    given = kwargs.get("ulysses_seq_lens")
+    if given:
+        return list(given)
+    x = kwargs.get("input_ids")
+    if x is None:
+        x = kwargs.get("inputs_embeds")
+    if x is None:
+        raise ValueError("ulysses.hf: the model needs input_ids or inputs_embeds (by keyword) under sequence parallelism")
+    return O.sequence_lengths(x, 1, group, timeout)
+
+
+def _logit_rules(config) -> tuple[float, float]:
+    """(scale, softcap) a causal LM applies to its logits after lm_head (Cohere's logit_scale,
+    Granite's logits_scaling, Gemma's final_logit_softcapping)."""
+    scale = float(getattr(config, "logit_scale", None) or 1.0)
+    scale /= float(getattr(config, "logits_scaling", None) or 1.0)
+    return scale, float(getattr(config, "final_logit_softcapping", None) or 0.0)
+
+
+def _long_sequence_forward(model: PreTrainedModel, forward, settings: LongSequence):
+    group, timeout = model.__dict__["_ulysses_group"], model.__dict__["_ulysses_timeout"]
+
+    @functools.wraps(forward)
+    def run(*args, ulysses_shift_labels: torch.Tensor | None = None, **kwargs):
+        if args:
+            raise ValueError("ulysses.hf: pass the model's inputs by keyword under sequence parallelism")
+        seq_lens = _sequence_rows(kwargs, group, timeout)
+        kwargs["ulysses_seq_lens"] = seq_lens  # the layers skip learning them
+        _use_our_checkpoint(model, settings)
+        with tiled.sequence_rows(max(seq_lens)), tiled.offload_scope():
+            if ulysses_shift_labels is None:
+                return forward(**kwargs)
+            if not settings.tiled_loss:
+                raise ValueError("ulysses.hf: ulysses_shift_labels needs sequence_parallel(..., tiled_loss=True)")
+            if kwargs.get("labels") is not None:
+                raise ValueError("ulysses.hf: give ulysses_shift_labels or labels, not both")
+            kwargs.pop("logits_to_keep", None)
+            kwargs.pop("labels", None)
+            hidden = getattr(model, model.base_model_prefix)(**kwargs).last_hidden_state
+            head = model.get_output_embeddings()
+            scale, softcap = _logit_rules(model.config)
+            rows = max(1, settings.loss_tile_bytes // (4 * head.weight.shape[0]))
+            tiles = tiled.tile_count(hidden.shape[0] * max(seq_lens), rows)
+            loss = tiled.linear_cross_entropy(hidden, head.weight, ulysses_shift_labels, bias=head.bias,
+                                              tiles=tiles, ignore_index=IGNORE_INDEX, scale=scale,
+                                              softcap=softcap)
+            return CausalLMOutputWithPast(loss=loss)
+
+    return run
 
 
 def shard_batch(batch: Mapping[str, torch.Tensor], group: O.GroupLike = None, *,
@@ -207,8 +354,19 @@ def sequence_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, gro
                                                    O.group_options(None), ignore_index)
 
 
+def token_mean(token_sum: torch.Tensor, shift_labels: torch.Tensor, group: O.GroupLike = None, *,
+               ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sequence_parallel_loss` for a summed token loss (``model(...,
+    ulysses_shift_labels=...).loss`` under ``tiled_loss``): ``(token_sum / the group's token
+    count, the global mean, detached)``, one small collective."""
+    local = torch.stack([token_sum.detach().float(), (shift_labels != ignore_index).sum().float()])
+    total = O.sum_over_group(local, group)
+    count = total[1].clamp(min=1)
+    return token_sum / count, total[0] / count
+
+
 PreTrainedModel.get_correct_attn_implementation = _refuse_incompatible(  # type: ignore[method-assign]
     PreTrainedModel.get_correct_attn_implementation)
 
-__all__ = ["IMPLEMENTATION", "sequence_parallel", "shard_batch", "sequence_parallel_loss",
-           "all_reduce_gradients", "ulysses_attention_forward"]
+__all__ = ["IMPLEMENTATION", "LongSequence", "long_sequence", "sequence_parallel", "shard_batch",
+           "sequence_parallel_loss", "token_mean", "all_reduce_gradients", "ulysses_attention_forward"]

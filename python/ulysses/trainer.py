@@ -63,7 +63,8 @@ class SequenceParallel:
 
     ignore_index = hf.IGNORE_INDEX
 
-    def __init__(self, *args: Any, sp_size: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, sp_size: int, tiled_mlp: bool = False, tiled_loss: bool = False,
+                 checkpoint: str | None = None, mlp_tile_tokens: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         trainer: Any = self
         world = trainer.args.world_size
@@ -78,7 +79,8 @@ class SequenceParallel:
         self.sp_size = sp_size
         self.sequence_mesh = init_device_mesh(trainer.args.device.type, (world // sp_size, sp_size),
                                               mesh_dim_names=("dp", "sp"))
-        hf.sequence_parallel(trainer.model, self.sequence_mesh["sp"])
+        hf.sequence_parallel(trainer.model, self.sequence_mesh["sp"], tiled_mlp=tiled_mlp, tiled_loss=tiled_loss,
+                             checkpoint=checkpoint, mlp_tile_tokens=mlp_tile_tokens)
         # compute_loss normalises by the count of the whole optimizer step (get_batch_samples).
         trainer.loss_is_scaled_for_ga = True
         self._step_tokens: torch.Tensor | None = None
@@ -118,7 +120,8 @@ class SequenceParallel:
         dist.all_reduce(tokens, group=self.sequence_mesh["dp"].get_group())
         return batches, tokens
 
-    def _sharded_forward(self, model: torch.nn.Module, inputs: Mapping[str, Any]) -> tuple[Any, dict]:
+    def _sharded_forward(self, model: torch.nn.Module, inputs: Mapping[str, Any],
+                         tiled_loss: bool = False) -> tuple[Any, dict]:
         unknown = sorted(set(inputs) - _SHARDED_KEYS - _DROPPED_KEYS)
         if unknown:
             raise ValueError(f"ulysses.trainer: the batch has {unknown}, which the sequence shard does not "
@@ -130,15 +133,21 @@ class SequenceParallel:
                         "ulysses_seq_lens": shard["seq_lens"]}
         if "attention_mask" in shard:
             model_inputs["attention_mask"] = shard["attention_mask"]
+        if tiled_loss:  # the model returns the shard's summed token loss, and no logits
+            model_inputs["ulysses_shift_labels"] = shard["shift_labels"]
         return model(**model_inputs), shard
 
     def compute_loss(self, model: torch.nn.Module, inputs: Mapping[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
-        outputs, shard = self._sharded_forward(model, inputs)
-        logits = outputs.logits.float()
+        settings = hf.long_sequence(self.model)  # type: ignore[attr-defined]
+        tiled_loss = settings is not None and settings.tiled_loss and not return_outputs
+        outputs, shard = self._sharded_forward(model, inputs, tiled_loss)
         labels = shard["shift_labels"]
-        token_sum = torch.nn.functional.cross_entropy(logits.flatten(0, -2), labels.flatten(),
-                                                      ignore_index=self.ignore_index, reduction="sum")
+        if tiled_loss:
+            token_sum = outputs.loss
+        else:
+            token_sum = torch.nn.functional.cross_entropy(outputs.logits.float().flatten(0, -2), labels.flatten(),
+                                                          ignore_index=self.ignore_index, reduction="sum")
         if model.training:
             # The step's count comes from get_batch_samples (None only outside the training loop).
             tokens = num_items_in_batch if torch.is_tensor(num_items_in_batch) else None
@@ -161,9 +170,9 @@ class SequenceParallel:
         trainer: Any = self
         inputs = trainer._prepare_inputs(inputs)
         with torch.no_grad(), trainer.compute_loss_context_manager():
+            if prediction_loss_only:  # under tiled_loss: no logits
+                return self.compute_loss(model, inputs).detach(), None, None
             loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
-        if prediction_loss_only:
-            return loss.detach(), None, None
         sp = self.sequence_mesh["sp"]
         shard_lens = O.sequence_lengths(outputs.logits, 1, sp)
         logits = O.all_gather_sequence(outputs.logits.detach(), 1, shard_lens, sp)  # the whole sequence

@@ -91,6 +91,12 @@ def test_dp2_sp2_packed_with_gradient_accumulation(runs):
     _assert_same_run(runs("dp2sp2_packed", 4, "--sp", "2", "--packed", "--grad-accum", "2"), want)
 
 
+def test_long_sequence_memory_features_match_one_process(runs):
+    """Tiled MLP, tiled logits + loss (no logits), layers checkpointed with offload, at DP 2 x SP 2."""
+    want = runs("plain", 1, "--sp", "1", "--eval")
+    _assert_same_run(runs("dp2sp2_long", 4, "--sp", "2", "--long", "--eval"), want | {"eval_loss": None})
+
+
 def test_resume_from_step_4_reproduces_steps_5_to_8(runs, tmp_path):
     full = runs("sp2", 2, "--sp", "2", "--eval", "--save-steps", "4")
     checkpoint = full["out"] / "checkpoint-4"

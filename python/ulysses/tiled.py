@@ -1,0 +1,395 @@
+"""Long sequences past attention: sequence-tiled compute and checkpointed layers.
+
+Sequence parallelism divides attention's activations by P. At long S the rest of the model
+then sets each rank's peak: the logits ``[S_r, V]`` (in fp32 for the loss), the MLP's
+intermediate ``[S_r, I]`` and every layer's saved activations. Each has its tool here:
+
+- :func:`tiled_mlp` runs a position-wise module (an MLP) tile by tile along the sequence: only
+  one tile's intermediate exists at a time, and backward recomputes it tile by tile.
+- :func:`linear_cross_entropy` is the logits ``hidden @ weight.T`` and their cross-entropy,
+  tile by tile, never the whole logits: forward keeps each row's logsumexp, backward recomputes
+  one tile's logits at a time for the gradients.
+- :func:`checkpoint` runs a layer keeping only its input and recomputes the layer in backward;
+  with ``offload=True`` that input moves to host memory by a background copy and is restored
+  (prefetched one layer ahead) in backward.
+
+All three are exact: each output row and each gradient is computed by the same operations as
+untiled, only summed in another order (fp32 rounding).
+
+The tile count is a function of the group's agreed sequence split (:func:`tile_count`), so it is
+the same on every rank without a collective: a rank with fewer tokens runs as many, smaller tiles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def tile_count(rows: Sequence[int] | int, tile_rows: int) -> int:
+    """Tiles for a sequence split ``rows`` (every rank's row count, or the largest): enough for
+    the largest rank's rows at ``tile_rows`` each. Ranks that share ``rows`` agree on it."""
+    if tile_rows < 1:
+        raise ValueError(f"tile_rows must be >= 1; got {tile_rows}")
+    largest = rows if isinstance(rows, int) else max(rows, default=0)
+    return max(1, math.ceil(largest / tile_rows))
+
+
+_context = threading.local()
+
+
+@contextlib.contextmanager
+def sequence_rows(rows: int | None) -> Iterator[None]:
+    """Declares the largest rank's sequence length for the tiled compute inside (a model's
+    forward sets it from the agreed split); :func:`checkpoint` replays it in recompute."""
+    previous = getattr(_context, "rows", None)
+    _context.rows = rows
+    try:
+        yield
+    finally:
+        _context.rows = previous
+
+
+def current_rows() -> int | None:
+    """The sequence length declared by the innermost :func:`sequence_rows`, or None."""
+    return getattr(_context, "rows", None)
+
+
+def _tile_bounds(n: int, tiles: int) -> list[tuple[int, int]]:
+    """``tiles`` contiguous near-equal pieces of ``range(n)`` (some empty when n < tiles)."""
+    base, extra = divmod(n, tiles)
+    bounds, start = [], 0
+    for i in range(tiles):
+        end = start + base + (i < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+# ---- tiled MLP --------------------------------------------------------------------------------
+
+
+def tiled_mlp(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tiles: int,
+              dim: int = -2) -> torch.Tensor:
+    """``module(x)`` for a position-wise ``module`` (each output row depends on its input row
+    only, as an MLP's does), computed in ``tiles`` pieces along ``dim``. Each piece is a
+    non-reentrant checkpoint: the forward keeps no intermediate, and backward recomputes one
+    piece at a time (parameter gradients are summed by autograd, once per parameter)."""
+    if tiles < 1:
+        raise ValueError(f"tiled_mlp: tiles must be >= 1; got {tiles}")
+    n = x.shape[dim]
+    if tiles == 1 or not torch.is_grad_enabled():
+        pieces = [module(x.narrow(dim, a, b - a)) for a, b in _tile_bounds(n, tiles) if b > a]
+    else:
+        pieces = [torch.utils.checkpoint.checkpoint(module, x.narrow(dim, a, b - a), use_reentrant=False)
+                  for a, b in _tile_bounds(n, tiles) if b > a]
+    if not all(isinstance(p, torch.Tensor) for p in pieces):
+        raise TypeError(f"tiled_mlp: the module returned a {type(pieces[0]).__name__}; only a module that returns "
+                        "one tensor (position-wise, such as an MLP) can be tiled")
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
+# ---- tiled logits + cross-entropy -------------------------------------------------------------
+
+
+def _tile_logits(h, weight, bias, scale, softcap):
+    """One tile's fp32 logits as the loss sees them; with a softcap also tanh(z / c) (its slope)."""
+    z = torch.nn.functional.linear(h, weight, bias).float()
+    if scale != 1.0:
+        z.mul_(scale)
+    if not softcap:
+        return z, None
+    capped = z.div_(softcap).tanh_()
+    return capped * softcap, capped
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Sum over rows of cross_entropy(logits(hidden), labels), tile by tile. Forward keeps each
+    row's logsumexp only; backward recomputes one tile's logits at a time, so the weight's
+    gradient is made when backward reaches it, not held from forward (a [V, E] buffer)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, tiles, ignore_index, scale, softcap):  # type: ignore[override]
+        bounds = [(a, b) for a, b in _tile_bounds(hidden.shape[0], tiles) if b > a]
+        valid = labels != ignore_index
+        target = labels.masked_fill(~valid, 0)
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for a, b in bounds:
+            z, _ = _tile_logits(hidden[a:b], weight, bias, scale, softcap)
+            torch.logsumexp(z, dim=1, out=lse[a:b])
+            picked = z.gather(1, target[a:b, None]).squeeze(1)
+            total += torch.where(valid[a:b], lse[a:b] - picked, 0).sum()
+        ctx.save_for_backward(hidden, weight, bias, lse, valid, target)
+        ctx.bounds, ctx.scale, ctx.softcap = bounds, scale, softcap
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):  # type: ignore[override]
+        hidden, weight, bias, lse, valid, target = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        acc = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
+        grad_w = torch.zeros_like(weight, dtype=acc) if need_w else None
+        grad_b = torch.zeros_like(bias, dtype=acc) if need_b else None
+        for a, b in ctx.bounds:
+            h = hidden[a:b]
+            z, capped = _tile_logits(h, weight, bias, ctx.scale, ctx.softcap)
+            g = z.sub_(lse[a:b, None]).exp_()  # softmax, in place of the logits
+            g[torch.arange(b - a, device=g.device), target[a:b]] -= 1
+            g.mul_(valid[a:b, None] * grad_total)  # ignored rows score nothing
+            if capped is not None:
+                g.mul_(1 - capped.square_())
+            if ctx.scale != 1.0:
+                g.mul_(ctx.scale)
+            g = g.to(hidden.dtype)
+            if need_h:
+                torch.mm(g, weight, out=grad_h[a:b])
+            if need_w:
+                grad_w.addmm_(g.t().to(acc), h.to(acc))
+            if need_b:
+                grad_b.add_(g.sum(0, dtype=acc))
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                         bias: torch.Tensor | None = None, tiles: int = 1, ignore_index: int = IGNORE_INDEX,
+                         scale: float = 1.0, softcap: float = 0.0) -> torch.Tensor:
+    """The summed cross-entropy of the logits ``hidden @ weight.T (+ bias)`` against
+    ``labels`` (rows labelled ``ignore_index`` excluded), in ``tiles`` tiles of rows: the
+    logits of one tile at a time, in fp32 as a loss computes them. ``hidden [..., E]``,
+    ``labels [...]``. ``scale`` multiplies the logits and ``softcap`` caps them
+    (``c * tanh(z / c)``, Gemma's final softcap), in that order. Returns a 0-d fp32 sum: divide
+    by the token count of the whole batch for the mean."""
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"linear_cross_entropy: hidden {list(hidden.shape)} and labels {list(labels.shape)} "
+                         "must agree on every dim but the last")
+    if tiles < 1:
+        raise ValueError(f"linear_cross_entropy: tiles must be >= 1; got {tiles}")
+    return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1),
+                                     tiles, ignore_index, float(scale), float(softcap))
+
+
+# ---- checkpointed layers with host offload ----------------------------------------------------
+
+_copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ulysses-offload")
+_live_lock = threading.Lock()
+_live_host_bytes = 0
+
+
+def live_host_bytes() -> int:
+    """Bytes of host buffers that offloaded checkpoints hold now (0 once every graph that made
+    them is gone, whether its backward finished, failed or never ran)."""
+    return _live_host_bytes
+
+
+def _count_host(nbytes: int) -> None:
+    global _live_host_bytes
+    with _live_lock:
+        _live_host_bytes += nbytes
+
+
+class _HostCopy:
+    """One tensor moved to host memory by a background copy and restored on demand. On CUDA
+    the copy runs on a side stream into pinned memory; on a CPU tensor in a worker thread (the
+    copy releases the GIL), which exercises the same path but saves nothing: host memory is the
+    device's."""
+
+    def __init__(self, x: torch.Tensor, stream: Any) -> None:
+        self.device, self.stream = x.device, stream
+        self.host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=x.is_cuda)
+        nbytes = self.host.numel() * self.host.element_size()
+        _count_host(nbytes)
+        weakref.finalize(self.host, _count_host, -nbytes)
+        self.done: Any
+        self.restored: Future | None = None
+        if x.is_cuda:
+            stream.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(stream):
+                self.host.copy_(x, non_blocking=True)
+                x.record_stream(stream)  # x's memory is not reused before the copy reads it
+                self.done = stream.record_event()
+        else:
+            self.done = _copier.submit(self.host.copy_, x)
+
+    def prefetch(self) -> None:
+        """Starts the copy back to the device (no copy for a CPU tensor)."""
+        if self.restored is not None or not self.device.type == "cuda":
+            return
+        future: Future = Future()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(self.done)
+            future.set_result(self.host.to(self.device, non_blocking=True))
+        self.restored = future
+
+    def restore(self) -> torch.Tensor:
+        if self.device.type != "cuda":
+            self.done.result()
+            return self.host
+        self.prefetch()
+        assert self.restored is not None
+        x = self.restored.result()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        x.record_stream(torch.cuda.current_stream(self.device))
+        return x
+
+
+class _Offloads:
+    """The offloaded inputs of one forward, in order: restoring one prefetches the one before
+    it (backward runs the layers in reverse). Weakly held: a graph that is dropped frees them."""
+
+    def __init__(self) -> None:
+        self.copies: list[weakref.ref] = []
+        self.stream: Any = None
+
+    def put(self, x: torch.Tensor) -> tuple[_HostCopy, int]:
+        if x.is_cuda and self.stream is None:
+            self.stream = torch.cuda.Stream(x.device)
+        copy = _HostCopy(x, self.stream)
+        self.copies.append(weakref.ref(copy))
+        return copy, len(self.copies) - 1
+
+    def prefetch_before(self, index: int) -> None:
+        if index > 0 and (earlier := self.copies[index - 1]()) is not None:
+            earlier.prefetch()
+
+
+_forward_offloads: threading.local = threading.local()
+
+
+@contextlib.contextmanager
+def offload_scope() -> Iterator[None]:
+    """Groups the offloaded checkpoints of one forward, for prefetching (optional: without it
+    each checkpoint restores its own input when backward reaches it)."""
+    previous = getattr(_forward_offloads, "value", None)
+    _forward_offloads.value = _Offloads()
+    try:
+        yield
+    finally:
+        _forward_offloads.value = previous
+
+
+def _replay_state(device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    """What a recompute must see as the forward saw it: the RNG (dropout draws the same),
+    autocast and the declared sequence rows (tiles cut alike)."""
+    devices = [device] if device.type == "cuda" else []
+    rows = current_rows()
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = [torch.cuda.get_rng_state(device)] if devices else []
+    autocast = [(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+                for kind in {"cpu", device.type}]
+
+    @contextlib.contextmanager
+    def replay() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(sequence_rows(rows))
+            stack.enter_context(torch.random.fork_rng(devices=devices))
+            torch.set_rng_state(cpu_rng)
+            for d, state in zip(devices, cuda_rng):
+                torch.cuda.set_rng_state(state, d)
+            for kind, enabled, dtype in autocast:
+                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+            yield
+
+    return replay
+
+
+class _Checkpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run, offload, x, *params):  # type: ignore[override]
+        ctx.run, ctx.replay, ctx.params = run, _replay_state(x.device), params
+        if offload:
+            scope = getattr(_forward_offloads, "value", None) or _Offloads()
+            ctx.offloads = scope
+            ctx.copy, ctx.index = scope.put(x)
+        else:
+            ctx.copy = None
+            ctx.save_for_backward(x)
+        with torch.no_grad():
+            out = run(x)
+        ctx.tuple_out = isinstance(out, tuple)
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        if ctx.copy is not None:
+            x = ctx.copy.restore()
+            ctx.offloads.prefetch_before(ctx.index)
+            ctx.copy = None
+        else:
+            (x,) = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[2]
+        x = x.detach().requires_grad_(need_x)
+        params = [p for p, need in zip(ctx.params, ctx.needs_input_grad[3:]) if need]
+        with torch.enable_grad(), ctx.replay():
+            out = ctx.run(x)
+        outs = out if ctx.tuple_out else (out,)
+        pairs = [(o, g) for o, g in zip(outs, grads)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        inputs = ([x] if need_x else []) + params
+        got = iter(torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+                   if pairs else [None] * len(inputs))
+        grad_x = next(got) if need_x else None
+        grad_params = [next(got) if need else None for need in ctx.needs_input_grad[3:]]
+        return (None, None, grad_x, *grad_params)
+
+
+def _module_of(function: Callable) -> torch.nn.Module | None:
+    """The module a layer function runs: a module, its bound forward, or a partial over either
+    (transformers checkpoints ``partial(forward, layer, **kwargs)``)."""
+    while isinstance(function, functools.partial):
+        if function.args and isinstance(function.args[0], torch.nn.Module):
+            return function.args[0]
+        function = function.func
+    if isinstance(function, torch.nn.Module):
+        return function
+    owner = getattr(function, "__self__", None)
+    return owner if isinstance(owner, torch.nn.Module) else None
+
+
+def _check_no_hidden_inputs(function: Callable) -> None:
+    """A tensor that needs a gradient and reaches the layer by keyword would get none: refuse."""
+    while isinstance(function, functools.partial):
+        for name, value in function.keywords.items():
+            values = value if isinstance(value, (tuple, list)) else (value,)
+            if any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
+                raise ValueError(f"ulysses.tiled.checkpoint: the layer's keyword argument {name!r} needs a "
+                                 "gradient, which a checkpoint gives to its positional input and the layer's "
+                                 "parameters only")
+        function = function.func
+
+
+def checkpoint(function: Callable[..., Any], x: torch.Tensor, *args: Any, offload: bool = False,
+               params: Sequence[torch.Tensor] | None = None, **kwargs: Any) -> Any:
+    """``function(x, *args, **kwargs)`` keeping only ``x``: backward recomputes the layer
+    (with the forward's RNG and autocast state) and returns the gradients of ``x`` and of
+    ``params`` (default: the parameters of the module ``function`` runs). With ``offload``,
+    ``x`` moves to host memory by a background copy and comes back in backward, prefetched
+    one layer ahead inside an :func:`offload_scope`.
+
+    The gradients reach the parameters through this node, once each (so DDP's hooks see one
+    gradient per parameter, as without checkpointing). Tensors in ``args``/``kwargs`` get no
+    gradient; one that needs it is refused."""
+    run = functools.partial(function, *args, **kwargs) if args or kwargs else function
+    _check_no_hidden_inputs(run)
+    if not torch.is_grad_enabled():
+        return run(x)
+    if params is None:
+        module = _module_of(function)
+        params = [] if module is None else [p for p in module.parameters() if p.requires_grad]
+    return _Checkpoint.apply(run, offload, x, *params)
+
+
+__all__ = ["checkpoint", "current_rows", "linear_cross_entropy", "live_host_bytes", "offload_scope", "sequence_rows",
+           "tile_count", "tiled_mlp"]
