@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -32,9 +33,8 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import _C
+from . import _C, tiled
 from . import ops as O
-from . import tiled
 from .attention import DistributedAttention
 from .ops import all_reduce_gradients  # noqa: F401  (part of this module's API)
 
@@ -154,7 +154,7 @@ def _refuse_incompatible(get_correct_attn_implementation):
 
 
 CHECKPOINT_MODES = (None, "recompute", "offload")
-LOSS_TILE_BYTES = 64 << 20  # fp32 logits of one loss tile: rows = this / (4 * vocab)
+LOSS_TILE_BYTES = 16 << 20  # fp32 logits of one loss tile: rows = this / (4 * vocab)
 
 
 @dataclass
@@ -223,35 +223,30 @@ def _layers(model: torch.nn.Module) -> list[GradientCheckpointingLayer]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def _tiled_forward(forward, settings: LongSequence):
-    @functools.wraps(forward)
-    def run(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 3:
-            raise ValueError(f"ulysses.hf: tiled_mlp expects [B, S_r, E] hidden states; got {list(x.shape)}")
-        rows = tiled.current_rows() or x.shape[1]  # the largest rank's, when the forward declared it
-        return tiled.tiled_mlp(forward, x, tiled.tile_count(rows, settings.mlp_tile_tokens), dim=1)
-
-    return run
+def _tiled_mlp_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An MLP's forward, in sequence tiles (bound to the MLP: a deep copy rebinds to the copy)."""
+    if x.dim() != 3:
+        raise ValueError(f"ulysses.hf: tiled_mlp expects [B, S_r, E] hidden states; got {list(x.shape)}")
+    rows = tiled.current_rows() or x.shape[1]  # the largest rank's, when the forward declared it
+    tiles = tiled.tile_count(rows, mlp.__dict__["_ulysses_mlp_tile_tokens"])
+    return tiled.tiled_mlp(functools.partial(type(mlp).forward, mlp), x, tiles, dim=1)
 
 
 def _install_long_sequence(model: PreTrainedModel, settings: LongSequence) -> None:
-    """Wraps the model's forward (declares the sequence rows, takes ulysses_shift_labels) and,
-    as asked, its MLPs and its layers' checkpointing. Idempotent: a second call replaces the first."""
+    """Binds the model's forward (declares the sequence rows, takes ulysses_shift_labels) and,
+    as asked, its MLPs' forwards, and turns on its layers' checkpointing. A second call
+    replaces what the first did."""
     object.__setattr__(model, "_ulysses_long", settings)
     for layer in _layers(model):
         mlp = getattr(layer, "mlp", None)
         if isinstance(mlp, torch.nn.Module):
-            original = mlp.__dict__.pop("_ulysses_forward", None) or mlp.forward
-            if "forward" in mlp.__dict__:
-                del mlp.forward
+            mlp.__dict__.pop("forward", None)
             if settings.tiled_mlp:
-                object.__setattr__(mlp, "_ulysses_forward", original)
-                mlp.forward = _tiled_forward(original, settings)
+                object.__setattr__(mlp, "_ulysses_mlp_tile_tokens", settings.mlp_tile_tokens)
+                mlp.forward = types.MethodType(_tiled_mlp_forward, mlp)
     if settings.checkpoint is not None:
         model.activation_checkpointing_enable()  # its layers then call the function set per forward
-    if "forward" in model.__dict__:
-        del model.forward
-    model.forward = _long_sequence_forward(model, model.forward, settings)
+    model.forward = types.MethodType(_long_sequence_forward, model)
 
 
 def _use_our_checkpoint(model: torch.nn.Module, settings: LongSequence) -> None:
@@ -260,7 +255,7 @@ def _use_our_checkpoint(model: torch.nn.Module, settings: LongSequence) -> None:
     ours = functools.partial(tiled.checkpoint, offload=settings.checkpoint == "offload")
     for layer in _layers(model):
         if layer.gradient_checkpointing:
-            layer._gradient_checkpointing_func = ours
+            layer.__dict__["_gradient_checkpointing_func"] = ours  # a plain attribute, not a submodule
 
 
 def _sequence_rows(kwargs: dict, group: str, timeout) -> list[int]:
@@ -271,7 +266,8 @@ def _sequence_rows(kwargs: dict, group: str, timeout) -> list[int]:
     if x is None:
         x = kwargs.get("inputs_embeds")
     if x is None:
-        raise ValueError("ulysses.hf: the model needs input_ids or inputs_embeds (by keyword) under sequence parallelism")
+        raise ValueError("ulysses.hf: the model needs input_ids or inputs_embeds (by keyword) under "
+                         "sequence parallelism")
     return O.sequence_lengths(x, 1, group, timeout)
 
 
@@ -283,36 +279,32 @@ def _logit_rules(config) -> tuple[float, float]:
     return scale, float(getattr(config, "final_logit_softcapping", None) or 0.0)
 
 
-def _long_sequence_forward(model: PreTrainedModel, forward, settings: LongSequence):
-    group, timeout = model.__dict__["_ulysses_group"], model.__dict__["_ulysses_timeout"]
-
-    @functools.wraps(forward)
-    def run(*args, ulysses_shift_labels: torch.Tensor | None = None, **kwargs):
-        if args:
-            raise ValueError("ulysses.hf: pass the model's inputs by keyword under sequence parallelism")
-        seq_lens = _sequence_rows(kwargs, group, timeout)
-        kwargs["ulysses_seq_lens"] = seq_lens  # the layers skip learning them
+def _long_sequence_forward(model: PreTrainedModel, *args, ulysses_shift_labels: torch.Tensor | None = None,
+                           **kwargs):
+    """The model's forward under sequence parallelism (bound to the model: a deep copy rebinds)."""
+    if args:
+        raise ValueError("ulysses.hf: pass the model's inputs by keyword under sequence parallelism")
+    settings: LongSequence = model.__dict__["_ulysses_long"]
+    seq_lens = _sequence_rows(kwargs, model.__dict__["_ulysses_group"], model.__dict__["_ulysses_timeout"])
+    kwargs["ulysses_seq_lens"] = seq_lens  # the layers skip learning them
+    if settings.tiled_mlp or settings.checkpoint:
         _use_our_checkpoint(model, settings)
-        with tiled.sequence_rows(max(seq_lens)), tiled.offload_scope():
-            if ulysses_shift_labels is None:
-                return forward(**kwargs)
-            if not settings.tiled_loss:
-                raise ValueError("ulysses.hf: ulysses_shift_labels needs sequence_parallel(..., tiled_loss=True)")
-            if kwargs.get("labels") is not None:
-                raise ValueError("ulysses.hf: give ulysses_shift_labels or labels, not both")
-            kwargs.pop("logits_to_keep", None)
-            kwargs.pop("labels", None)
-            hidden = getattr(model, model.base_model_prefix)(**kwargs).last_hidden_state
-            head = model.get_output_embeddings()
-            scale, softcap = _logit_rules(model.config)
-            rows = max(1, settings.loss_tile_bytes // (4 * head.weight.shape[0]))
-            tiles = tiled.tile_count(hidden.shape[0] * max(seq_lens), rows)
-            loss = tiled.linear_cross_entropy(hidden, head.weight, ulysses_shift_labels, bias=head.bias,
-                                              tiles=tiles, ignore_index=IGNORE_INDEX, scale=scale,
-                                              softcap=softcap)
-            return CausalLMOutputWithPast(loss=loss)
-
-    return run
+    with tiled.sequence_rows(max(seq_lens)), tiled.offload_scope():
+        if ulysses_shift_labels is None:
+            return type(model).forward(model, **kwargs)
+        if not settings.tiled_loss:
+            raise ValueError("ulysses.hf: ulysses_shift_labels needs sequence_parallel(..., tiled_loss=True)")
+        if kwargs.pop("labels", None) is not None:
+            raise ValueError("ulysses.hf: give ulysses_shift_labels or labels, not both")
+        kwargs.pop("logits_to_keep", None)
+        hidden = getattr(model, model.base_model_prefix)(**kwargs).last_hidden_state
+        head = model.get_output_embeddings()
+        scale, softcap = _logit_rules(model.config)
+        rows = max(1, settings.loss_tile_bytes // (4 * head.weight.shape[0]))
+        tiles = tiled.tile_count(hidden.shape[0] * max(seq_lens), rows)
+        loss = tiled.linear_cross_entropy(hidden, head.weight, ulysses_shift_labels, bias=head.bias, tiles=tiles,
+                                          ignore_index=IGNORE_INDEX, scale=scale, softcap=softcap)
+        return CausalLMOutputWithPast(loss=loss)
 
 
 def shard_batch(batch: Mapping[str, torch.Tensor], group: O.GroupLike = None, *,

@@ -183,19 +183,16 @@ def long_step(model, batch, group):
 
 
 def count_calls(model):
-    """Counts each MLP tile's forward and each decoder layer's run (by its attention: a
-    recompute calls the layer's forward, not the hooks of its __call__)."""
+    """Counts each MLP tile's run (by its down_proj) and each decoder layer's run (by its
+    attention: a recompute calls the layer's forward, not the hooks of its __call__)."""
     counts = {"mlp": 0, "layer": 0}
+
+    def counter(key):
+        return lambda *_: counts.__setitem__(key, counts[key] + 1)
+
     for layer in uhf._layers(model):
-        layer.self_attn.register_forward_pre_hook(lambda *_: counts.__setitem__("layer", counts["layer"] + 1))
-        inner = layer.mlp.__dict__["_ulysses_forward"]
-
-        def counted(x, inner=inner):
-            counts["mlp"] += 1
-            return inner(x)
-
-        layer.mlp.__dict__["_ulysses_forward"] = counted
-        layer.mlp.forward = uhf._tiled_forward(counted, uhf.long_sequence(model))
+        layer.self_attn.register_forward_pre_hook(counter("layer"))
+        layer.mlp.down_proj.register_forward_pre_hook(counter("mlp"))
     return counts
 
 
@@ -244,6 +241,22 @@ def test_the_trainer_checkpointing_runs_through_ulysses_checkpoint():
     for got, funcs, used in run_ranks(2, body):
         assert_matches(got, want)
         assert all(f is T.checkpoint for f in used), funcs
+
+
+def test_a_deep_copy_of_a_long_sequence_model_runs_itself():
+    base = make_model("llama")
+
+    def body(rank, group):
+        model = uhf.sequence_parallel(copy.deepcopy(base).train(), group, tiled_mlp=True, tiled_loss=True)
+        twin = copy.deepcopy(model)
+        assert twin.forward.__self__ is twin and twin.model.layers[0].mlp.forward.__self__ is twin.model.layers[0].mlp
+        sb = uhf.shard_batch(make_batch("plain"), group)
+        twin(input_ids=sb["input_ids"], position_ids=sb["position_ids"],
+             ulysses_shift_labels=sb["shift_labels"]).loss.backward()
+        assert all(p.grad is None for p in model.parameters())  # the copy's gradients are its own
+        assert all(p.grad is not None for p in twin.parameters())
+
+    run_ranks(2, body)
 
 
 def test_the_long_sequence_options_are_checked():

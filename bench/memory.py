@@ -1,0 +1,242 @@
+"""Per-rank peak memory and step time of a Llama-shaped model at long sequences, with each of
+ulysses' long-sequence features (``ulysses.tiled`` through ``ulysses.hf.sequence_parallel``)
+alone and together, and DeepSpeed ALST's ``TiledMLP`` + ``TiledFusedLogitsLoss`` applied to
+the same model (ulysses attention under both) when DeepSpeed is installed.
+
+    python bench/memory.py [--seq-lens 4096,8192] [--sp 1,2,4] [--features none,all,...]
+                           [--vocab 32000] [--json FILE] [--plot FILE]
+
+Each (S, P, features) runs in fresh processes, one per rank (torch.multiprocessing, Gloo on
+loopback): a training step (forward, loss, backward, gradient sum) on one sequence of S random
+tokens. Memory is the rank's resident-set high-water mark during the step minus its resident
+set after set-up (the model built, its gradients allocated): the step's activations and
+temporaries (glibc's mmap threshold is fixed at 1 MiB, so freed tensors leave the resident
+set). On CPU there is no allocator statistic to add; every rank shares this machine's
+cores, so times are the slowest rank's. Features:
+
+- ``none``: untiled, nothing checkpointed;  ``mlp`` / ``loss``: the tiled MLP / tiled logits + loss;
+- ``tiled``: both;  ``recompute`` / ``offload``: checkpointed layers (offload: inputs on the host);
+- ``tiled+recompute``, ``all`` (= tiled + offload);
+- ``ds``: DeepSpeed's TiledMLP + TiledFusedLogitsLoss as its docstrings apply them;
+  ``ds+recompute``: those with transformers' checkpointing (DeepSpeed's own offload needs its
+  engine and a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import socket
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+FEATURES = {
+    "none": {}, "mlp": {"tiled_mlp": True}, "loss": {"tiled_loss": True},
+    "tiled": {"tiled_mlp": True, "tiled_loss": True}, "recompute": {"checkpoint": "recompute"},
+    "offload": {"checkpoint": "offload"},
+    "tiled+recompute": {"tiled_mlp": True, "tiled_loss": True, "checkpoint": "recompute"},
+    "all": {"tiled_mlp": True, "tiled_loss": True, "checkpoint": "offload"},
+    "ds": {}, "ds+recompute": {},
+}
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak RSS (VmHWM) to the current
+        f.write("5")
+
+
+def _model(vocab: int, layers: int):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=512, intermediate_size=1408, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1 << 17,
+                         attention_dropout=0.0, tie_word_embeddings=False)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().train()
+
+
+def _deepspeed_tiling(model, group):
+    """DeepSpeed's TiledMLP on every decoder MLP as its docstring applies it (shards =
+    ceil(seqlen / hidden), agreed by an all-reduce MAX), and a loss through its TiledFusedLogitsLoss."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP
+
+    pg = dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) else group
+    for layer in model.model.layers:
+        mlp = layer.mlp
+
+        def tiled_forward(x, mlp=mlp, forward=mlp.forward):
+            shards = torch.tensor(math.ceil(x.shape[1] / x.shape[2]))
+            dist.all_reduce(shards, op=dist.ReduceOp.MAX, group=pg)
+            return TiledMLP.apply(lambda _, t: forward(t), mlp, x, int(shards), list(mlp.parameters()))
+
+        mlp.forward = tiled_forward
+
+    def loss(hidden, labels, shards):
+        head = model.lm_head
+
+        def fn(module, x, y):
+            logits = module(x).float()
+            return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1),
+                                                     ignore_index=-100, reduction="sum")
+
+        return TiledFusedLogitsLoss.apply(fn, head, hidden, labels, None, shards, [head.weight], "sum")
+
+    return loss
+
+
+def _rank(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30))
+    import ulysses.hf as uhf
+    import ulysses.tiled as T
+
+    feature = task["features"]
+    model = _model(task["vocab"], task["layers"])
+    group = dist.group.WORLD
+    uhf.sequence_parallel(model, group, **FEATURES[feature])
+    ds_loss = _deepspeed_tiling(model, group) if feature.startswith("ds") else None
+    if feature == "ds+recompute":
+        model.activation_checkpointing_enable()  # transformers' (torch's) checkpoint
+    for p in model.parameters():
+        p.grad = torch.empty_like(p).zero_()  # written, so resident in the baseline (zeros_like's pages are not)
+    gen = torch.Generator().manual_seed(1)
+    batch = {"input_ids": torch.randint(0, task["vocab"], (1, task["seq_len"]), generator=gen)}
+    shard = uhf.shard_batch(batch, group)
+    inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"],
+              "ulysses_seq_lens": shard["seq_lens"]}
+    labels = shard["shift_labels"]
+
+    def step() -> float:
+        start = time.perf_counter()
+        if ds_loss is not None:
+            hidden = model.model(**inputs).last_hidden_state
+            rows = max(1, uhf.LOSS_TILE_BYTES // (4 * task["vocab"]))  # our tile size, for a like comparison
+            token_sum = ds_loss(hidden, labels, T.tile_count(max(shard["seq_lens"]), rows))
+            loss, _ = uhf.token_mean(token_sum, labels, group)
+        elif FEATURES[feature].get("tiled_loss"):
+            loss, _ = uhf.token_mean(model(**inputs, ulysses_shift_labels=labels).loss, labels, group)
+        else:
+            loss, _ = uhf.sequence_parallel_loss(model(**inputs).logits, labels, group)
+        loss.backward()
+        uhf.all_reduce_gradients(model, group)
+        model.zero_grad(set_to_none=False)
+        dist.barrier()
+        return time.perf_counter() - start
+
+    step_times = []
+    baseline = None
+    for i in range(task["steps"]):
+        if i == task["steps"] - 1:  # measure the last step (the first one warms up at short S)
+            dist.barrier()
+            baseline = _status_kib("VmRSS")
+            _reset_peak()
+        step_times.append(step())
+    peak = _status_kib("VmHWM")
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"peak_mib": (peak - baseline) / 1024, "step_s": step_times[-1],
+                   "host_mib": T.live_host_bytes() / 2**20}, f)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(task: dict) -> dict:
+    # glibc keeps freed blocks below its (self-raising, up to 32 MiB) mmap threshold resident: a
+    # first step would then leave the second's memory in the baseline. A fixed 1 MiB threshold
+    # maps every large tensor on its own, so the resident set follows the live tensors.
+    os.environ.update(MALLOC_MMAP_THRESHOLD_=str(1 << 20), MALLOC_TRIM_THRESHOLD_=str(1 << 20))
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_rank, args=(task["sp"], _free_port(), task, out), nprocs=task["sp"],
+                           start_method="spawn", join=True)
+        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(task["sp"])]
+    return {**task, "peak_mib": max(r["peak_mib"] for r in ranks), "step_s": max(r["step_s"] for r in ranks)}
+
+
+def _have_deepspeed() -> bool:
+    try:
+        import deepspeed.runtime.sequence_parallel.ulysses_sp  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any failure to import means: not available
+        print(f"memory: DeepSpeed is not available ({type(e).__name__}: {e}); its rows are skipped", flush=True)
+        return False
+    return True
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, sp in zip(axes, sorted({r["sp"] for r in rows})[-2:]):
+        for feature in FEATURES:
+            pts = sorted((r["seq_len"], r["peak_mib"]) for r in rows
+                         if r["sp"] == sp and r["features"] == feature and r["vocab"] == rows[0]["vocab"])
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=feature)
+        ax.set(title=f"P = {sp}: per-rank peak activation memory", xlabel="sequence length S", ylabel="MiB",
+               xscale="log", yscale="log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq-lens", default="4096,8192,16384,32768")
+    p.add_argument("--sp", default="1,2,4", help="SP group sizes")
+    p.add_argument("--features", default=",".join(FEATURES), help=f"from {', '.join(FEATURES)}")
+    p.add_argument("--vocab", default="32000", help="vocabulary sizes")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=0, help="steps per run, the last measured (0: 2 below S = 16K, else 1)")
+    p.add_argument("--json", default=None, help="append the rows to this JSON file (a list)")
+    p.add_argument("--plot", default=None, help="plot peak memory vs S from the JSON file into this PNG")
+    a = p.parse_args()
+    unknown = set(a.features.split(",")) - set(FEATURES)
+    if unknown:
+        p.error(f"unknown features {sorted(unknown)}; choose from {', '.join(FEATURES)}")
+    features = [f for f in a.features.split(",") if not f.startswith("ds") or _have_deepspeed()]
+    rows: list[dict] = json.load(open(a.json)) if a.json and os.path.exists(a.json) else []
+    print(f"{'S':>6} {'P':>2} {'vocab':>6} {'features':<16} {'peak_MiB':>9} {'step_s':>8}", flush=True)
+    for vocab in map(int, a.vocab.split(",")):
+        for seq_len in map(int, a.seq_lens.split(",")):
+            for sp in map(int, a.sp.split(",")):
+                for feature in features:
+                    steps = a.steps or (2 if seq_len < 16384 else 1)
+                    task = dict(seq_len=seq_len, sp=sp, vocab=vocab, features=feature, layers=a.layers, steps=steps)
+                    row = measure(task)
+                    rows = [r for r in rows if {k: r.get(k) for k in task if k != "steps"}
+                            != {k: task[k] for k in task if k != "steps"}] + [row]
+                    print(f"{seq_len:>6} {sp:>2} {vocab:>6} {feature:<16} {row['peak_mib']:>9.1f} "
+                          f"{row['step_s']:>8.2f}", flush=True)
+                    if a.json:
+                        with open(a.json, "w") as f:
+                            json.dump(rows, f, indent=1)
+    if a.plot and rows:
+        plot(rows, a.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
