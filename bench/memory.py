@@ -188,14 +188,15 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, sp in zip(axes, sorted({r["sp"] for r in rows})[-2:]):
+    sps = sorted({r["sp"] for r in rows})
+    fig, axes = plt.subplots(1, len(sps), figsize=(5 * len(sps), 4), sharey=True, squeeze=False)
+    for ax, sp in zip(axes[0], sps):
         for feature in FEATURES:
             pts = sorted((r["seq_len"], r["peak_mib"]) for r in rows
                          if r["sp"] == sp and r["features"] == feature and r["vocab"] == rows[0]["vocab"])
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=feature)
-        ax.set(title=f"P = {sp}: per-rank peak activation memory", xlabel="sequence length S", ylabel="MiB",
+        ax.set(title=f"P = {sp}: per-rank peak memory of a step", xlabel="sequence length S", ylabel="MiB",
                xscale="log", yscale="log")
         ax.legend(fontsize=7)
     fig.tight_layout()
