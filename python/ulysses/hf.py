@@ -319,8 +319,8 @@ def shard_batch(batch: Mapping[str, torch.Tensor], group: O.GroupLike = None, *,
     divide by the group size (the first S % P ranks take one token more). Returns the sharded
     ``input_ids``, ``attention_mask`` (if given), global ``position_ids``, ``shift_labels`` (pass
     them to :func:`sequence_parallel_loss`, not to the model) and ``seq_lens`` (pass them to the
-    model as ``ulysses_seq_lens=``: each attention layer then skips the small collective that
-    learns every rank's token count).
+    model as ``ulysses_seq_lens=``: the forward then skips the small collective that learns
+    every rank's token count).
     """
     pg = O.process_group(O.group_name(group))
     rank, P = pg.rank(), pg.size()

@@ -145,14 +145,14 @@ def test_qwen3_mqa_kv_replicated_over_three_ranks():
     want = reference(copy.deepcopy(base), batch)
     models = [copy.deepcopy(base) for _ in range(3)]
 
-    def body(rank, group):  # Without ulysses_seq_lens: each layer learns them (one collective).
+    def body(rank, group):  # Without ulysses_seq_lens: the forward learns them (one collective).
         return sharded_step(uhf.sequence_parallel(models[rank], group), batch, group, False)
 
     for got in run_ranks(3, body):
         assert_matches(got, want)
 
 
-def test_given_seq_lens_save_one_collective_per_layer():
+def test_seq_lens_are_learned_once_per_forward_or_given():
     import ulysses
 
     base = make_model("llama")
@@ -169,7 +169,8 @@ def test_given_seq_lens_save_one_collective_per_layer():
         return counts
 
     for with_lens, without in run_ranks(2, body):
-        assert without - with_lens == COMMON["num_hidden_layers"], (with_lens, without)
+        # Without them the model's forward learns the split once and passes it to every layer.
+        assert without - with_lens == 1, (with_lens, without)
 
 
 def test_two_models_with_different_head_counts_train_alternately():
