@@ -4,6 +4,8 @@
 
 #include <map>
 
+#include "ulysses/tiled.h"
+
 namespace ulysses {
 
 namespace {
@@ -57,16 +59,10 @@ TokenBatch shard_batch(const TokenBatch& global, const RingLayout& layout, int64
   return take_tokens(global, layout.seq_len(), layout.shard_index(rank), ignore_index);
 }
 
-ShardedLoss sharded_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
-                                  const Group& group, int64_t ignore_index) {
-  TORCH_CHECK_VALUE(logits.dim() == 3 && targets.dim() == 2 && logits.size(0) == targets.size(0) &&
-                        logits.size(1) == targets.size(1),
-                    "sharded_cross_entropy: logits [B, S_r, V] and targets [B, S_r] expected; "
-                    "got ",
-                    logits.sizes(), " and ", targets.sizes());
-  at::Tensor local_sum =
-      at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
-                             targets.reshape({-1}), {}, at::Reduction::Sum, ignore_index);
+namespace {
+// The global mean from this rank's differentiable CE sum over `targets`: one all-reduce.
+ShardedLoss global_mean(const at::Tensor& local_sum, const at::Tensor& targets, const Group& group,
+                        int64_t ignore_index) {
   at::Tensor totals = at::stack(
       {local_sum.detach().to(at::kDouble), targets.ne(ignore_index).sum().to(at::kDouble)});
   group.all_reduce_sum(totals);
@@ -77,6 +73,33 @@ ShardedLoss sharded_cross_entropy(const at::Tensor& logits, const at::Tensor& ta
   out.global_loss = count > 0 ? global_sum / count : 0.0;
   out.loss = local_sum / static_cast<double>(std::max<int64_t>(count, 1));
   return out;
+}
+}  // namespace
+
+ShardedLoss sharded_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
+                                  const Group& group, int64_t ignore_index) {
+  TORCH_CHECK_VALUE(logits.dim() == 3 && targets.dim() == 2 && logits.size(0) == targets.size(0) &&
+                        logits.size(1) == targets.size(1),
+                    "sharded_cross_entropy: logits [B, S_r, V] and targets [B, S_r] expected; "
+                    "got ",
+                    logits.sizes(), " and ", targets.sizes());
+  at::Tensor local_sum =
+      at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
+                             targets.reshape({-1}), {}, at::Reduction::Sum, ignore_index);
+  return global_mean(local_sum, targets, group, ignore_index);
+}
+
+ShardedLoss sharded_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
+                                         const at::Tensor& targets, const Group& group,
+                                         int64_t tiles, int64_t ignore_index) {
+  TORCH_CHECK_VALUE(hidden.dim() == 3 && targets.dim() == 2 && hidden.size(0) == targets.size(0) &&
+                        hidden.size(1) == targets.size(1),
+                    "sharded_linear_cross_entropy: hidden [B, S_r, E] and targets [B, S_r] "
+                    "expected; got ",
+                    hidden.sizes(), " and ", targets.sizes());
+  at::Tensor local_sum = linear_cross_entropy_sum(hidden.reshape({-1, hidden.size(-1)}), weight,
+                                                  targets.reshape({-1}), tiles, ignore_index);
+  return global_mean(local_sum, targets, group, ignore_index);
 }
 
 std::vector<at::Tensor> gradients_of(const std::vector<at::Tensor>& params) {

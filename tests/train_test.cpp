@@ -82,7 +82,8 @@ ModelConfig tiny() {
 }
 
 // Loss and every gradient of P ranks equal one rank's on the same global batch (uneven S).
-void check_against_single_rank(int P, int64_t S) {
+// `config`: the sharded model's (memory options included); the reference is tiny(), whole.
+void check_against_single_rank(int P, int64_t S, const ModelConfig& config = tiny()) {
   expect_ranks_succeed(P, [&](Group& g) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
     at::Tensor ids = at::randint(0, 40, {2, S}, gen, at::kLong);
@@ -91,11 +92,11 @@ void check_against_single_rank(int P, int64_t S) {
     const TokenBatch global{ids, labels, at::Tensor()};
     const auto seq = SequencePartition::even(S, P);
 
-    Transformer model(tiny(), g, 11);
+    Transformer model(config, g, 11);
     TokenBatch shard = shard_batch(global, seq, g.rank());
     StepContext ctx(g);
-    ShardedLoss loss = sharded_cross_entropy(
-        model->forward(shard.input_ids, shard.position_ids, &ctx), shard.labels, g);
+    const int64_t longest = seq.range(0).size();  // even(): rank 0's shard is the largest.
+    ShardedLoss loss = model->loss(shard, g, &ctx, longest);
     loss.loss.backward();
     all_reduce_gradients(gradients_of(model->parameters()), g);
 
@@ -118,6 +119,26 @@ void check_against_single_rank(int P, int64_t S) {
 
 TEST(ShardedTraining, TwoRanksMatchOneRankUnevenS) { check_against_single_rank(2, 13); }
 TEST(ShardedTraining, ThreeRanksMatchOneRankUnevenS) { check_against_single_rank(3, 14); }
+
+// The long-sequence options: MLP tiles of 3 tokens (uneven), loss tiles of 2 rows, each block
+// checkpointed; the same loss and gradients as the whole model on one rank.
+ModelConfig long_sequence(Checkpoint checkpoint) {
+  ModelConfig c = tiny();
+  c.tiled = true;
+  c.mlp_tile_tokens = 3;
+  c.loss_tile_bytes = 2 * c.vocab * 4;
+  c.checkpoint = checkpoint;
+  return c;
+}
+TEST(ShardedTraining, OneRankTiledMatchesWhole) {
+  check_against_single_rank(1, 13, long_sequence(Checkpoint::kNone));
+}
+TEST(ShardedTraining, TwoRanksTiledOffloadMatchOneRank) {
+  check_against_single_rank(2, 13, long_sequence(Checkpoint::kOffload));
+}
+TEST(ShardedTraining, ThreeRanksTiledRecomputeMatchOneRank) {
+  check_against_single_rank(3, 14, long_sequence(Checkpoint::kRecompute));
+}
 
 TEST(ShardedTraining, RotaryUsesGlobalPositions) {
   // A shard rotated with its global positions equals the same rows of the full rotation.

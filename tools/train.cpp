@@ -49,7 +49,8 @@ struct TrainOptions {
   std::string resume;           // --resume: checkpoint to continue from; "": start fresh.
   bool check = false;           // --check: step 1's loss and gradients vs one rank, then exit.
   bool shuffle = false;         // --shuffle: query the pairs in a random order (harder).
-  ModelConfig model;            // --dim, --layers, --q-heads, --kv-heads, --ffn-dim.
+  ModelConfig model;            // --dim, --layers, --q-heads, --kv-heads, --ffn-dim, --tiled,
+                                // --checkpoint none|recompute|offload.
   GroupOptions group;           // --timeout.
 };
 
@@ -95,6 +96,18 @@ std::string describe(const RingLayout& layout) {
   return os.str();
 }
 
+// The memory options in effect, as " (tiled, checkpoint offload)"; "" when none is.
+std::string memory_line(const ModelConfig& m) {
+  static const char* kNames[] = {"none", "recompute", "offload"};
+  if (!m.tiled && m.checkpoint == Checkpoint::kNone) return "";
+  std::string line = m.tiled ? "tiled" : "";
+  if (m.checkpoint != Checkpoint::kNone) {
+    line +=
+        std::string(m.tiled ? ", " : "") + "checkpoint " + kNames[static_cast<int>(m.checkpoint)];
+  }
+  return " (" + line + ")";
+}
+
 std::string config_line(const TrainOptions& o) {
   const ModelConfig& m = o.model;
   std::ostringstream os;
@@ -105,11 +118,18 @@ std::string config_line(const TrainOptions& o) {
   return os.str();
 }
 
+// The rows of the largest sequence shard: every rank's tile counts follow from it.
+int64_t longest_shard(const RingLayout& seq) {
+  int64_t rows = 0;
+  for (int64_t p = 0; p < seq.sp_size(); ++p) rows = std::max(rows, seq.shard_index(p).numel());
+  return rows;
+}
+
 // One sharded forward and backward; gradients reduced over the world. Returns the loss.
-ShardedLoss forward_backward(Transformer& model, const TokenBatch& shard, const Mesh& mesh) {
+ShardedLoss forward_backward(Transformer& model, const TokenBatch& shard, const Mesh& mesh,
+                             const RingLayout& seq) {
   StepContext context(mesh.ulysses);
-  at::Tensor logits = model->forward(shard.input_ids, shard.position_ids, &context);
-  ShardedLoss loss = sharded_cross_entropy(logits, shard.labels, mesh.world);
+  ShardedLoss loss = model->loss(shard, mesh.world, &context, longest_shard(seq));
   loss.loss.backward();
   all_reduce_gradients(gradients_of(model->parameters()), mesh.world);
   return loss;
@@ -121,10 +141,14 @@ int run_check(Transformer& model, const TrainOptions& o, const Data& data, const
   const int dp = mesh.dp.size();
   const TokenBatch local = data.batch(0, 0, mesh.dp.rank() * o.batch, o.batch);
   model->zero_grad();
-  const ShardedLoss ours = forward_backward(model, shard_batch(local, seq, mesh.sp.rank()), mesh);
+  const ShardedLoss ours =
+      forward_backward(model, shard_batch(local, seq, mesh.sp.rank()), mesh, seq);
 
   Group solo = Group::solo();
-  Transformer reference(o.model, solo, o.seed);
+  ModelConfig plain = o.model;  // The reference holds every activation: no tiles, no recompute.
+  plain.tiled = false;
+  plain.checkpoint = Checkpoint::kNone;
+  Transformer reference(plain, solo, o.seed);
   const TokenBatch global = data.batch(0, 0, 0, o.batch * dp);
   const TokenBatch whole = shard_batch(global, SequencePartition::even(o.seq_len, 1), 0);
   at::Tensor logits = reference->forward(whole.input_ids, whole.position_ids);
@@ -147,7 +171,7 @@ int run_check(Transformer& model, const TrainOptions& o, const Data& data, const
   if (mesh.world.rank() == 0) {
     std::cout << std::setprecision(6) << "check: world " << mesh.world.size() << " (sp "
               << mesh.sp.size() << " x dp " << dp << "), seq_len " << o.seq_len << " "
-              << describe(seq) << "\n"
+              << describe(seq) << memory_line(o.model) << "\n"
               << "check: loss " << ours.global_loss << " vs single-rank " << ref.global_loss << "\n"
               << "check: max relative error over loss and " << model->parameters().size()
               << " gradients: " << std::scientific << max_err << " (rank 0 worst: " << worst_name
@@ -307,6 +331,8 @@ const Options& train_options() {
                  value("--q-heads", "8"),
                  value("--kv-heads", "2"),
                  value("--ffn-dim", "0"),
+                 flag("--tiled"),
+                 choice("--checkpoint", "none|recompute|offload", "none"),
                  value("--lr", number(d.lr)),
                  value("--warmup", to_string(d.warmup)),
                  placeholder("--lr-decay-steps", "STEPS"),
@@ -359,6 +385,18 @@ TrainOptions parse(const Argv& argv) {
   o.model.q_heads = args.integer("--q-heads", 1, kMaxHeads);
   o.model.kv_heads = args.integer("--kv-heads", 1, kMaxHeads);
   o.model.ffn_dim = args.integer("--ffn-dim", 0);
+  o.model.tiled = args.has("--tiled");
+  const std::string checkpoint = args.str("--checkpoint");
+  if (checkpoint == "none") {
+    o.model.checkpoint = Checkpoint::kNone;
+  } else if (checkpoint == "recompute") {
+    o.model.checkpoint = Checkpoint::kRecompute;
+  } else if (checkpoint == "offload") {
+    o.model.checkpoint = Checkpoint::kOffload;
+  } else {
+    throw UsageError("option --checkpoint must be none, recompute or offload; got '" + checkpoint +
+                     "'");
+  }
   o.group = group_options(args);
   return o;
 }
@@ -519,7 +557,8 @@ int train_main(const Argv& argv, const Runtime& runtime) {
   torch::optim::AdamW optimizer(model->parameters(),
                                 torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
   if (lead) {
-    std::cout << "model: " << config_line(o) << ", " << params << " parameters\n"
+    std::cout << "model: " << config_line(o) << ", " << params << " parameters"
+              << memory_line(o.model) << "\n"
               << "mesh: world " << world.size() << " = sp " << mesh.sp.size() << " x dp "
               << mesh.dp.size() << "; " << describe(seq) << "; " << at::get_num_threads()
               << " threads/rank" << std::endl;
@@ -534,7 +573,8 @@ int train_main(const Argv& argv, const Runtime& runtime) {
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(o, step));
     optimizer.zero_grad();
     const TokenBatch local = data.batch(0, step, mesh.dp.rank() * o.batch, o.batch);
-    const ShardedLoss loss = forward_backward(model, shard_batch(local, seq, mesh.sp.rank()), mesh);
+    const ShardedLoss loss =
+        forward_backward(model, shard_batch(local, seq, mesh.sp.rank()), mesh, seq);
     if (o.clip > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), o.clip);
     optimizer.step();
     progress.step_done();

@@ -47,8 +47,13 @@ BlockImpl::BlockImpl(const ModelConfig& c, const Group& sp_group, const Group& r
   w3_ = register_module("w3", linear(c.dim, c.hidden()));
 }
 
+at::Tensor BlockImpl::mlp(const at::Tensor& y) {
+  at::Tensor m = mlp_norm_(y);
+  return w2_(torch::silu(w1_(m)) * w3_(m));
+}
+
 at::Tensor BlockImpl::forward(const at::Tensor& x, const at::Tensor& positions,
-                              StepContext* context) {
+                              StepContext* context, int64_t mlp_tiles) {
   // q, k, v are projected per destination rank (head parts): each GEMM's output is the message
   // to its rank, and o's parts go through wo as they arrive, so nothing is packed or unpacked.
   const HeadPartition& heads = *attention_.partition();
@@ -65,8 +70,10 @@ at::Tensor BlockImpl::forward(const at::Tensor& x, const at::Tensor& positions,
   if (config_.packed) in.positions = positions;
   const auto o = attention_.forward_parts(q, k, v, in);
   at::Tensor y = x + project_from_head_parts(o, wo_->weight, heads.q_ranges());
-  at::Tensor m = mlp_norm_(y);
-  return y + w2_(torch::silu(w1_(m)) * w3_(m));
+  if (mlp_tiles == 1) return y + mlp(y);
+  std::vector<at::Tensor> params = mlp_norm_->parameters();
+  for (const torch::nn::Linear* w : {&w1_, &w2_, &w3_}) params.push_back((*w)->weight);
+  return y + tiled_map([this](const at::Tensor& t) { return mlp(t); }, y, mlp_tiles, params);
 }
 
 TransformerImpl::TransformerImpl(const ModelConfig& c, const Group& sp_group, uint64_t seed,
@@ -85,11 +92,40 @@ TransformerImpl::TransformerImpl(const ModelConfig& c, const Group& sp_group, ui
   }
 }
 
+at::Tensor TransformerImpl::hidden(const at::Tensor& tokens, const at::Tensor& positions,
+                                   StepContext* context, int64_t longest_shard) {
+  const int64_t rows = longest_shard > 0 ? longest_shard : tokens.size(1);
+  // ~dim tokens per MLP tile (DeepSpeed ALST's choice): the [tile, hidden] intermediate stays
+  // near the size of the layer's [B, S_r, dim] input.
+  const int64_t tile_tokens = config_.mlp_tile_tokens > 0 ? config_.mlp_tile_tokens : config_.dim;
+  const int64_t mlp_tiles =
+      config_.tiled ? std::min(rows, tile_count(tokens.size(0) * rows, tile_tokens)) : 1;
+  at::Tensor h = embed_(tokens);
+  for (const auto& module : *blocks_) {
+    BlockImpl* block = module->as<Block>();
+    h = checkpoint(
+        [block, positions, context, mlp_tiles](const at::Tensor& x) {
+          return block->forward(x, positions, context, mlp_tiles);
+        },
+        h, block->parameters(), config_.checkpoint);
+  }
+  return norm_(h);
+}
+
 at::Tensor TransformerImpl::forward(const at::Tensor& tokens, const at::Tensor& positions,
                                     StepContext* context) {
-  at::Tensor h = embed_(tokens);
-  for (const auto& block : *blocks_) h = block->as<Block>()->forward(h, positions, context);
-  return at::matmul(norm_(h), embed_->weight.t());
+  return at::matmul(hidden(tokens, positions, context), embed_->weight.t());
+}
+
+ShardedLoss TransformerImpl::loss(const TokenBatch& shard, const Group& group, StepContext* context,
+                                  int64_t longest_shard) {
+  at::Tensor h = hidden(shard.input_ids, shard.position_ids, context, longest_shard);
+  if (!config_.tiled) {
+    return sharded_cross_entropy(at::matmul(h, embed_->weight.t()), shard.labels, group);
+  }
+  const int64_t rows = longest_shard > 0 ? longest_shard : h.size(1);
+  const int64_t tiles = tile_count(h.size(0) * rows * config_.vocab * 4, config_.loss_tile_bytes);
+  return sharded_linear_cross_entropy(h, embed_->weight, shard.labels, group, tiles);
 }
 
 }  // namespace ulysses

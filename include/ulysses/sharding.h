@@ -54,6 +54,13 @@ struct ShardedLoss {
 ShardedLoss sharded_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
                                   const Group& group, int64_t ignore_index = kIgnoreIndex);
 
+// The same loss with the logits hidden [B, S_r, E] x weight^T ([V, E]) never materialised:
+// linear_cross_entropy_sum (tiled.h) over `tiles` row tiles, which every rank should derive
+// from the same agreed sizes.
+ShardedLoss sharded_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
+                                         const at::Tensor& targets, const Group& group,
+                                         int64_t tiles, int64_t ignore_index = kIgnoreIndex);
+
 // Sums `grads` over `group` in place, in one coalesced all-reduce per dtype.
 void all_reduce_gradients(const std::vector<at::Tensor>& grads, const Group& group);
 // The gradients of `params` (those defined).

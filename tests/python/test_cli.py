@@ -64,6 +64,9 @@ def test_launch_stops_the_others_on_failure():
     ["--nproc", "2", "--seq-len", "63", "--pairs", "4", "--timeout", "30"],
     ["--nproc", "4", "--sp", "2", "--dp", "2", "--seq-len", "33", "--pairs", "4"],
     ["--nproc", "4", "--ring", "2", "--seq-len", "37", "--pairs", "4"],  # Ulysses 2 x ring 2
+    # The long-sequence options against the whole model on one rank.
+    ["--nproc", "2", "--seq-len", "63", "--pairs", "4", "--tiled", "--checkpoint", "offload"],
+    ["--nproc", "4", "--ring", "2", "--seq-len", "37", "--pairs", "4", "--checkpoint", "recompute"],
 ])
 def test_train_check_matches_single_rank(args):
     r = run(ULYSSES, "train", *args, "--check")
@@ -220,6 +223,7 @@ def test_version_and_help_per_command():
     (["bench", "layer", "--timeout", "-1"], "option --timeout must be in [1, 86400]; got -1"),
     (["bench", "a2a", "--message-kib", "0"], "option --message-kib must be in [1, 1099511627776]; got 0"),
     (["train", "--steps", "0"], "option --steps must be >= 1; got 0"),
+    (["train", "--checkpoint", "disk"], "option --checkpoint must be none, recompute or offload; got 'disk'"),
     (["plan", "--q-heads", "4", "--sp", "2", "--seq-len", "0"], "option --seq-len must be >= 1; got 0"),
     (["bench", "attention", "--math-limit-gb", "-1"], "option --math-limit-gb must be >= 0; got -1"),
     (["train", "--lr", "11"], "option --lr must be in [0, 10]; got 11"),

@@ -1,0 +1,64 @@
+// Long sequences past attention: compute traded for memory, with the same results.
+//
+// tiled_map(f, x, T):          y[:, t] = f(x[:, t]) for T tiles t of dim 1 (f position-wise).
+//                              Forward keeps only x; backward recomputes one tile at a time and
+//                              writes each tile's input gradient into its slice of one buffer.
+// linear_cross_entropy_sum:    sum_i [lse_i - z_i,y_i] over rows with y_i != ignore_index, where
+//                              z = hidden * weight^T, lse_i = logsumexp_j z_i,j. Forward keeps the
+//                              [N] lse only; backward recomputes one tile of z at a time, so the
+//                              [N, V] logits never exist.
+// checkpoint(f, x):            f(x), keeping only x (optionally moved to host memory) and
+//                              recomputing f in backward.
+//
+// Each returns the gradients of x and of the declared `params` through its own autograd node,
+// once per parameter per call (what a gradient-reducing hook expects). f must be deterministic
+// given the CPU generator's state, which checkpoint replays; it may run collectives, provided
+// every rank of their group runs the same calls (the recompute repeats them in backward).
+// These are the C++ side of Python's ulysses.tiled.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <vector>
+
+namespace ulysses {
+
+// A function of one tensor that holds its own parameters (a layer, an MLP).
+using TensorFunction = std::function<at::Tensor(const at::Tensor&)>;
+
+// How a checkpointed layer keeps its input for backward.
+enum class Checkpoint {
+  kNone,       // Not checkpointed: autograd saves what each op needs.
+  kRecompute,  // Keep the input; recompute the layer in backward.
+  kOffload,    // As kRecompute, with the input moved to host memory by a background copy.
+};
+
+// The number of tiles of at most `tile_rows` (>= 1) rows that cover `rows` (>= 0) rows; at
+// least 1. Every rank derives it from the same agreed sizes, so no collective is needed.
+int64_t tile_count(int64_t rows, int64_t tile_rows);
+
+// f applied to `tiles` (>= 1) slices of x along `dim` (tiles > x.size(dim) leaves some empty).
+// f must map [.., n, ..] to [.., n, ..] along `dim` and read no other slice (an MLP on
+// [B, S, E]). `params`: the parameters f reads, which receive gradients.
+at::Tensor tiled_map(const TensorFunction& f, const at::Tensor& x, int64_t tiles,
+                     const std::vector<at::Tensor>& params, int64_t dim = 1);
+
+// The summed cross-entropy of hidden [N, E] through weight [V, E] against targets [N] (int64),
+// a 0-d fp32 tensor; rows whose target is ignore_index add nothing. Logits are computed in
+// fp32, `tiles` (>= 1) row tiles at a time; weight's gradient accumulates in fp32.
+at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight,
+                                    const at::Tensor& targets, int64_t tiles,
+                                    int64_t ignore_index = -100);
+
+// f(x) as one autograd node that keeps x and recomputes f in backward (kRecompute), or keeps a
+// host copy of x made in the background (kOffload; on a CPU tensor, a copy into other host
+// memory by a worker thread, waited for in backward). kNone, grad mode off, or nothing
+// requiring a gradient: f(x) as it is.
+at::Tensor checkpoint(const TensorFunction& f, const at::Tensor& x,
+                      const std::vector<at::Tensor>& params, Checkpoint mode);
+
+// Bytes of host copies that kOffload checkpoints hold now (for tests and logs).
+int64_t offloaded_bytes();
+
+}  // namespace ulysses
