@@ -248,7 +248,8 @@ struct Grads {
   at::Tensor dq, dk, dv, dbias;  // Float; dbias [B, Hq, Sq, Sk] only when the bias needs it.
 };
 
-// Backward from d_out [B, Hq, Sq, Dv] (float, contiguous) and the forward's out and lse.
+// Backward from d_out [B, Hq, Sq, Dv] (float, last dim contiguous, any other strides: a
+// head-sharded gradient is read where the exchange left it) and the forward's out and lse.
 // Tasks own (batch, kv head, key blocks kb = c mod C): dk and dv of their key blocks and, when
 // C == 1, dq of the kv head's query heads, so no two tasks write the same memory.
 Grads backward(const Problem& p, const at::Tensor& d_out, const at::Tensor& out,
@@ -264,7 +265,7 @@ Grads backward(const Problem& p, const at::Tensor& d_out, const at::Tensor& out,
   g.dk = at::empty({p.B, p.Hkv, p.Sk, p.D}, p.q.options());
   g.dv = at::empty({p.B, p.Hkv, p.Sk, p.Dv}, p.q.options());
   if (want_dbias) g.dbias = at::zeros({p.B, p.Hq, p.Sq, p.Sk}, p.q.options());
-  const float* dO = d_out.data_ptr<float>();
+  const Strided dO = strided(d_out);
   const float* lse_p = lse.data_ptr<float>();
   const float* delta_p = delta.data_ptr<float>();
   at::parallel_for(0, p.B * p.Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
@@ -286,16 +287,16 @@ Grads backward(const Problem& p, const at::Tensor& d_out, const at::Tensor& out,
             const int64_t i0 = qb * p.bq, rows = std::min(p.bq, p.Sq - i0);
             if (p.skip(b, i0, rows, j0, cols)) continue;
             const float* Q = q.at(b, h, i0);
-            const float* dO_i = dO + (bh * p.Sq + i0) * p.Dv;
+            const float* dO_i = dO.at(b, h, i0);
             gemm(false, true, rows, cols, p.D, p.scale, Q, q.s2, K, k.s2, 0.0f, s.data(), p.bk);
             if (p.softcap > 0) p.cap_tile(rows, cols, s.data(), p.bk, slope.data());
             p.mask_tile(b, h, i0, rows, j0, cols, s.data(), p.bk);
             for (int64_t r = 0; r < rows; ++r)
               exp_shifted(s.data() + r * p.bk, cols, lse_p[bh * p.Sq + i0 + r]);
             // dv += p^T do;  dp = do v^T;  ds = p * (dp - delta).
-            gemm(true, false, cols, p.Dv, rows, 1.0f, s.data(), p.bk, dO_i, p.Dv, 1.0f, dv.data(),
+            gemm(true, false, cols, p.Dv, rows, 1.0f, s.data(), p.bk, dO_i, dO.s2, 1.0f, dv.data(),
                  p.Dv);
-            gemm(false, true, rows, cols, p.Dv, 1.0f, dO_i, p.Dv, V, v.s2, 0.0f, dp.data(), p.bk);
+            gemm(false, true, rows, cols, p.Dv, 1.0f, dO_i, dO.s2, V, v.s2, 0.0f, dp.data(), p.bk);
             for (int64_t r = 0; r < rows; ++r) {
               const float dr = delta_p[bh * p.Sq + i0 + r];
               float* pr = s.data() + r * p.bk;
@@ -470,7 +471,7 @@ std::vector<at::Tensor> flash_attention_backward(const at::Tensor& grad_out,
                     "flash_attention_backward: a mask gradient needs a floating-point mask");
   const Problem p = make_problem(a, options);
   at::NoGradGuard no_grad;
-  Grads g = backward(p, grad_out.to(at::kFloat).contiguous(), out.to(at::kFloat), lse, mask_grad);
+  Grads g = backward(p, as_kernel_input(grad_out), out.to(at::kFloat), lse, mask_grad);
   std::vector<at::Tensor> result{g.dq.to(a.q.scalar_type()), g.dk.to(a.k.scalar_type()),
                                  g.dv.to(a.v.scalar_type()), at::Tensor()};
   if (mask_grad) result[3] = g.dbias.sum_to_size(a.mask->sizes()).to(a.mask->scalar_type());

@@ -159,6 +159,9 @@ void check_options(const GroupOptions& options) {
                     options.timeout.count(), " ms");
   TORCH_CHECK_VALUE(options.buffer_cache_bytes >= 0, "Group: buffer_cache_bytes must be >= 0; got ",
                     options.buffer_cache_bytes);
+  TORCH_CHECK_VALUE(options.buffer_cache_min_bytes >= 0,
+                    "Group: buffer_cache_min_bytes must be >= 0; got ",
+                    options.buffer_cache_min_bytes);
   TORCH_CHECK_VALUE(options.log_wait_fraction >= 0 && options.log_wait_fraction <= 1,
                     "Group: log_wait_fraction must be in [0, 1]; got ", options.log_wait_fraction);
   TORCH_CHECK_VALUE(options.pipeline_min_bytes >= 0 && options.message_bytes > 0,
@@ -370,8 +373,9 @@ void Exchange::wait() {
 }
 
 at::Tensor Group::new_buffer(at::IntArrayRef shape, const at::TensorOptions& options) const {
-  if (!options.device().is_cpu()) return at::empty(shape, options);
   const size_t bytes = c10::multiply_integers(shape) * options.dtype().itemsize();
+  if (!options.device().is_cpu() || static_cast<int64_t>(bytes) < options_.buffer_cache_min_bytes)
+    return at::empty(shape, options);
   std::shared_ptr<detail::BufferCache> cache = runtime_->buffers;
   void* p = cache->take(bytes);
   return at::from_blob(p, shape, [cache, bytes](void* q) { cache->give_back(q, bytes); }, options);

@@ -182,6 +182,41 @@ TEST(FlashAttention, ReadsStridedBshdViewsInPlace) {
   EXPECT_LT(rel_error(flash_attention(args, {8, 16}), math_attention(args)), 2e-5);
 }
 
+TEST(FlashAttention, BackwardReadsAStridedGradientInPlace) {
+  // A head-sharded gradient arrives BSHD, viewed as BHSD: the same gradients as a contiguous one.
+  at::Tensor q = seeded_randn({1, 3, 33, 16}, 1).requires_grad_(),
+             k = seeded_randn({1, 1, 33, 16}, 2).requires_grad_();
+  LocalAttentionArgs args{q, k, k, {0, 0, 0}, c10::nullopt, c10::nullopt, true};
+  const at::Tensor g = seeded_randn({1, 33, 3, 16}, 3).permute({0, 2, 1, 3});
+  ASSERT_FALSE(g.is_contiguous());
+  const auto strided = torch::autograd::grad({flash_attention(args, {8, 16})}, {q, k}, {g});
+  const auto packed =
+      torch::autograd::grad({flash_attention(args, {8, 16})}, {q, k}, {g.contiguous()});
+  EXPECT_TRUE(strided[0].equal(packed[0]) && strided[1].equal(packed[1]));
+}
+
+TEST(FlashAttention, SavedTensorsAreFreedOnceBackwardRan) {
+  // Backward frees what the node keeps (q, k, v, out, lse) when it has run, as torch frees
+  // saved variables, not when the graph dies; backward through it again is a clear error.
+  at::Tensor q = seeded_randn({1, 2, 24, 16}, 1).requires_grad_(),
+             k = seeded_randn({1, 1, 24, 16}, 2);
+  LocalAttentionArgs args{q, k, k, {0, 0}, c10::nullopt, c10::nullopt, true};
+  const auto before = q.storage().use_count();
+  at::Tensor out = flash_attention(args, {8, 8});
+  EXPECT_GT(q.storage().use_count(), before);
+  out.sum().backward();
+  EXPECT_EQ(q.storage().use_count(), before) << "the graph (out) lives on; q's copy is freed";
+  try {
+    out.sum().backward();
+    ADD_FAILURE() << "a second backward ran";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("retain_graph=True"), std::string::npos) << e.what();
+  }
+  at::Tensor kept = flash_attention(args, {8, 8});
+  kept.sum().backward({}, /*retain_graph=*/true);
+  EXPECT_NO_THROW(kept.sum().backward());
+}
+
 TEST(FlashAttention, AWindowNeedsCausalAttention) {
   at::Tensor q = seeded_randn({1, 1, 8, 16}, 1);
   for (bool fused : {true, false}) {

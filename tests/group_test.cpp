@@ -29,6 +29,7 @@ TEST(Group, AllGatherAndAllReduce) {
 TEST(Group, BufferCacheReusesSizesAndEvictsTheLeastRecentlyFreed) {
   GroupOptions options;
   options.buffer_cache_bytes = 3 << 20;
+  options.buffer_cache_min_bytes = 0;
   const Group g = Group::solo(options);
   const auto mib = [&](int64_t quarters) {  // A float buffer of quarters / 4 MiB.
     return g.new_buffer({quarters << 16}, at::kFloat);
@@ -47,6 +48,18 @@ TEST(Group, BufferCacheReusesSizesAndEvictsTheLeastRecentlyFreed) {
   EXPECT_EQ(g.cached_buffer_bytes(), 5 << 19);
   { at::Tensor f = mib(16); }  // Larger than the whole cache: returned, nothing evicted.
   EXPECT_EQ(g.cached_buffer_bytes(), 5 << 19);
+}
+
+TEST(Group, BuffersBelowTheCacheMinimumUseTheDefaultAllocator) {
+  GroupOptions options;
+  options.buffer_cache_min_bytes = 2 << 20;
+  const Group g = Group::solo(options);
+  { at::Tensor small = g.new_buffer({(1 << 20) / 4}, at::kFloat); }  // 1 MiB: not cached.
+  EXPECT_EQ(g.cached_buffer_bytes(), 0);
+  { at::Tensor large = g.new_buffer({(2 << 20) / 4}, at::kFloat); }  // 2 MiB: cached.
+  EXPECT_EQ(g.cached_buffer_bytes(), 2 << 20);
+  options.buffer_cache_min_bytes = -1;
+  EXPECT_THROW(Group::solo(options), c10::ValueError);
 }
 
 TEST(Group, AgreeReturnsEveryRanksMetadata) {

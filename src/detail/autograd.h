@@ -20,11 +20,17 @@ class FunctionNode : public torch::autograd::Node {
   FunctionNode(std::string name, BackwardFn fn) : name_(std::move(name)), fn_(std::move(fn)) {}
   std::string name() const override { return name_; }
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    TORCH_CHECK(fn_ != nullptr, name_, ": backward ran through this graph a second time, after "
+                "its saved tensors were freed; pass retain_graph=True to the first backward");
     for (size_t i = 0; i < grads.size(); ++i) {
       if (!grads[i].defined()) grads[i] = at::zeros(shapes_[i], options_[i]);
     }
     return fn_(std::move(grads));
   }
+  // Called by the engine once this node ran, unless the graph is retained: `fn` holds the
+  // tensors backward needs (the forward's inputs and outputs), freed here as torch frees a
+  // node's saved variables, not when the graph itself dies (after the whole backward).
+  void release_variables() override { fn_ = nullptr; }
   void record_output(const at::Tensor& t) {
     shapes_.push_back(t.sizes().vec());
     options_.push_back(t.options());
@@ -32,7 +38,7 @@ class FunctionNode : public torch::autograd::Node {
 
  private:
   std::string name_;
-  BackwardFn fn_;                             // Maps output grads to input grads.
+  BackwardFn fn_;                             // Maps output grads to input grads; null once released.
   std::vector<std::vector<int64_t>> shapes_;  // Output shapes, for undefined grads.
   std::vector<at::TensorOptions> options_;    // Output options, likewise.
 };
