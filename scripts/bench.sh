@@ -14,8 +14,10 @@ $u bench attention --seq-lens 4096 --causal both --no-math --repeats 3 --block-q
   --json docs/bench_attention_tiles_64x128.json
 $u bench attention --seq-lens 16384 --q-heads 1 --kv-heads 1 --causal 0 --repeats 1 --memory \
   --json docs/bench_attention_memory.json
+# A fixed mmap threshold returns every freed tensor to the system, so peak_bytes counts live
+# memory, not glibc's heap left over from the previous sequence length.
 for p in 1 2 4; do
-  $u bench layer --nproc $p --seq-lens 2048,4096,8192 --json docs/bench_layer_p$p.json
+  MALLOC_MMAP_THRESHOLD_=1048576 $u bench layer --nproc $p --seq-lens 2048,4096,8192 --json docs/bench_layer_p$p.json
 done
 .venv/bin/python -c "import matplotlib" 2>/dev/null ||
   .venv/bin/pip install -q --disable-pip-version-check matplotlib 2>&1 | { grep -v "^WARNING: Location" || true; }
