@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 
+#include <cstdlib>
 #include <iostream>
 #include <limits>
 
@@ -109,6 +110,15 @@ bench::Stats time_ours_and_raw(const A2aCase& c, bench::Record& r) {
   r.add_ratio("ours_over_raw", t.ratio(0, 1));
   r.add_ratio("collective_over_raw", t.ratio(2, 1));
   r.add_ratio("parts_over_raw", t.ratio(3, 1));
+  // What each rank sends to the others in the raw step, as a rate: across test hosts
+  // (scripts/netns_hosts.sh sets LINK_RATE_BITS) also as a share of the configured link.
+  double sent_bits = 0;
+  for (const at::Tensor& x : raw_in) sent_bits += 8.0 * x.nbytes() * (P - 1) / P;
+  const double raw_gbit = sent_bits / (t.steps[1].median * 1e-3) / 1e9;
+  r.add("raw_gbit_per_s", raw_gbit);
+  if (const char* link = std::getenv("LINK_RATE_BITS")) {
+    r.add("raw_over_link", raw_gbit * 1e9 / std::stod(link));
+  }
   return t.steps[0];
 }
 
@@ -163,6 +173,8 @@ const std::vector<std::string> kColumns{"seq_len",
                                         "collective_over_raw",
                                         "parts_over_raw",
                                         "parts_over_raw_spread",
+                                        "raw_gbit_per_s",
+                                        "raw_over_link",
                                         "reference_ms",
                                         "reference_over_ours",
                                         "reference_matches",

@@ -244,6 +244,11 @@ bench::Record measure(const AttentionBench& o, const Runtime& runtime, int64_t S
   r.add("head_dim", o.D).add("dtype", o.dtype_name).add("causal", causal);
   r.add("documents", o.documents).add("window", o.window);
   r.add("softcap", o.softcap).add("sinks", o.sinks);
+  {  // The kernel the library's rule picks for this case (Note [Local attention by case]).
+    LocalAttentionArgs a{in.q, in.k, in.v, o.kv_map, c10::nullopt, positions, causal, 0.0};
+    a.window = rules.window, a.softcap = rules.softcap, a.sinks = rules.sinks;
+    r.add("auto", to_string(choose_local_kernel(a, LocalKernel::kAuto)));
+  }
   const auto f =
       bench::time_ms([&] { step(fused, in, o.kv_map, causal, positions, rules); }, 1, o.repeats);
   r.add("fused", f);
@@ -298,6 +303,7 @@ const std::vector<std::string> kColumns{"seq_len",
                                         "window",
                                         "softcap",
                                         "sinks",
+                                        "auto",
                                         "fused_ms",
                                         "fused_spread",
                                         "no_window_over_window",

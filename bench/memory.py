@@ -7,11 +7,12 @@ the same model (ulysses attention under both) when DeepSpeed is installed.
                            [--vocab 32000] [--json FILE] [--plot FILE]
 
 Each (S, P, features) runs in fresh processes, one per rank (torch.multiprocessing, Gloo on
-loopback): a training step (forward, loss, backward, gradient sum) on one sequence of S random
-tokens. Memory is the rank's resident-set high-water mark during the step minus its resident
-set after set-up (the model built, its gradients allocated): the step's activations and
-temporaries (glibc's mmap threshold is fixed at 1 MiB, so freed tensors leave the resident
-set). On CPU there is no allocator statistic to add; every rank shares this machine's
+loopback): a training step (forward, loss, backward, gradient sum) on one sequence of S random tokens,
+started as a Trainer starts one: gradients set to None, so backward makes them anew. Memory is
+the rank's resident-set high-water mark during the step minus its resident set before it (the
+model built, no gradients): everything the step adds, the gradients it makes included
+(``grad_MiB``, the model's gradient bytes, of which every one exists at the step's end). glibc's
+mmap threshold is fixed at 1 MiB, so freed tensors leave the resident set. On CPU there is no allocator statistic to add; every rank shares this machine's
 cores, so times are the slowest rank's. Features:
 
 - ``none``: untiled, nothing checkpointed;  ``mlp`` / ``loss``: the tiled MLP / tiled logits + loss;
@@ -114,8 +115,6 @@ def _rank(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
     ds_loss = _deepspeed_tiling(model, group) if feature.startswith("ds") else None
     if feature == "ds+recompute":
         model.activation_checkpointing_enable()  # transformers' (torch's) checkpoint
-    for p in model.parameters():
-        p.grad = torch.empty_like(p).zero_()  # written, so resident in the baseline (zeros_like's pages are not)
     gen = torch.Generator().manual_seed(1)
     batch = {"input_ids": torch.randint(0, task["vocab"], (1, task["seq_len"]), generator=gen)}
     shard = uhf.shard_batch(batch, group)
@@ -125,6 +124,7 @@ def _rank(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
 
     def step() -> float:
         start = time.perf_counter()
+        model.zero_grad(set_to_none=True)  # as a Trainer does: backward makes the gradients anew
         if ds_loss is not None:
             hidden = model.model(**inputs).last_hidden_state
             rows = max(1, uhf.LOSS_TILE_BYTES // (4 * task["vocab"]))  # our tile size, for a like comparison
@@ -136,7 +136,6 @@ def _rank(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
             loss, _ = uhf.sequence_parallel_loss(model(**inputs).logits, labels, group)
         loss.backward()
         uhf.all_reduce_gradients(model, group)
-        model.zero_grad(set_to_none=False)
         dist.barrier()
         return time.perf_counter() - start
 
@@ -144,6 +143,7 @@ def _rank(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
     baseline = None
     for i in range(task["steps"]):
         if i == task["steps"] - 1:  # measure the last step (the first one warms up at short S)
+            model.zero_grad(set_to_none=True)  # the step starts without gradients (its own call is then a no-op)
             dist.barrier()
             baseline = _status_kib("VmRSS")
             _reset_peak()
@@ -151,6 +151,7 @@ def _rank(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
     peak = _status_kib("VmHWM")
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"peak_mib": (peak - baseline) / 1024, "step_s": step_times[-1],
+                   "grad_mib": sum(p.grad.nbytes for p in model.parameters() if p.grad is not None) / 2**20,
                    "host_mib": T.live_host_bytes() / 2**20}, f)
     dist.destroy_process_group()
 
@@ -170,7 +171,8 @@ def measure(task: dict) -> dict:
         mp.start_processes(_rank, args=(task["sp"], _free_port(), task, out), nprocs=task["sp"],
                            start_method="spawn", join=True)
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(task["sp"])]
-    return {**task, "peak_mib": max(r["peak_mib"] for r in ranks), "step_s": max(r["step_s"] for r in ranks)}
+    return {**task, "peak_mib": max(r["peak_mib"] for r in ranks), "step_s": max(r["step_s"] for r in ranks),
+            "grad_mib": ranks[0]["grad_mib"]}
 
 
 def _have_deepspeed() -> bool:
@@ -219,7 +221,7 @@ def main() -> int:
         p.error(f"unknown features {sorted(unknown)}; choose from {', '.join(FEATURES)}")
     features = [f for f in a.features.split(",") if not f.startswith("ds") or _have_deepspeed()]
     rows: list[dict] = json.load(open(a.json)) if a.json and os.path.exists(a.json) else []
-    print(f"{'S':>6} {'P':>2} {'vocab':>6} {'features':<16} {'peak_MiB':>9} {'step_s':>8}", flush=True)
+    print(f"{'S':>6} {'P':>2} {'vocab':>6} {'features':<16} {'peak_MiB':>9} {'grad_MiB':>9} {'step_s':>8}", flush=True)
     for vocab in map(int, a.vocab.split(",")):
         for seq_len in map(int, a.seq_lens.split(",")):
             for sp in map(int, a.sp.split(",")):
@@ -230,7 +232,7 @@ def main() -> int:
                     rows = [r for r in rows if {k: r.get(k) for k in task if k != "steps"}
                             != {k: task[k] for k in task if k != "steps"}] + [row]
                     print(f"{seq_len:>6} {sp:>2} {vocab:>6} {feature:<16} {row['peak_mib']:>9.1f} "
-                          f"{row['step_s']:>8.2f}", flush=True)
+                          f"{row['grad_mib']:>9.1f} {row['step_s']:>8.2f}", flush=True)
                     if a.json:
                         with open(a.json, "w") as f:
                             json.dump(rows, f, indent=1)

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 TIMEOUT = datetime.timedelta(seconds=20)
 
 
-# ---- Systems: each builds a layer (q, k, v [B, S_r, H, D], key mask or None) -> [B, S_r, Hq, D].
+# ---- Systems: each builds a layer (q, k, v [B, S_r, H, D], the whole [B, S] key mask or None)
+# -> [B, S_r, Hq, D]. A user holds the whole attention mask; each system takes it its own way.
 
 def local_sdpa(q, k, v, key_mask=None, causal=False):
     """SDPA on [B, S, H, D] tensors with GQA by repeating kv heads; key_mask [B, S] bool."""
@@ -56,28 +57,34 @@ def make_ulysses(group, causal):
     attn = ulysses.DistributedAttention(group, causal=causal, timeout=TIMEOUT)
 
     def layer(q, k, v, key_mask=None):
-        mask = None
-        if key_mask is not None:  # this shard's key columns -> a key mask over all S keys
-            lens = ulysses.sequence_lengths(key_mask, 1, group)
-            mask = ulysses.all_gather_sequence(key_mask, 1, lens, group)[:, None, None, :]
-        return attn(q, k, v, mask=mask)
+        return attn(q, k, v, mask=None if key_mask is None else key_mask[:, None, None, :])
 
     return layer
 
 
 def make_deepspeed(group, causal):
+    """DeepSpeed's DistributedAttention as its users set it up: the sequence-parallel mesh
+    registered as ``deepspeed.initialize(mesh_param=(dp, sp))`` registers it (its uneven-heads
+    path reads this rank's SP rank from it), the mesh's SP group given to the layer, and the mask
+    passed by keyword to the local attention (positional arguments after the batch dim are its
+    rotary embeddings)."""
     import deepspeed
+    import deepspeed.comm as ds_dist
     from deepspeed.sequence.layer import DistributedAttention
+    from deepspeed.utils import groups
 
     deepspeed.init_distributed(dist_backend="gloo")  # adopts the torch.distributed world
+    sp = dist.get_world_size(group)
+    groups.mesh_device = ds_dist.initialize_mesh_device((dist.get_world_size() // sp, sp),
+                                                        ("data_parallel", "sequence_parallel"))
 
     def local(q, k, v, key_mask=None):
         return local_sdpa(q, k, v, key_mask, causal)
 
-    attn = DistributedAttention(local, group, scatter_idx=2, gather_idx=1)
+    attn = DistributedAttention(local, groups._get_sequence_parallel_group(), scatter_idx=2, gather_idx=1)
 
     def layer(q, k, v, key_mask=None):
-        return attn(q, k, v, 0, key_mask) if key_mask is not None else attn(q, k, v, 0)
+        return attn(q, k, v, 0) if key_mask is None else attn(q, k, v, 0, key_mask=key_mask)
 
     return layer
 
@@ -172,7 +179,7 @@ def run_case(system, case, P, rank):
     try:
         layer = SYSTEMS[system](group, causal)
         q, k, v = (t[:, lo:lo + n].clone().requires_grad_() for t in (Q, K, V))
-        out = layer(q, k, v, None if key_mask is None else key_mask[:, lo:lo + n])
+        out = layer(q, k, v, key_mask)
         (out * dO[:, lo:lo + n]).sum().backward()
         errors = [(out - ref[:, lo:lo + n]).abs().max() / ref.abs().max()]
         for got, want in ((q.grad, rq.grad), (k.grad, rk.grad), (v.grad, rv.grad)):

@@ -202,6 +202,25 @@ void bind_groups_and_hooks(py::module_& m) {
       "ranks' ops run (every agreement round has one shape), so a local mistake found in Python "
       "fails all ranks alike instead of hanging them.");
   m.def(
+      "check_together",
+      [](const std::string& error, const std::string& group, int64_t timeout_ms,
+         const std::string& purpose) {
+        GroupOptions options;
+        options.timeout = std::chrono::milliseconds(timeout_ms);
+        const Group g = Group::resolve(group, options);
+        py::gil_scoped_release release;
+        g.agree(
+            [&] {
+              TORCH_CHECK_VALUE(error.empty(), error);
+              return std::vector<int64_t>{};
+            },
+            purpose);
+      },
+      py::arg("error"), py::arg("group"), py::arg("timeout_ms"), py::arg("purpose"),
+      "One agreement round over `group` on a check made in Python: `error` is this rank's "
+      "problem, empty when none. If any rank has one, every rank raises the lowest such rank's "
+      "(ValueError, naming it).");
+  m.def(
       "cpp_distributed_attention",
       [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
          const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& positions,

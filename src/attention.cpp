@@ -112,22 +112,46 @@ constexpr const char* kKernelNames[] = {"auto", "fused", "sdpa", "math"};
 
 }  // namespace
 
+namespace {
+// No mask and no rule but (optionally) causal: what SDPA computes without a mask.
+bool plain_rules(const LocalAttentionArgs& a) {
+  return !a.mask && !a.positions && !a.rows && a.window == 0;
+}
+
+// True when kv_map[h] == h / (Hq_r / Hkv) for every local query head h.
+bool grouped_kv_map(const std::vector<int64_t>& kv_map, int64_t kv_heads) {
+  const auto Hq = static_cast<int64_t>(kv_map.size());
+  if (kv_heads < 1 || Hq % kv_heads != 0) return false;
+  for (int64_t h = 0; h < Hq; ++h) {
+    if (kv_map[h] != h / (Hq / kv_heads)) return false;
+  }
+  return true;
+}
+}  // namespace
+
 at::Tensor sdpa_attention(const LocalAttentionArgs& a) {
   TORCH_CHECK_VALUE(a.softcap == 0, "local attention \"sdpa\" has no logit softcap; use \"auto\", ",
                     "\"fused\" or \"math\" with softcap=", a.softcap);
   TORCH_CHECK_VALUE(!a.sinks, "local attention \"sdpa\" has no attention sinks; use \"auto\", ",
                     "\"fused\" or \"math\"");
-  at::Tensor map = at::tensor(a.kv_map, a.q.options().dtype(at::kLong));
-  at::Tensor k = a.k.index_select(1, map), v = a.v.index_select(1, map);
+  // A grouped map (query head h reads kv head h / (Hq_r / Hkv_r)) is SDPA's own GQA: k and v
+  // are read as they are. Any other map (uneven head splits) selects each query head's kv head.
+  const bool grouped = grouped_kv_map(a.kv_map, a.k.size(1));
+  at::Tensor k = a.k, v = a.v;
+  if (!grouped) {
+    at::Tensor map = at::tensor(a.kv_map, a.q.options().dtype(at::kLong));
+    k = a.k.index_select(1, map), v = a.v.index_select(1, map);
+  }
+  const bool gqa = grouped && k.size(1) != a.q.size(1);
   const c10::optional<double> scale =
       a.scale > 0 ? c10::optional<double>(a.scale) : c10::optional<double>();
   // SDPA takes a mask or is_causal, not both: the rules become a mask unless causal is alone.
-  if (!a.mask && !a.positions && !a.rows && a.window == 0) {
-    return at::scaled_dot_product_attention(a.q, k, v, {}, 0.0, a.causal, scale);
+  if (plain_rules(a)) {
+    return at::scaled_dot_product_attention(a.q, k, v, {}, 0.0, a.causal, scale, gqa);
   }
   c10::optional<at::Tensor> mask = a.mask;
   if (auto rule = structure_mask(a)) mask = restrict_mask(mask, *rule);
-  return at::scaled_dot_product_attention(a.q, k, v, mask, 0.0, false, scale);
+  return at::scaled_dot_product_attention(a.q, k, v, mask, 0.0, false, scale, gqa);
 }
 
 LocalKernel parse_local_kernel(const std::string& name) {
@@ -144,7 +168,12 @@ LocalKernel choose_local_kernel(const LocalAttentionArgs& a, LocalKernel request
   if (requested == LocalKernel::kAuto) {
     // SDPA has neither a softcap nor sinks.
     if (!cpu) return a.softcap > 0 || a.sinks ? LocalKernel::kMath : LocalKernel::kSdpa;
-    return fp64 ? LocalKernel::kMath : LocalKernel::kFused;
+    if (fp64) return LocalKernel::kMath;
+    // Plain or plainly causal attention: torch's CPU flash kernel is the faster (bench
+    // attention: sdpa_over_fused < 1). Every rule it would need as a mask (documents,
+    // windows, masks, global rows) and softcaps and sinks: ours, which skips what they exclude.
+    const bool sdpa_case = plain_rules(a) && a.softcap == 0 && !a.sinks;
+    return sdpa_case ? LocalKernel::kSdpa : LocalKernel::kFused;
   }
   if (requested == LocalKernel::kFused) {
     TORCH_CHECK_VALUE(cpu, "local attention \"fused\" runs on CPU tensors; got ", a.q.device(),

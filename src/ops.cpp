@@ -673,6 +673,16 @@ std::tuple<at::Tensor, at::Tensor> sharded_cross_entropy_op(const at::Tensor& lo
   return {loss.loss, at::scalar_tensor(loss.global_loss, loss.loss.options())};
 }
 
+std::tuple<at::Tensor, at::Tensor> token_mean_op(const at::Tensor& token_sum,
+                                                 const at::Tensor& targets,
+                                                 const std::string& group_name,
+                                                 c10::IntArrayRef group_options,
+                                                 int64_t ignore_index) {
+  const ShardedLoss loss =
+      token_mean(token_sum, targets, Group::from_op(group_name, group_options), ignore_index);
+  return {loss.loss, at::scalar_tensor(loss.global_loss, loss.loss.options())};
+}
+
 void all_reduce_gradients_op(at::TensorList grads, const std::string& group_name,
                              c10::IntArrayRef group_options) {
   all_reduce_gradients(grads.vec(), Group::from_op(group_name, group_options));
@@ -939,6 +949,9 @@ TORCH_LIBRARY(ulysses, m) {
   m.def(
       "sharded_cross_entropy(Tensor logits, Tensor targets, str group, int[] group_options, "
       "int ignore_index=-100) -> (Tensor, Tensor)");
+  m.def(
+      "token_mean(Tensor token_sum, Tensor targets, str group, int[] group_options, "
+      "int ignore_index=-100) -> (Tensor, Tensor)");
   m.def("all_reduce_gradients(Tensor(a!)[] grads, str group, int[] group_options) -> ()");
   // Local attention on the exact kernel `kernel` picks ("auto": the rule in attention.h).
   m.def(
@@ -1011,6 +1024,7 @@ TORCH_LIBRARY_IMPL(ulysses, CompositeImplicitAutograd, m) {
   m.impl("local_attention", &local_attention_op);
   m.impl("shard_batch", &shard_batch_op);
   m.impl("sharded_cross_entropy", &sharded_cross_entropy_op);
+  m.impl("token_mean", &token_mean_op);
   m.impl("attention", &attention_op);
   m.impl("attention_parts", &attention_parts_op);
   m.impl("attention_heads", &attention_heads_op);

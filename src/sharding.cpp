@@ -1,7 +1,10 @@
 #include "ulysses/sharding.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/bit_cast.h>
 
+#include <algorithm>
+#include <functional>
 #include <map>
 
 #include "ulysses/tiled.h"
@@ -60,46 +63,89 @@ TokenBatch shard_batch(const TokenBatch& global, const RingLayout& layout, int64
 }
 
 namespace {
-// The global mean from this rank's differentiable CE sum over `targets`: one all-reduce.
-ShardedLoss global_mean(const at::Tensor& local_sum, const at::Tensor& targets, const Group& group,
-                        int64_t ignore_index) {
-  at::Tensor totals = at::stack(
-      {local_sum.detach().to(at::kDouble), targets.ne(ignore_index).sum().to(at::kDouble)});
-  group.all_reduce_sum(totals);
-  const double global_sum = totals[0].item<double>();
-  const auto count = static_cast<int64_t>(totals[1].item<double>());
+// The global mean from this rank's differentiable CE sum (made by `local_sum`) over `targets`.
+// The loss's one collective is an agreement round carrying each rank's sum (its double's bits)
+// and count: a rank whose inputs are wrong (a shape, a target outside the vocabulary) fails
+// every rank with its error, instead of leaving them waiting in an all-reduce it never posts.
+ShardedLoss global_mean(const std::function<at::Tensor()>& local_sum, const at::Tensor& targets,
+                        const Group& group, int64_t ignore_index, const char* purpose) {
+  at::Tensor sum;
+  const auto meta = group.agree(
+      [&] {
+        sum = local_sum();
+        const double value = sum.detach().to(at::kDouble).item<double>();
+        const int64_t count = targets.ne(ignore_index).sum().item<int64_t>();
+        return std::vector<int64_t>{c10::bit_cast<int64_t>(value), count};
+      },
+      purpose);
+  double global_sum = 0;  // In rank order on every rank: the same value everywhere.
+  int64_t count = 0;
+  for (const std::vector<int64_t>& m : meta) {
+    global_sum += c10::bit_cast<double>(m[0]);
+    count += m[1];
+  }
   ShardedLoss out;
   out.global_count = count;
   out.global_loss = count > 0 ? global_sum / count : 0.0;
-  out.loss = local_sum / static_cast<double>(std::max<int64_t>(count, 1));
+  out.loss = sum / static_cast<double>(std::max<int64_t>(count, 1));
   return out;
+}
+
+void check_targets(const at::Tensor& targets, int64_t vocab, int64_t ignore_index,
+                   const char* who) {
+  TORCH_CHECK_TYPE(targets.scalar_type() == at::kLong, who, ": targets must be int64; got ",
+                   targets.scalar_type());
+  const at::Tensor scored = targets.masked_select(targets.ne(ignore_index));
+  TORCH_CHECK_VALUE(scored.numel() == 0 ||
+                        (scored.min().item<int64_t>() >= 0 && scored.max().item<int64_t>() < vocab),
+                    who, ": targets must be in [0, ", vocab, ") or ignore_index (", ignore_index,
+                    ")");
 }
 }  // namespace
 
 ShardedLoss sharded_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
                                   const Group& group, int64_t ignore_index) {
-  TORCH_CHECK_VALUE(logits.dim() == 3 && targets.dim() == 2 && logits.size(0) == targets.size(0) &&
-                        logits.size(1) == targets.size(1),
-                    "sharded_cross_entropy: logits [B, S_r, V] and targets [B, S_r] expected; "
-                    "got ",
-                    logits.sizes(), " and ", targets.sizes());
-  at::Tensor local_sum =
-      at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
-                             targets.reshape({-1}), {}, at::Reduction::Sum, ignore_index);
-  return global_mean(local_sum, targets, group, ignore_index);
+  return global_mean(
+      [&] {
+        TORCH_CHECK_VALUE(logits.dim() == 3 && targets.dim() == 2 &&
+                              logits.size(0) == targets.size(0) &&
+                              logits.size(1) == targets.size(1),
+                          "sharded_cross_entropy: logits [B, S_r, V] and targets [B, S_r] "
+                          "expected; got ",
+                          logits.sizes(), " and ", targets.sizes());
+        check_targets(targets, logits.size(2), ignore_index, "sharded_cross_entropy");
+        return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
+                                      targets.reshape({-1}), {}, at::Reduction::Sum, ignore_index);
+      },
+      targets, group, ignore_index, "sharded_cross_entropy");
 }
 
 ShardedLoss sharded_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
                                          const at::Tensor& targets, const Group& group,
                                          int64_t tiles, int64_t ignore_index) {
-  TORCH_CHECK_VALUE(hidden.dim() == 3 && targets.dim() == 2 && hidden.size(0) == targets.size(0) &&
-                        hidden.size(1) == targets.size(1),
-                    "sharded_linear_cross_entropy: hidden [B, S_r, E] and targets [B, S_r] "
-                    "expected; got ",
-                    hidden.sizes(), " and ", targets.sizes());
-  at::Tensor local_sum = linear_cross_entropy_sum(hidden.reshape({-1, hidden.size(-1)}), weight,
-                                                  targets.reshape({-1}), tiles, ignore_index);
-  return global_mean(local_sum, targets, group, ignore_index);
+  return global_mean(
+      [&] {
+        TORCH_CHECK_VALUE(hidden.dim() == 3 && targets.dim() == 2 &&
+                              hidden.size(0) == targets.size(0) &&
+                              hidden.size(1) == targets.size(1),
+                          "sharded_linear_cross_entropy: hidden [B, S_r, E] and targets [B, S_r] "
+                          "expected; got ",
+                          hidden.sizes(), " and ", targets.sizes());
+        return linear_cross_entropy_sum(hidden.reshape({-1, hidden.size(-1)}), weight,
+                                        targets.reshape({-1}), tiles, ignore_index);
+      },
+      targets, group, ignore_index, "sharded_linear_cross_entropy");
+}
+
+ShardedLoss token_mean(const at::Tensor& token_sum, const at::Tensor& targets, const Group& group,
+                       int64_t ignore_index) {
+  return global_mean(
+      [&] {
+        TORCH_CHECK_VALUE(token_sum.dim() == 0, "token_mean: token_sum must be a 0-d tensor; got ",
+                          token_sum.sizes());
+        return token_sum;
+      },
+      targets, group, ignore_index, "token_mean");
 }
 
 std::vector<at::Tensor> gradients_of(const std::vector<at::Tensor>& params) {
@@ -110,22 +156,43 @@ std::vector<at::Tensor> gradients_of(const std::vector<at::Tensor>& params) {
   return grads;
 }
 
-void all_reduce_gradients(const std::vector<at::Tensor>& grads, const Group& group) {
-  if (group.size() == 1 || grads.empty()) return;
-  // One flat buffer per (device, dtype): a collective needs one dtype.
-  std::map<std::pair<std::string, at::ScalarType>, std::vector<at::Tensor>> buckets;
-  for (const at::Tensor& g : grads) buckets[{g.device().str(), g.scalar_type()}].push_back(g);
-  for (auto& [key, members] : buckets) {
-    std::vector<at::Tensor> flat_parts;
-    for (const at::Tensor& g : members) flat_parts.push_back(g.reshape({-1}));
-    at::Tensor flat = at::cat(flat_parts);
-    group.all_reduce_sum(flat);
-    int64_t offset = 0;
-    for (at::Tensor g : members) {
-      g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
-      offset += g.numel();
+void all_reduce_gradients(const std::vector<at::Tensor>& grads, const Group& group,
+                          int64_t bucket_bytes) {
+  TORCH_CHECK_VALUE(bucket_bytes > 0, "all_reduce_gradients: bucket_bytes must be > 0; got ",
+                    bucket_bytes);
+  if (group.size() == 1) return;
+  struct Bucket {
+    std::vector<at::Tensor> members;
+    int64_t bytes = 0;
+  };
+  auto flush = [&](Bucket& bucket) {
+    if (bucket.members.size() == 1 && bucket.members[0].is_contiguous()) {
+      group.all_reduce_sum(bucket.members[0]);  // in place, no copy
+    } else if (!bucket.members.empty()) {
+      std::vector<at::Tensor> flat_parts;
+      for (const at::Tensor& g : bucket.members) flat_parts.push_back(g.reshape({-1}));
+      at::Tensor flat = at::cat(flat_parts);
+      group.all_reduce_sum(flat);
+      int64_t offset = 0;
+      for (at::Tensor& g : bucket.members) {
+        g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
+        offset += g.numel();
+      }
     }
+    bucket = Bucket{};
+  };
+  // One open bucket per (device, dtype): a collective takes one dtype. Every rank walks the same
+  // list, so the buckets fill, and their collectives run, in the same order everywhere.
+  std::map<std::pair<std::string, at::ScalarType>, Bucket> open;
+  for (const at::Tensor& g : grads) {
+    Bucket& bucket = open[{g.device().str(), g.scalar_type()}];
+    const auto bytes = static_cast<int64_t>(g.nbytes());
+    if (bucket.bytes > 0 && bucket.bytes + bytes > bucket_bytes) flush(bucket);
+    bucket.members.push_back(g);
+    bucket.bytes += bytes;
+    if (bucket.bytes >= bucket_bytes) flush(bucket);
   }
+  for (auto& [key, bucket] : open) flush(bucket);
 }
 
 }  // namespace ulysses

@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "detail/autograd.h"
+#include "ulysses/partition.h"
 
 namespace ulysses {
 
@@ -19,6 +20,18 @@ std::atomic<int64_t> live_offload_bytes{0};
 
 bool needs_backward(const std::vector<at::Tensor>& inputs) {
   return at::GradMode::is_enabled() && torch::autograd::compute_requires_grad(inputs);
+}
+
+// `tiles` contiguous near-equal ranges covering [0, rows), the empty ones (tiles > rows) left out.
+std::vector<Range> tile_ranges(int64_t rows, int64_t tiles) {
+  std::vector<Range> ranges;
+  const int64_t base = rows / tiles, extra = rows % tiles;
+  for (int64_t i = 0, begin = 0; i < tiles && begin < rows; ++i) {
+    const int64_t end = begin + base + (i < extra ? 1 : 0);
+    ranges.push_back({begin, end});
+    begin = end;
+  }
+  return ranges;
 }
 
 std::vector<at::Tensor> with_params(const at::Tensor& x, const std::vector<at::Tensor>& params) {
@@ -92,36 +105,37 @@ class HostCopy {
   explicit HostCopy(const at::Tensor& x) : device_(x.device()), bytes_(x.nbytes()) {
     live_offload_bytes += bytes_;
     if (x.is_cpu()) {
-      copy_ = std::async(std::launch::async, [x] { return x.clone(); }).share();
+      pending_ = std::async(std::launch::async, [x] { return x.clone(); });
     } else {
-      at::Tensor host = at::empty(x.sizes(), x.options().device(at::kCPU).pinned_memory(true));
-      host.copy_(x, /*non_blocking=*/true);
-      std::promise<at::Tensor> done;
-      done.set_value(host);
-      copy_ = done.get_future().share();
+      host_ = at::empty(x.sizes(), x.options().device(at::kCPU).pinned_memory(true));
+      host_.copy_(x, /*non_blocking=*/true);
     }
   }
+  // A pending copy is waited for here (std::async's future), so the worker never outlives it.
   ~HostCopy() { live_offload_bytes -= bytes_; }
   HostCopy(const HostCopy&) = delete;
   HostCopy& operator=(const HostCopy&) = delete;
 
-  // The input back on its device (waits for the copy).
-  at::Tensor restore() const {
-    const at::Tensor& host = copy_.get();
-    return device_.is_cpu() ? host : host.to(device_, /*non_blocking=*/true);
+  // The input back on its device (waits for the copy). Called by backward, once per run.
+  at::Tensor restore() {
+    if (pending_.valid()) host_ = pending_.get();
+    return device_.is_cpu() ? host_ : host_.to(device_, /*non_blocking=*/true);
   }
 
  private:
   c10::Device device_;
   int64_t bytes_;
-  std::shared_future<at::Tensor> copy_;
+  std::future<at::Tensor> pending_;  // The CPU worker's copy, until restore takes it.
+  at::Tensor host_;
 };
 
 }  // namespace
 
 int64_t tile_count(int64_t rows, int64_t tile_rows) {
-  TORCH_CHECK_VALUE(rows >= 0 && tile_rows >= 1, "tile_count: rows must be >= 0 and tile_rows >= 1;"
-                    " got rows ", rows, ", tile_rows ", tile_rows);
+  TORCH_CHECK_VALUE(rows >= 0 && tile_rows >= 1,
+                    "tile_count: rows must be >= 0 and tile_rows >= 1;"
+                    " got rows ",
+                    rows, ", tile_rows ", tile_rows);
   return std::max<int64_t>(1, (rows + tile_rows - 1) / tile_rows);
 }
 
@@ -129,52 +143,47 @@ at::Tensor tiled_map(const TensorFunction& f, const at::Tensor& x, int64_t tiles
                      const std::vector<at::Tensor>& params, int64_t dim) {
   TORCH_CHECK_VALUE(tiles >= 1, "tiled_map: tiles must be >= 1; got ", tiles);
   dim = c10::maybe_wrap_dim(dim, x.dim());
-  const int64_t rows = x.size(dim), per_tile = (rows + tiles - 1) / std::max<int64_t>(tiles, 1);
-  auto for_each_tile = [&](auto&& body) {
-    for (int64_t start = 0; start < rows; start += per_tile) {
-      body(start, std::min(per_tile, rows - start));
-    }
-  };
+  const int64_t rows = x.size(dim);
+  const std::vector<Range> ranges = tile_ranges(rows, tiles);
   const std::vector<at::Tensor> inputs = with_params(x, params);
   const bool backward = needs_backward(inputs);
   std::vector<at::Tensor> outs;
   {
     at::NoGradGuard no_grad;  // Backward recomputes each tile; forward keeps nothing of f.
-    for_each_tile([&](int64_t s, int64_t n) { outs.push_back(f(x.narrow(dim, s, n))); });
+    for (const Range& t : ranges) outs.push_back(f(x.narrow(dim, t.begin, t.size())));
   }
   std::vector<at::Tensor> result{outs.empty() ? f(x) : at::cat(outs, dim)};
   outs.clear();
   TORCH_CHECK_VALUE(result[0].dim() == x.dim() && result[0].size(dim) == rows, "tiled_map: f must ",
                     "keep the size of dim ", dim, "; got ", result[0].sizes(), " from ", x.sizes());
   if (!backward) return result[0];
-  detail::attach_backward(
-      inputs, result, "TiledMapBackward",
-      [f, x = x.detach(), x_grad = x.requires_grad(), params, dim, rows,
-       per_tile](std::vector<at::Tensor>&& grads) {
-        std::vector<at::Tensor> out(params.size() + 1);
-        if (x_grad) out[0] = at::empty_like(x);
-        for (int64_t s = 0; s < rows; s += per_tile) {
-          const int64_t n = std::min(per_tile, rows - s);
-          std::vector<at::Tensor> g =
-              recompute_gradients(f, x.narrow(dim, s, n), x_grad, params, grads[0].narrow(dim, s, n));
-          if (out[0].defined()) {
-            if (g[0].defined()) {
-              out[0].narrow(dim, s, n).copy_(g[0]);
-            } else {
-              out[0].narrow(dim, s, n).zero_();
-            }
-          }
-          for (size_t i = 1; i < g.size(); ++i) {
-            if (!g[i].defined()) continue;
-            if (out[i].defined()) {
-              out[i].add_(g[i]);
-            } else {
-              out[i] = std::move(g[i]);
-            }
-          }
-        }
-        return out;
-      });
+  detail::attach_backward(inputs, result, "TiledMapBackward",
+                          [f, x = x.detach(), x_grad = x.requires_grad(), params, dim,
+                           ranges](std::vector<at::Tensor>&& grads) {
+                            std::vector<at::Tensor> out(params.size() + 1);
+                            if (x_grad) out[0] = at::empty_like(x);
+                            for (const Range& t : ranges) {
+                              std::vector<at::Tensor> g = recompute_gradients(
+                                  f, x.narrow(dim, t.begin, t.size()), x_grad, params,
+                                  grads[0].narrow(dim, t.begin, t.size()));
+                              if (out[0].defined()) {
+                                if (g[0].defined()) {
+                                  out[0].narrow(dim, t.begin, t.size()).copy_(g[0]);
+                                } else {
+                                  out[0].narrow(dim, t.begin, t.size()).zero_();
+                                }
+                              }
+                              for (size_t i = 1; i < g.size(); ++i) {
+                                if (!g[i].defined()) continue;
+                                if (out[i].defined()) {
+                                  out[i].add_(g[i]);
+                                } else {
+                                  out[i] = std::move(g[i]);
+                                }
+                              }
+                            }
+                            return out;
+                          });
   return result[0];
 }
 
@@ -190,11 +199,11 @@ at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& 
                    "linear_cross_entropy_sum: targets must be int64; got ", targets.scalar_type());
   TORCH_CHECK_VALUE(tiles >= 1, "linear_cross_entropy_sum: tiles must be >= 1; got ", tiles);
   const int64_t N = hidden.size(0), V = weight.size(0);
-  const int64_t per_tile = std::max<int64_t>(1, (N + tiles - 1) / tiles);
+  const std::vector<Range> ranges = tile_ranges(N, tiles);
   const at::Tensor valid = targets.ne(ignore_index);
   const at::Tensor scored = targets.masked_select(valid);
-  TORCH_CHECK_VALUE(scored.numel() == 0 || (scored.min().item<int64_t>() >= 0 &&
-                                            scored.max().item<int64_t>() < V),
+  TORCH_CHECK_VALUE(scored.numel() == 0 ||
+                        (scored.min().item<int64_t>() >= 0 && scored.max().item<int64_t>() < V),
                     "linear_cross_entropy_sum: targets must be in [0, ", V, ") or ignore_index (",
                     ignore_index, ")");
   const at::Tensor picked = targets.masked_fill(valid.logical_not(), 0);
@@ -206,8 +215,8 @@ at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& 
   std::vector<at::Tensor> result{at::zeros({}, hidden.options().dtype(at::kFloat))};
   {
     at::NoGradGuard no_grad;
-    for (int64_t s = 0; s < N; s += per_tile) {
-      const int64_t n = std::min(per_tile, N - s);
+    for (const Range& t : ranges) {
+      const int64_t s = t.begin, n = t.size();
       const at::Tensor z = logits(hidden.narrow(0, s, n), weight);
       const at::Tensor l = at::logsumexp(z, -1);
       lse.narrow(0, s, n).copy_(l);
@@ -216,15 +225,14 @@ at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& 
     }
   }
   detail::attach_backward(
-      {hidden, weight}, result, "LinearCrossEntropyBackward",
-      [=](std::vector<at::Tensor>&& grads) {
+      {hidden, weight}, result, "LinearCrossEntropyBackward", [=](std::vector<at::Tensor>&& grads) {
         const at::Tensor g = grads[0].to(at::kFloat);
         at::Tensor grad_h = hidden.requires_grad() ? at::empty_like(hidden) : at::Tensor();
         at::Tensor grad_w = weight.requires_grad()
                                 ? at::zeros(weight.sizes(), weight.options().dtype(at::kFloat))
                                 : at::Tensor();
-        for (int64_t s = 0; s < N; s += per_tile) {
-          const int64_t n = std::min(per_tile, N - s);
+        for (const Range& t : ranges) {
+          const int64_t s = t.begin, n = t.size();
           const at::Tensor h = hidden.narrow(0, s, n);
           // d/dz of the tile's sum: softmax(z) - onehot(y) on valid rows, times the loss grad.
           at::Tensor dz = (logits(h, weight) - lse.narrow(0, s, n).unsqueeze(1)).exp_();
@@ -235,8 +243,8 @@ at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& 
             grad_h.narrow(0, s, n).copy_(at::matmul(dz.to(weight.scalar_type()), weight));
           if (grad_w.defined()) grad_w.addmm_(dz.t(), h.to(at::kFloat));
         }
-        return std::vector<at::Tensor>{
-            grad_h, grad_w.defined() ? grad_w.to(weight.scalar_type()) : grad_w};
+        return std::vector<at::Tensor>{grad_h,
+                                       grad_w.defined() ? grad_w.to(weight.scalar_type()) : grad_w};
       });
   return result[0];
 }

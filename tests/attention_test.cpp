@@ -4,6 +4,8 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include "testing.h"
 
 namespace ulysses {
@@ -68,6 +70,63 @@ TEST(MathAttention, FullyMaskedRowsGiveZerosAndFiniteGradients) {
   o.sum().backward();
   EXPECT_TRUE(q.grad().isfinite().all().item<bool>());
   EXPECT_TRUE(k.grad().isfinite().all().item<bool>());
+}
+
+// Note [Local attention by case], case by case: the kernel "auto" picks, and its result (value
+// and q/k/v gradients) against the math kernel in fp64 on the same inputs.
+TEST(LocalKernelRule, EachCaseRunsWhereTheRuleSaysAndExactly) {
+  const int64_t B = 1, H = 4, Hkv = 2, S = 9, D = 8;
+  at::Tensor pos = at::tensor({0, 1, 2, 3, 0, 1, 2, 0, 1}, at::kLong);
+  at::Tensor mask = seeded_randn({1, 1, S, S}, 4).gt(-0.8);
+  at::Tensor sinks = seeded_randn({H}, 5);
+  struct Case {
+    const char* name;
+    std::function<void(LocalAttentionArgs&)> set;
+    LocalKernel want;
+    std::vector<int64_t> kv_map = {0, 0, 1, 1};
+  };
+  const std::vector<Case> cases = {
+      {"plain", [](LocalAttentionArgs&) {}, LocalKernel::kSdpa},
+      {"causal", [](LocalAttentionArgs& a) { a.causal = true; }, LocalKernel::kSdpa},
+      {"causal, uneven kv map",
+       [](LocalAttentionArgs& a) { a.causal = true; },
+       LocalKernel::kSdpa,
+       {1, 0, 1, 1}},
+      {"documents", [&](LocalAttentionArgs& a) { a.positions = pos, a.causal = true; },
+       LocalKernel::kFused},
+      {"window", [](LocalAttentionArgs& a) { a.causal = true, a.window = 3; }, LocalKernel::kFused},
+      {"mask", [&](LocalAttentionArgs& a) { a.mask = mask; }, LocalKernel::kFused},
+      {"softcap", [](LocalAttentionArgs& a) { a.softcap = 2.0; }, LocalKernel::kFused},
+      {"sinks", [&](LocalAttentionArgs& a) { a.sinks = sinks; }, LocalKernel::kFused},
+  };
+  for (const Case& c : cases) {
+    for (const at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+      std::vector<at::Tensor> ours, ref;
+      for (const bool reference : {false, true}) {
+        const at::ScalarType t = reference ? at::kDouble : dtype;
+        at::Tensor q = seeded_randn({B, H, S, D}, 1).to(t).requires_grad_();
+        at::Tensor k = seeded_randn({B, Hkv, S, D}, 2).to(t).requires_grad_();
+        at::Tensor v = seeded_randn({B, Hkv, S, D}, 3).to(t).requires_grad_();
+        LocalAttentionArgs a{q, k, v, c.kv_map, c10::nullopt, c10::nullopt, false, 0.0};
+        c.set(a);
+        if (a.sinks) a.sinks = a.sinks->to(t);
+        if (!reference) {
+          const LocalKernel want = dtype == at::kDouble ? LocalKernel::kMath : c.want;
+          EXPECT_EQ(to_string(choose_local_kernel(a, LocalKernel::kAuto)), to_string(want))
+              << c.name << " " << dtype;
+        }
+        at::Tensor o = local_attention(a, reference ? LocalKernel::kMath : LocalKernel::kAuto);
+        (o * seeded_randn(o.sizes(), 6).to(t)).sum().backward();
+        auto& into = reference ? ref : ours;
+        into = {o, q.grad(), k.grad(), v.grad()};
+      }
+      for (size_t i = 0; i < ours.size(); ++i) {
+        EXPECT_LT(testing::rel_error(ours[i].to(at::kDouble), ref[i]),
+                  dtype == at::kDouble ? 1e-12 : 1e-5)
+            << c.name << " " << dtype << " output/grad " << i;
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -55,8 +55,8 @@ TEST_P(LinearCrossEntropy, EqualsCrossEntropyOfTheLogits) {
   EXPECT_LT(rel_error(g[1], r[1]), 1e-6) << "weight, tiles " << tiles;
   EXPECT_TRUE(g[0].narrow(0, 0, 10).eq(0).all().item<bool>()) << "ignored rows take no gradient";
   // The ignored rows matter: scoring them changes the sum.
-  const at::Tensor all = at::cross_entropy_loss(
-      at::matmul(h, w.t()), y.clamp_min(0), {}, at::Reduction::Sum, -100);
+  const at::Tensor all =
+      at::cross_entropy_loss(at::matmul(h, w.t()), y.clamp_min(0), {}, at::Reduction::Sum, -100);
   EXPECT_GT(rel_error(all, ref), 1e-3);
 }
 
@@ -90,7 +90,8 @@ TEST(LinearCrossEntropyErrors, BadTargetsAreNamed) {
 // A SwiGLU MLP with its own parameters, position-wise over [B, S, E].
 struct Mlp {
   at::Tensor w1, w2, w3;
-  explicit Mlp(at::Generator& gen) : w1(leaf({20, 8}, gen)), w2(leaf({8, 20}, gen)), w3(leaf({20, 8}, gen)) {}
+  explicit Mlp(at::Generator& gen)
+      : w1(leaf({20, 8}, gen)), w2(leaf({8, 20}, gen)), w3(leaf({20, 8}, gen)) {}
   at::Tensor operator()(const at::Tensor& x) const {
     return at::matmul(at::silu(at::matmul(x, w1.t())) * at::matmul(x, w3.t()), w2.t());
   }
@@ -110,13 +111,12 @@ TEST_P(TiledMap, EqualsTheWholeMlpWithOneGradientPerParameter) {
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators;
   for (const at::Tensor& p : mlp.params()) {
     accumulators.push_back(torch::autograd::impl::grad_accumulator(p));
-    accumulators.back()->add_post_hook(
-        std::make_unique<torch::autograd::utils::LambdaPostHook>(
-            [&hooks](const torch::autograd::variable_list& outputs,
-                     const torch::autograd::variable_list&) {
-              ++hooks;
-              return outputs;
-            }));
+    accumulators.back()->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [&hooks](const torch::autograd::variable_list& outputs,
+                 const torch::autograd::variable_list&) {
+          ++hooks;
+          return outputs;
+        }));
   }
   const at::Tensor ours = tiled_map(mlp, x, tiles, mlp.params());
   EXPECT_EQ(hooks, 0);

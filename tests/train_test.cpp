@@ -140,6 +140,62 @@ TEST(ShardedTraining, ThreeRanksTiledRecomputeMatchOneRank) {
   check_against_single_rank(3, 14, long_sequence(Checkpoint::kRecompute));
 }
 
+TEST(AllReduceGradients, BucketsSumEveryGradientOfEveryDtype) {
+  // Buckets of 64 bytes: small gradients share one, a 160-byte one is summed in place, a
+  // non-contiguous one goes through a bucket, and fp64 gradients fill their own buckets.
+  const std::vector<std::pair<std::vector<int64_t>, at::ScalarType>> shapes = {
+      {{5, 3}, at::kFloat}, {{7}, at::kDouble}, {{2}, at::kFloat}, {{40}, at::kFloat},
+      {{6, 4}, at::kFloat}, {{3}, at::kDouble}, {{1}, at::kFloat}};
+  expect_ranks_succeed(3, [&](Group& g) {
+    std::vector<at::Tensor> grads, want;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      at::Tensor base = testing::seeded_randn(shapes[i].first, 100 + i).to(shapes[i].second);
+      at::Tensor mine = base * static_cast<double>(g.rank() + 1);
+      if (i == 4) mine = mine.t().contiguous().t();  // same values, transposed strides
+      grads.push_back(mine);
+      want.push_back(base * 6.0);  // 1 + 2 + 3
+    }
+    ASSERT_FALSE(grads[4].is_contiguous());
+    all_reduce_gradients(grads, g, 64);
+    for (size_t i = 0; i < grads.size(); ++i) {
+      EXPECT_LT(rel_error(grads[i], want[i]), 1e-6) << "gradient " << i << " rank " << g.rank();
+    }
+  });
+}
+
+TEST(ShardedLoss, OneRanksBadTargetFailsEveryRankAlike) {
+  // Rank 1 alone has a target outside the vocabulary: both losses fail on every rank with the
+  // same error, through the loss's one agreement round, instead of rank 0 waiting in it.
+  for (const bool tiled : {false, true}) {
+    const auto errors = testing::run_ranks(2, [&](Group& g) {
+      at::Tensor targets = at::zeros({1, 3}, at::kLong);
+      if (g.rank() == 1) targets[0][2] = 50;
+      const at::Tensor hidden = testing::seeded_randn({1, 3, 4}, 1),
+                       weight = testing::seeded_randn({7, 4}, 2);
+      if (tiled) {
+        sharded_linear_cross_entropy(hidden, weight, targets, g, 2);
+      } else {
+        sharded_cross_entropy(at::matmul(hidden, weight.t()), targets, g);
+      }
+    });
+    testing::expect_ranks_fail_alike(errors, "targets must be in [0, 7)");
+    EXPECT_NE(errors[0].find("rank 1"), std::string::npos) << errors[0];
+  }
+}
+
+TEST(ShardedLoss, TokenMeanDividesBySumOfEveryRanksTargets) {
+  expect_ranks_succeed(2, [&](Group& g) {
+    at::Tensor targets = g.rank() == 0 ? at::tensor(std::vector<int64_t>{1, kIgnoreIndex, 2})
+                                       : at::tensor(std::vector<int64_t>{kIgnoreIndex});
+    at::Tensor sum = at::scalar_tensor(3.0 + g.rank(), at::kDouble).requires_grad_();
+    ShardedLoss loss = token_mean(sum, targets.unsqueeze(0), g);
+    EXPECT_EQ(loss.global_count, 2);
+    EXPECT_DOUBLE_EQ(loss.global_loss, 3.5);
+    loss.loss.backward();
+    EXPECT_DOUBLE_EQ(sum.grad().item<double>(), 0.5);
+  });
+}
+
 TEST(ShardedTraining, RotaryUsesGlobalPositions) {
   // A shard rotated with its global positions equals the same rows of the full rotation.
   auto gen = at::make_generator<at::CPUGeneratorImpl>(3);

@@ -99,12 +99,14 @@ std::string describe(const RingLayout& layout) {
 // The memory options in effect, as " (tiled, checkpoint offload)"; "" when none is.
 std::string memory_line(const ModelConfig& m) {
   static const char* kNames[] = {"none", "recompute", "offload"};
-  if (!m.tiled && m.checkpoint == Checkpoint::kNone) return "";
-  std::string line = m.tiled ? "tiled" : "";
-  if (m.checkpoint != Checkpoint::kNone) {
-    line +=
-        std::string(m.tiled ? ", " : "") + "checkpoint " + kNames[static_cast<int>(m.checkpoint)];
-  }
+  std::vector<std::string> parts;
+  if (m.tiled) parts.push_back("tiled");
+  if (m.checkpoint != Checkpoint::kNone)
+    parts.push_back(std::string("checkpoint ") + kNames[static_cast<int>(m.checkpoint)]);
+  if (m.local != LocalKernel::kAuto) parts.push_back("local " + to_string(m.local));
+  if (parts.empty()) return "";
+  std::string line;
+  for (const std::string& p : parts) line += (line.empty() ? "" : ", ") + p;
   return " (" + line + ")";
 }
 
@@ -126,10 +128,11 @@ int64_t longest_shard(const RingLayout& seq) {
 }
 
 // One sharded forward and backward; gradients reduced over the world. Returns the loss.
+// `longest`: longest_shard of the layout, the same every step.
 ShardedLoss forward_backward(Transformer& model, const TokenBatch& shard, const Mesh& mesh,
-                             const RingLayout& seq) {
+                             int64_t longest) {
   StepContext context(mesh.ulysses);
-  ShardedLoss loss = model->loss(shard, mesh.world, &context, longest_shard(seq));
+  ShardedLoss loss = model->loss(shard, mesh.world, &context, longest);
   loss.loss.backward();
   all_reduce_gradients(gradients_of(model->parameters()), mesh.world);
   return loss;
@@ -142,7 +145,7 @@ int run_check(Transformer& model, const TrainOptions& o, const Data& data, const
   const TokenBatch local = data.batch(0, 0, mesh.dp.rank() * o.batch, o.batch);
   model->zero_grad();
   const ShardedLoss ours =
-      forward_backward(model, shard_batch(local, seq, mesh.sp.rank()), mesh, seq);
+      forward_backward(model, shard_batch(local, seq, mesh.sp.rank()), mesh, longest_shard(seq));
 
   Group solo = Group::solo();
   ModelConfig plain = o.model;  // The reference holds every activation: no tiles, no recompute.
@@ -333,6 +336,7 @@ const Options& train_options() {
                  value("--ffn-dim", "0"),
                  flag("--tiled"),
                  choice("--checkpoint", "none|recompute|offload", "none"),
+                 choice("--local", "auto|fused|sdpa|math", "auto"),
                  value("--lr", number(d.lr)),
                  value("--warmup", to_string(d.warmup)),
                  placeholder("--lr-decay-steps", "STEPS"),
@@ -386,6 +390,12 @@ TrainOptions parse(const Argv& argv) {
   o.model.kv_heads = args.integer("--kv-heads", 1, kMaxHeads);
   o.model.ffn_dim = args.integer("--ffn-dim", 0);
   o.model.tiled = args.has("--tiled");
+  try {
+    o.model.local = parse_local_kernel(args.str("--local"));
+  } catch (const c10::Error&) {
+    throw UsageError("option --local must be auto, fused, sdpa or math; got '" +
+                     args.str("--local") + "'");
+  }
   const std::string checkpoint = args.str("--checkpoint");
   if (checkpoint == "none") {
     o.model.checkpoint = Checkpoint::kNone;
@@ -568,13 +578,14 @@ int train_main(const Argv& argv, const Runtime& runtime) {
   const int64_t start = resume_step(model, optimizer, o, world);
   const int64_t setup_rss = proc_status_bytes("VmRSS");
   ProgressLog progress(mesh, o.batch * o.seq_len * mesh.dp.size());
+  const int64_t longest = longest_shard(seq);
   for (int64_t step = start; step < o.steps; ++step) {
     for (auto& group : optimizer.param_groups())
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(o, step));
     optimizer.zero_grad();
     const TokenBatch local = data.batch(0, step, mesh.dp.rank() * o.batch, o.batch);
     const ShardedLoss loss =
-        forward_backward(model, shard_batch(local, seq, mesh.sp.rank()), mesh, seq);
+        forward_backward(model, shard_batch(local, seq, mesh.sp.rank()), mesh, longest);
     if (o.clip > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), o.clip);
     optimizer.step();
     progress.step_done();

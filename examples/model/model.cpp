@@ -30,6 +30,7 @@ BlockImpl::BlockImpl(const ModelConfig& c, const Group& sp_group, const Group& r
         o.q_heads = c.q_heads;
         o.kv_heads = c.kv_heads;
         o.causal = true;
+        o.kernel = c.local;
         return o;
       }()) {
   const int64_t D = c.head_dim();

@@ -36,6 +36,7 @@ struct ModelConfig {
   int64_t mlp_tile_tokens = 0;  // Tokens per MLP tile (>= 1); 0: dim.
   int64_t loss_tile_bytes = kLossTileBytes;   // fp32 logits one loss tile may hold (>= 1).
   Checkpoint checkpoint = Checkpoint::kNone;  // How each block keeps its input for backward.
+  LocalKernel local = LocalKernel::kAuto;     // Each rank's local attention kernel.
   int64_t head_dim() const { return dim / q_heads; }
   int64_t hidden() const { return ffn_dim > 0 ? ffn_dim : (8 * dim / 3 + 15) / 16 * 16; }
 };

@@ -48,9 +48,10 @@ struct ShardedLoss {
   int64_t global_count = 0;  // Non-ignored targets in the group.
 };
 
-// logits [B, S_r, V], targets [B, S_r]. One small all-reduce over `group`, which must span
-// every rank whose targets share the mean (SP x DP). Summing every rank's gradients of `loss`
-// gives the gradient of the global mean.
+// logits [B, S_r, V], targets [B, S_r]. One small agreement round over `group`, which must span
+// every rank whose targets share the mean (SP x DP): a rank whose inputs are wrong (shapes, a
+// target outside [0, V)) fails every rank with its error. Summing every rank's gradients of
+// `loss` gives the gradient of the global mean.
 ShardedLoss sharded_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
                                   const Group& group, int64_t ignore_index = kIgnoreIndex);
 
@@ -61,8 +62,20 @@ ShardedLoss sharded_linear_cross_entropy(const at::Tensor& hidden, const at::Ten
                                          const at::Tensor& targets, const Group& group,
                                          int64_t tiles, int64_t ignore_index = kIgnoreIndex);
 
-// Sums `grads` over `group` in place, in one coalesced all-reduce per dtype.
-void all_reduce_gradients(const std::vector<at::Tensor>& grads, const Group& group);
+// The same for a differentiable 0-d summed token loss computed elsewhere (e.g. a tiled loss in
+// Python): token_sum / the group's target count, in the same one agreement round.
+ShardedLoss token_mean(const at::Tensor& token_sum, const at::Tensor& targets, const Group& group,
+                       int64_t ignore_index = kIgnoreIndex);
+
+// Gradients are summed in buckets of at most this many bytes (DDP's default is 25 MiB): the
+// step's extra memory is one bucket, not a flat copy of every gradient.
+constexpr int64_t kGradientBucketBytes = 32 << 20;
+
+// Sums `grads` over `group` in place. Small gradients of one (device, dtype) are coalesced into
+// one all-reduce per bucket of `bucket_bytes`; a contiguous gradient of at least that size is
+// summed where it lies. Every rank must pass the same list (the model's parameter order).
+void all_reduce_gradients(const std::vector<at::Tensor>& grads, const Group& group,
+                          int64_t bucket_bytes = kGradientBucketBytes);
 // The gradients of `params` (those defined).
 std::vector<at::Tensor> gradients_of(const std::vector<at::Tensor>& params);
 

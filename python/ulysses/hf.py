@@ -183,8 +183,9 @@ def sequence_parallel(model: PreTrainedModel, group: O.GroupLike = None, *,
     - ``tiled_mlp``: every decoder layer's ``mlp`` runs in sequence tiles of ``mlp_tile_tokens``
       rows (default: the hidden size), so its intermediate never exists whole;
     - ``tiled_loss``: ``model(..., ulysses_shift_labels=labels)`` returns ``loss`` = this rank's
-      *summed* token loss (divide by the group's token count, :func:`sequence_parallel_loss`
-      does it for logits) and no logits: they are made and scored tile by tile;
+      *summed* token loss (:func:`token_mean` divides it by the group's token count) and no
+      logits: they are made and scored tile by tile. ``ulysses_ignore_index=`` (default -100)
+      names the ignored label; a rank's bad labels fail every rank alike, before the loss;
     - ``checkpoint="recompute"``: decoder layers keep only their input and recompute in
       backward; ``"offload"``: that input also moves to host memory by a background copy and is
       prefetched back in backward (it frees device memory on a GPU; on a CPU it is a copy).
@@ -280,7 +281,7 @@ def _logit_rules(config) -> tuple[float, float]:
 
 
 def _long_sequence_forward(model: PreTrainedModel, *args, ulysses_shift_labels: torch.Tensor | None = None,
-                           **kwargs):
+                           ulysses_ignore_index: int = IGNORE_INDEX, **kwargs):
     """The model's forward under sequence parallelism (bound to the model: a deep copy rebinds)."""
     if args:
         raise ValueError("ulysses.hf: pass the model's inputs by keyword under sequence parallelism")
@@ -299,11 +300,17 @@ def _long_sequence_forward(model: PreTrainedModel, *args, ulysses_shift_labels: 
         kwargs.pop("logits_to_keep", None)
         hidden = getattr(model, model.base_model_prefix)(**kwargs).last_hidden_state
         head = model.get_output_embeddings()
+        # Every rank reaches this point; one agreement round here makes a rank's bad labels fail
+        # every rank alike, before the ranks part ways (its loss would raise, theirs would wait).
+        group = model.__dict__["_ulysses_group"]
+        problem = tiled.label_problem(hidden, head.weight.shape[0], ulysses_shift_labels, ulysses_ignore_index)
+        _C.check_together(f"ulysses.hf: {problem}" if problem else "", O.group_name(group),
+                          O.timeout_ms(model.__dict__["_ulysses_timeout"]), "ulysses.hf tiled loss labels")
         scale, softcap = _logit_rules(model.config)
         rows = max(1, settings.loss_tile_bytes // (4 * head.weight.shape[0]))
         tiles = tiled.tile_count(hidden.shape[0] * max(seq_lens), rows)
         loss = tiled.linear_cross_entropy(hidden, head.weight, ulysses_shift_labels, bias=head.bias, tiles=tiles,
-                                          ignore_index=IGNORE_INDEX, scale=scale, softcap=softcap)
+                                          ignore_index=ulysses_ignore_index, scale=scale, softcap=softcap)
         return CausalLMOutputWithPast(loss=loss)
 
 
@@ -350,11 +357,10 @@ def token_mean(token_sum: torch.Tensor, shift_labels: torch.Tensor, group: O.Gro
                ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sequence_parallel_loss` for a summed token loss (``model(...,
     ulysses_shift_labels=...).loss`` under ``tiled_loss``): ``(token_sum / the group's token
-    count, the global mean, detached)``, one small collective."""
-    local = torch.stack([token_sum.detach().float(), (shift_labels != ignore_index).sum().float()])
-    total = O.sum_over_group(local, group)
-    count = total[1].clamp(min=1)
-    return token_sum / count, total[0] / count
+    count, the global mean, detached)``, in one small agreement round (a rank whose loss failed
+    fails every rank with its error)."""
+    return torch.ops.ulysses.token_mean(token_sum, shift_labels, O.group_name(group), O.group_options(None),
+                                        ignore_index)
 
 
 PreTrainedModel.get_correct_attn_implementation = _refuse_incompatible(  # type: ignore[method-assign]

@@ -344,7 +344,8 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: S
     """Local attention (BHSD, as ``flash_attention``) on the exact kernel ``kernel`` names:
     ``"fused"`` (the CPU kernel), ``"sdpa"`` (torch's SDPA, any device), ``"math"`` (any dtype,
     fp64 exact) or ``"auto"``, the library's rule (Note [Local attention by case] in
-    include/ulysses/attention.h): the fused kernel on CPU, math for fp64, SDPA elsewhere."""
+    include/ulysses/attention.h): on CPU SDPA for plain or causal attention and the fused kernel
+    for every other rule, math for fp64; SDPA elsewhere."""
     return _ops.local_attention(q, k, v, list(kv_map), mask, positions, causal,
                                 0.0 if scale is None else float(scale), kernel, window,
                                 float(softcap or 0.0), sinks)

@@ -79,24 +79,80 @@ def _tile_bounds(n: int, tiles: int) -> list[tuple[int, int]]:
 # ---- tiled MLP --------------------------------------------------------------------------------
 
 
-def tiled_mlp(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tiles: int,
-              dim: int = -2) -> torch.Tensor:
+class _TiledMap(torch.autograd.Function):
+    """``run`` over row tiles of ``x``: forward keeps x only; backward recomputes one tile at a
+    time (in forward order, from the forward's RNG state), writes each tile's input gradient
+    into its slice of one buffer, and sums the parameter gradients here, so each parameter's
+    gradient leaves this node once."""
+
+    @staticmethod
+    def forward(ctx, run, bounds, dim, x, *params):  # type: ignore[override]
+        ctx.run, ctx.bounds, ctx.dim, ctx.params = run, bounds, dim, params
+        ctx.replay = _replay_state(x.device)
+        ctx.save_for_backward(x)
+        out = None
+        with torch.no_grad():
+            for a, b in bounds:
+                piece = _one_tensor(run(x.narrow(dim, a, b - a)))
+                if out is None:
+                    shape = list(piece.shape)
+                    shape[dim] = x.shape[dim]
+                    out = piece.new_empty(shape)
+                out.narrow(dim, a, b - a).copy_(piece)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[3]
+        needs = ctx.needs_input_grad[4:]
+        params = [p for p, need in zip(ctx.params, needs) if need]
+        grad_x = torch.empty_like(x) if need_x else None
+        sums: list[torch.Tensor | None] = [None] * len(params)
+        with torch.enable_grad(), ctx.replay():
+            for a, b in ctx.bounds:
+                tile = x.narrow(ctx.dim, a, b - a).detach().requires_grad_(need_x)
+                out = ctx.run(tile)
+                inputs = ([tile] if need_x else []) + params
+                got = torch.autograd.grad(out, inputs, grad_out.narrow(ctx.dim, a, b - a), allow_unused=True)
+                if need_x:
+                    grad_x.narrow(ctx.dim, a, b - a).copy_(got[0])
+                for i, g in enumerate(got[need_x:]):
+                    if g is not None:
+                        sums[i] = g if sums[i] is None else sums[i].add_(g)
+        grads = iter(sums)
+        return (None, None, None, grad_x, *(next(grads) if need else None for need in needs))
+
+
+def tiled_mlp(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tiles: int, dim: int = -2, *,
+              params: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """``module(x)`` for a position-wise ``module`` (each output row depends on its input row
-    only, as an MLP's does), computed in ``tiles`` pieces along ``dim``. Each piece is a
-    non-reentrant checkpoint: the forward keeps no intermediate, and backward recomputes one
-    piece at a time (parameter gradients are summed by autograd, once per parameter)."""
+    only, as an MLP's does), computed in ``tiles`` pieces along ``dim``. The forward keeps no
+    intermediate; backward recomputes one piece at a time, writes each piece's input gradient
+    into its slice of one buffer and sums the gradients of ``params`` (default: the parameters
+    of the module ``module`` runs), which reach each parameter once."""
     if tiles < 1:
         raise ValueError(f"tiled_mlp: tiles must be >= 1; got {tiles}")
-    n = x.shape[dim]
-    if tiles == 1 or not torch.is_grad_enabled():
-        pieces = [module(x.narrow(dim, a, b - a)) for a, b in _tile_bounds(n, tiles) if b > a]
-    else:
-        pieces = [torch.utils.checkpoint.checkpoint(module, x.narrow(dim, a, b - a), use_reentrant=False)
-                  for a, b in _tile_bounds(n, tiles) if b > a]
-    if not all(isinstance(p, torch.Tensor) for p in pieces):
-        raise TypeError(f"tiled_mlp: the module returned a {type(pieces[0]).__name__}; only a module that returns "
+    dim %= x.dim()
+    bounds = [(a, b) for a, b in _tile_bounds(x.shape[dim], tiles) if b > a]
+    if len(bounds) <= 1:
+        return _one_tensor(module(x))
+    if not torch.is_grad_enabled():
+        return torch.cat([_one_tensor(module(x.narrow(dim, a, b - a))) for a, b in bounds], dim)
+    if params is None:
+        owner = _module_of(module)
+        if owner is None:
+            raise ValueError("tiled_mlp: pass params= (the tensors that need the function's gradients) for a "
+                             "function that is not a module, its bound forward or a partial over either")
+        params = [p for p in owner.parameters() if p.requires_grad]
+    return _TiledMap.apply(module, bounds, dim, x, *params)
+
+
+def _one_tensor(out: Any) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"tiled_mlp: the module returned a {type(out).__name__}; only a module that returns "
                         "one tensor (position-wise, such as an MLP) can be tiled")
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+    return out
 
 
 # ---- tiled logits + cross-entropy -------------------------------------------------------------
@@ -163,6 +219,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
 
 
+def label_problem(hidden: torch.Tensor, vocab: int, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> str:
+    """What is wrong with ``labels`` for :func:`linear_cross_entropy` over ``hidden`` and a
+    ``vocab``-row weight, or "" (callers that must fail together check this first)."""
+    if hidden.shape[:-1] != labels.shape:
+        return (f"linear_cross_entropy: hidden {list(hidden.shape)} and labels {list(labels.shape)} must agree on "
+                "every dim but the last")
+    if labels.dtype != torch.long:
+        return f"linear_cross_entropy: labels must be int64; got {labels.dtype}"
+    scored = labels[labels != ignore_index]
+    if scored.numel() and (scored.min().item() < 0 or scored.max().item() >= vocab):
+        return f"linear_cross_entropy: labels must be in [0, {vocab}) or ignore_index ({ignore_index})"
+    return ""
+
+
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                          bias: torch.Tensor | None = None, tiles: int = 1, ignore_index: int = IGNORE_INDEX,
                          scale: float = 1.0, softcap: float = 0.0) -> torch.Tensor:
@@ -172,9 +242,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     ``labels [...]``. ``scale`` multiplies the logits and ``softcap`` caps them
     (``c * tanh(z / c)``, Gemma's final softcap), in that order. Returns a 0-d fp32 sum: divide
     by the token count of the whole batch for the mean."""
-    if hidden.shape[:-1] != labels.shape:
-        raise ValueError(f"linear_cross_entropy: hidden {list(hidden.shape)} and labels {list(labels.shape)} "
-                         "must agree on every dim but the last")
+    problem = label_problem(hidden, weight.shape[0], labels, ignore_index)
+    if problem:
+        raise ValueError(problem)
     if tiles < 1:
         raise ValueError(f"linear_cross_entropy: tiles must be >= 1; got {tiles}")
     return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1),
@@ -391,5 +461,5 @@ def checkpoint(function: Callable[..., Any], x: torch.Tensor, *args: Any, offloa
     return _Checkpoint.apply(run, offload, x, *params)
 
 
-__all__ = ["checkpoint", "current_rows", "linear_cross_entropy", "live_host_bytes", "offload_scope", "sequence_rows",
+__all__ = ["checkpoint", "current_rows", "label_problem", "linear_cross_entropy", "live_host_bytes", "offload_scope", "sequence_rows",
            "tile_count", "tiled_mlp"]

@@ -135,6 +135,7 @@ class SequenceParallel:
             model_inputs["attention_mask"] = shard["attention_mask"]
         if tiled_loss:  # the model returns the shard's summed token loss, and no logits
             model_inputs["ulysses_shift_labels"] = shard["shift_labels"]
+            model_inputs["ulysses_ignore_index"] = self.ignore_index
         return model(**model_inputs), shard
 
     def compute_loss(self, model: torch.nn.Module, inputs: Mapping[str, Any], return_outputs: bool = False,

@@ -20,7 +20,8 @@ class FunctionNode : public torch::autograd::Node {
   FunctionNode(std::string name, BackwardFn fn) : name_(std::move(name)), fn_(std::move(fn)) {}
   std::string name() const override { return name_; }
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    TORCH_CHECK(fn_ != nullptr, name_, ": backward ran through this graph a second time, after "
+    TORCH_CHECK(fn_ != nullptr, name_,
+                ": backward ran through this graph a second time, after "
                 "its saved tensors were freed; pass retain_graph=True to the first backward");
     for (size_t i = 0; i < grads.size(); ++i) {
       if (!grads[i].defined()) grads[i] = at::zeros(shapes_[i], options_[i]);
@@ -38,7 +39,7 @@ class FunctionNode : public torch::autograd::Node {
 
  private:
   std::string name_;
-  BackwardFn fn_;                             // Maps output grads to input grads; null once released.
+  BackwardFn fn_;  // Maps output grads to input grads; null once released.
   std::vector<std::vector<int64_t>> shapes_;  // Output shapes, for undefined grads.
   std::vector<at::TensorOptions> options_;    // Output options, likewise.
 };

@@ -12,7 +12,7 @@ import torch
 
 import ulysses.hf as uhf
 import ulysses.tiled as T
-from conftest import run_ranks
+from conftest import run_ranks, run_ranks_errors
 from test_hf import assert_matches, make_batch, make_model, reference
 
 TOL = 1e-6
@@ -98,9 +98,37 @@ def test_tiled_mlp_equals_the_untiled_module_and_sums_each_gradient_once(tiles):
     assert set(arrivals.values()) == {1}
 
 
-def test_tiled_mlp_refuses_a_module_that_returns_a_tuple():
+def test_tiled_mlp_recomputes_each_tile_with_the_forwards_dropout():
+    """Backward recomputes the tiles from the forward's RNG state: the gradients are those of
+    the tiles computed with their graphs kept (the same seed, the same dropout masks)."""
+    m = torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.Dropout(0.5), torch.nn.Linear(40, 16)).train()
+    x = torch.randn(2, 13, 16, requires_grad=True)
+    torch.manual_seed(3)
+    want_out = torch.cat([m(x[:, a:b]) for a, b in T._tile_bounds(13, 3)], 1)
+    want = grads((want_out**2).sum(), [x, *m.parameters()])
+    torch.manual_seed(3)
+    out = T.tiled_mlp(m, x, 3, dim=1)
+    assert torch.equal(out, want_out)
+    for g, r in zip(grads((out**2).sum(), [x, *m.parameters()]), want):
+        assert rel(g, r) <= TOL
+
+
+def test_tiled_mlp_gives_parameter_gradients_when_x_needs_none():
+    m = mlp()
+    x = torch.randn(2, 13, 16)
+    want = grads((m(x) ** 2).sum(), list(m.parameters()))
+    for g, r in zip(grads((T.tiled_mlp(m, x, 4, dim=1) ** 2).sum(), list(m.parameters())), want):
+        assert rel(g, r) <= TOL
+
+
+def test_tiled_mlp_refuses_a_module_that_returns_a_tuple_or_hides_its_parameters():
     with pytest.raises(TypeError, match="only a module that returns one tensor"):
+        T.tiled_mlp(lambda x: (x, x), torch.randn(1, 4, 2), 2, dim=1, params=[])
+    with torch.no_grad(), pytest.raises(TypeError, match="only a module that returns one tensor"):
         T.tiled_mlp(lambda x: (x, x), torch.randn(1, 4, 2), 2, dim=1)
+    m = mlp()
+    with pytest.raises(ValueError, match="pass params="):  # a closure's parameters would get no gradient
+        T.tiled_mlp(lambda x: m(x), torch.randn(1, 4, 16), 2, dim=1)
 
 
 # ---- checkpoint and offload -------------------------------------------------------------------
@@ -257,6 +285,50 @@ def test_a_deep_copy_of_a_long_sequence_model_runs_itself():
         assert all(p.grad is not None for p in twin.parameters())
 
     run_ranks(2, body)
+
+
+@pytest.mark.parametrize("bad", ["label", "index"])
+def test_one_ranks_bad_labels_fail_every_rank_alike(bad):
+    """Rank 1's labels hold a token id outside the vocabulary (or the trainer's ignore_index
+    differs there): every rank raises the same error from the forward, none waits for a
+    timeout. The collectives that follow (token_mean's round) never start."""
+    base = make_model("llama")
+    vocab = base.config.vocab_size
+
+    def body(rank, group):
+        model = uhf.sequence_parallel(copy.deepcopy(base).train(), group, tiled_loss=True)
+        sb = uhf.shard_batch(make_batch("plain"), group)
+        labels = sb["shift_labels"].clone()
+        ignore = -100
+        if rank == 1 and bad == "label":
+            labels[0, 0] = vocab + 5
+        if rank == 1 and bad == "index":
+            labels[0, 0], ignore = -1, -7  # -1 is then a label, and outside [0, V)
+        out = model(input_ids=sb["input_ids"], position_ids=sb["position_ids"], ulysses_seq_lens=sb["seq_lens"],
+                    ulysses_shift_labels=labels, ulysses_ignore_index=ignore)
+        uhf.token_mean(out.loss, labels, group, ignore_index=ignore)
+
+    errors = run_ranks_errors(2, body, timeout_s=60)
+    assert len(set(errors)) == 1 and f"labels must be in [0, {vocab})" in errors[0], errors
+    assert "rank 1" in errors[0], errors
+
+
+def test_token_mean_is_the_global_mean_and_one_rank_failing_fails_all():
+    def body(rank, group):
+        labels = torch.tensor([[1, -100, 2]]) if rank == 0 else torch.tensor([[-100, -100]])
+        token_sum = torch.tensor(3.0 + rank, requires_grad=True)
+        loss, mean = uhf.token_mean(token_sum, labels, group)
+        loss.backward()
+        return mean.item(), token_sum.grad.item()
+
+    assert run_ranks(2, body) == [(3.5, 0.5), (3.5, 0.5)]  # (3 + 4) / 2 targets
+
+    def failing(rank, group):
+        token_sum = torch.tensor(1.0) if rank == 0 else torch.ones(2)  # rank 1's is not a 0-d sum
+        uhf.token_mean(token_sum, torch.tensor([[1]]), group)
+
+    errors = run_ranks_errors(2, failing, timeout_s=60)
+    assert len(set(errors)) == 1 and "token_sum must be a 0-d tensor" in errors[0], errors
 
 
 def test_the_long_sequence_options_are_checked():
