@@ -110,6 +110,9 @@ def _rank(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
 
     feature = task["features"]
     model = _model(task["vocab"], task["layers"])
+    if task.get("freeze_vocab"):  # the embedding and the head take no gradient: only activations grow with V
+        for p in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+            p.requires_grad_(False)
     group = dist.group.WORLD
     uhf.sequence_parallel(model, group, **FEATURES[feature])
     ds_loss = _deepspeed_tiling(model, group) if feature.startswith("ds") else None
@@ -195,7 +198,8 @@ def plot(rows: list[dict], path: str) -> None:
     for ax, sp in zip(axes[0], sps):
         for feature in FEATURES:
             pts = sorted((r["seq_len"], r["peak_mib"]) for r in rows
-                         if r["sp"] == sp and r["features"] == feature and r["vocab"] == rows[0]["vocab"])
+                         if r["sp"] == sp and r["features"] == feature and r["vocab"] == rows[0]["vocab"]
+                         and not r.get("freeze_vocab"))
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=feature)
         ax.set(title=f"P = {sp}: per-rank peak memory of a step", xlabel="sequence length S", ylabel="MiB",
@@ -212,6 +216,8 @@ def main() -> int:
     p.add_argument("--features", default=",".join(FEATURES), help=f"from {', '.join(FEATURES)}")
     p.add_argument("--vocab", default="32000", help="vocabulary sizes")
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--freeze-vocab", action="store_true",
+                   help="the embedding and the head take no gradient (their [V, E] gradients then leave the peak)")
     p.add_argument("--steps", type=int, default=0, help="steps per run, the last measured (0: 2 below S = 16K, else 1)")
     p.add_argument("--json", default=None, help="append the rows to this JSON file (a list)")
     p.add_argument("--plot", default=None, help="plot peak memory vs S from the JSON file into this PNG")
@@ -227,7 +233,8 @@ def main() -> int:
             for sp in map(int, a.sp.split(",")):
                 for feature in features:
                     steps = a.steps or (2 if seq_len < 16384 else 1)
-                    task = dict(seq_len=seq_len, sp=sp, vocab=vocab, features=feature, layers=a.layers, steps=steps)
+                    task = dict(seq_len=seq_len, sp=sp, vocab=vocab, features=feature, layers=a.layers, steps=steps,
+                                **({"freeze_vocab": True} if a.freeze_vocab else {}))
                     row = measure(task)
                     rows = [r for r in rows if {k: r.get(k) for k in task if k != "steps"}
                             != {k: task[k] for k in task if k != "steps"}] + [row]
