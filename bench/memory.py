@@ -7,12 +7,13 @@ the same model (ulysses attention under both) when DeepSpeed is installed.
                            [--vocab 32000] [--json FILE] [--plot FILE]
 
 Each (S, P, features) runs in fresh processes, one per rank (torch.multiprocessing, Gloo on
-loopback): a training step (forward, loss, backward, gradient sum) on one sequence of S random tokens,
-started as a Trainer starts one: gradients set to None, so backward makes them anew. Memory is
-the rank's resident-set high-water mark during the step minus its resident set before it (the
-model built, no gradients): everything the step adds, the gradients it makes included
-(``grad_MiB``, the model's gradient bytes, of which every one exists at the step's end). glibc's
-mmap threshold is fixed at 1 MiB, so freed tensors leave the resident set. On CPU there is no allocator statistic to add; every rank shares this machine's
+loopback): a training step (forward, loss, backward, gradient sum) on one sequence of S random
+tokens, started as a Trainer starts one: gradients set to None, so backward makes them anew.
+Memory is the rank's resident-set high-water mark during the step minus its resident set before
+it (the model built, no gradients): everything the step adds, the gradients it makes included
+(``grad_MiB``, the model's gradient bytes, all of which exist at the step's end). glibc's mmap
+threshold is fixed at 1 MiB, so freed tensors leave the resident set. On CPU there is no
+allocator statistic to add; every rank shares this machine's
 cores, so times are the slowest rank's. Features:
 
 - ``none``: untiled, nothing checkpointed;  ``mlp`` / ``loss``: the tiled MLP / tiled logits + loss;

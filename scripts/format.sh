@@ -8,10 +8,14 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 files=$(git ls-files '*.cpp' '*.h')
 if [ "${1:-}" = "--check" ]; then
-  .venv/bin/clang-format --dry-run --Werror $files && echo "format: all C++ files are formatted"
-  .venv/bin/ruff check --quiet python tests bench examples && echo "format: the Python is ruff-clean"
+  # One command per line: under set -e a failure in `a && b` would not stop the script.
+  .venv/bin/clang-format --dry-run --Werror $files
+  echo "format: all C++ files are formatted"
+  .venv/bin/ruff check --quiet python tests bench examples
+  echo "format: the Python is ruff-clean"
   # The package's types (pyproject.toml's [tool.mypy]; about 35 s without a cache).
-  .venv/bin/mypy && echo "format: the package is mypy-clean"
+  .venv/bin/mypy
+  echo "format: the package is mypy-clean"
 else
   .venv/bin/clang-format -i $files
   .venv/bin/ruff check --fix python tests bench examples

@@ -461,5 +461,5 @@ def checkpoint(function: Callable[..., Any], x: torch.Tensor, *args: Any, offloa
     return _Checkpoint.apply(run, offload, x, *params)
 
 
-__all__ = ["checkpoint", "current_rows", "label_problem", "linear_cross_entropy", "live_host_bytes", "offload_scope", "sequence_rows",
-           "tile_count", "tiled_mlp"]
+__all__ = ["checkpoint", "current_rows", "label_problem", "linear_cross_entropy", "live_host_bytes", "offload_scope",
+           "sequence_rows", "tile_count", "tiled_mlp"]
