@@ -110,9 +110,6 @@ at::Tensor restrict_mask(const c10::optional<at::Tensor>& mask, const at::Tensor
 
 constexpr const char* kKernelNames[] = {"auto", "fused", "sdpa", "math"};
 
-}  // namespace
-
-namespace {
 // No mask and no rule but (optionally) causal: what SDPA computes without a mask.
 bool plain_rules(const LocalAttentionArgs& a) {
   return !a.mask && !a.positions && !a.rows && a.window == 0;

@@ -91,16 +91,6 @@ ShardedLoss global_mean(const std::function<at::Tensor()>& local_sum, const at::
   return out;
 }
 
-void check_targets(const at::Tensor& targets, int64_t vocab, int64_t ignore_index,
-                   const char* who) {
-  TORCH_CHECK_TYPE(targets.scalar_type() == at::kLong, who, ": targets must be int64; got ",
-                   targets.scalar_type());
-  const at::Tensor scored = targets.masked_select(targets.ne(ignore_index));
-  TORCH_CHECK_VALUE(scored.numel() == 0 ||
-                        (scored.min().item<int64_t>() >= 0 && scored.max().item<int64_t>() < vocab),
-                    who, ": targets must be in [0, ", vocab, ") or ignore_index (", ignore_index,
-                    ")");
-}
 }  // namespace
 
 ShardedLoss sharded_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,

@@ -131,6 +131,17 @@ class HostCopy {
 
 }  // namespace
 
+void check_targets(const at::Tensor& targets, int64_t vocab, int64_t ignore_index,
+                   const char* who) {
+  TORCH_CHECK_TYPE(targets.scalar_type() == at::kLong, who, ": targets must be int64; got ",
+                   targets.scalar_type());
+  const at::Tensor scored = targets.masked_select(targets.ne(ignore_index));
+  TORCH_CHECK_VALUE(scored.numel() == 0 ||
+                        (scored.min().item<int64_t>() >= 0 && scored.max().item<int64_t>() < vocab),
+                    who, ": targets must be in [0, ", vocab, ") or ignore_index (", ignore_index,
+                    ")");
+}
+
 int64_t tile_count(int64_t rows, int64_t tile_rows) {
   TORCH_CHECK_VALUE(rows >= 0 && tile_rows >= 1,
                     "tile_count: rows must be >= 0 and tile_rows >= 1;"
@@ -195,17 +206,11 @@ at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& 
                     "linear_cross_entropy_sum: hidden [N, E], weight [V, E] and targets [N] "
                     "expected; got ",
                     hidden.sizes(), ", ", weight.sizes(), " and ", targets.sizes());
-  TORCH_CHECK_TYPE(targets.scalar_type() == at::kLong,
-                   "linear_cross_entropy_sum: targets must be int64; got ", targets.scalar_type());
   TORCH_CHECK_VALUE(tiles >= 1, "linear_cross_entropy_sum: tiles must be >= 1; got ", tiles);
   const int64_t N = hidden.size(0), V = weight.size(0);
+  check_targets(targets, V, ignore_index, "linear_cross_entropy_sum");
   const std::vector<Range> ranges = tile_ranges(N, tiles);
   const at::Tensor valid = targets.ne(ignore_index);
-  const at::Tensor scored = targets.masked_select(valid);
-  TORCH_CHECK_VALUE(scored.numel() == 0 ||
-                        (scored.min().item<int64_t>() >= 0 && scored.max().item<int64_t>() < V),
-                    "linear_cross_entropy_sum: targets must be in [0, ", V, ") or ignore_index (",
-                    ignore_index, ")");
   const at::Tensor picked = targets.masked_fill(valid.logical_not(), 0);
   // The fp32 logits of rows [s, s + n).
   auto logits = [](const at::Tensor& h, const at::Tensor& w) {

@@ -51,6 +51,9 @@ at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& 
                                     const at::Tensor& targets, int64_t tiles,
                                     int64_t ignore_index = -100);
 
+// Raises (naming `who`) unless targets are int64 and each is in [0, vocab) or ignore_index.
+void check_targets(const at::Tensor& targets, int64_t vocab, int64_t ignore_index, const char* who);
+
 // f(x) as one autograd node that keeps x and recomputes f in backward (kRecompute), or keeps a
 // host copy of x made in the background (kOffload; on a CPU tensor, a copy into other host
 // memory by a worker thread, waited for in backward). kNone, grad mode off, or nothing

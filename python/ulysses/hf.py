@@ -309,8 +309,9 @@ def _long_sequence_forward(model: PreTrainedModel, *args, ulysses_shift_labels: 
         scale, softcap = _logit_rules(model.config)
         rows = max(1, settings.loss_tile_bytes // (4 * head.weight.shape[0]))
         tiles = tiled.tile_count(hidden.shape[0] * max(seq_lens), rows)
-        loss = tiled.linear_cross_entropy(hidden, head.weight, ulysses_shift_labels, bias=head.bias, tiles=tiles,
-                                          ignore_index=ulysses_ignore_index, scale=scale, softcap=softcap)
+        loss = tiled._checked_linear_cross_entropy(hidden, head.weight, ulysses_shift_labels, bias=head.bias,
+                                                   tiles=tiles, ignore_index=ulysses_ignore_index, scale=scale,
+                                                   softcap=softcap)
         return CausalLMOutputWithPast(loss=loss)
 
 

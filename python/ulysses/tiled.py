@@ -245,6 +245,13 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     problem = label_problem(hidden, weight.shape[0], labels, ignore_index)
     if problem:
         raise ValueError(problem)
+    return _checked_linear_cross_entropy(hidden, weight, labels, bias=bias, tiles=tiles, ignore_index=ignore_index,
+                                         scale=scale, softcap=softcap)
+
+
+def _checked_linear_cross_entropy(hidden, weight, labels, *, bias, tiles, ignore_index, scale, softcap):
+    """:func:`linear_cross_entropy` for labels a caller has already passed through
+    :func:`label_problem` (ulysses.hf does, together with the other ranks)."""
     if tiles < 1:
         raise ValueError(f"linear_cross_entropy: tiles must be >= 1; got {tiles}")
     return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1),
