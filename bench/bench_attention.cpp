@@ -343,7 +343,8 @@ int bench_attention_main(const Argv& argv, const Runtime& runtime) {
     return 0;
   }
   const double mm = matmul_gflops(2048);
-  std::cout << "kernel GEMM: sgemm_ from " << bench::gemm_library() << "\n"
+  std::cout << "kernel GEMM: sgemm_ from " << bench::gemm_library() << "; fused kernel built for "
+            << flash_attention_isa() << "\n"
             << "at::matmul fp32 2048x2048, " << o.threads << " threads: " << mm << " GFLOP/s\n";
   // A modern x86 core does >= 50 fp32 GFLOP/s; far less means a mis-detected BLAS kernel, and
   // percentages of it would overstate the fused kernel.

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "ulysses/distributed_attention.h"
+#include "ulysses/flash_attention.h"
 #include "ulysses/group.h"
 #include "ulysses/mask.h"
 #include "ulysses/mask_decision.h"
@@ -137,6 +138,8 @@ void bind_shape_rules(py::module_& m) {
       py::arg("rank"), py::arg("key_len") = -1);
   m.def("check_window", &check_window, py::arg("window"), py::arg("causal"),
         "The sliding-window rule (raises ValueError unless 0, or > 0 with causal).");
+  m.def("flash_attention_isa", &flash_attention_isa,
+        "The instruction set the fused kernel runs in (\"AVX512\", \"AVX2\" or \"DEFAULT\").");
   m.def("check_softcap", &check_softcap, py::arg("softcap"),
         "The logit-softcap rule (raises ValueError unless 0, or finite and > 0).");
   auto to_ranges = [](const std::vector<std::pair<int64_t, int64_t>>& rs) {

@@ -18,7 +18,7 @@ fi
 set +e
 .venv/bin/pip install -v --disable-pip-version-check --no-build-isolation --no-deps \
   -Cbuild-dir=build -Ccmake.define.ULYSSES_BUILD_TESTS=ON \
-  -Ccmake.define.ULYSSES_NATIVE_ARCH=ON -e . "$@" >build/pip.log 2>&1 &
+  -e . "$@" >build/pip.log 2>&1 &
 pip_pid=$!
 tail -n +1 -f build/pip.log --pid=$pip_pid |
   grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\] |error:|FAILED' | sed -u -E 's/^ *//; s/^(.{100}).*/\1/'

@@ -166,10 +166,12 @@ LocalKernel choose_local_kernel(const LocalAttentionArgs& a, LocalKernel request
     // SDPA has neither a softcap nor sinks.
     if (!cpu) return a.softcap > 0 || a.sinks ? LocalKernel::kMath : LocalKernel::kSdpa;
     if (fp64) return LocalKernel::kMath;
-    // Plain or plainly causal attention: torch's CPU flash kernel is the faster (bench
-    // attention: sdpa_over_fused < 1). Every rule it would need as a mask (documents,
-    // windows, masks, global rows) and softcaps and sinks: ours, which skips what they exclude.
-    const bool sdpa_case = plain_rules(a) && a.softcap == 0 && !a.sinks;
+    // bf16 without any rule: torch's SDPA multiplies in bf16 (oneDNN), ours in fp32, so SDPA
+    // is the faster there (bench attention --dtype bfloat16). Everything else, fp32 and fp16
+    // plain or causal included: ours, the faster there (sdpa_over_fused >= 1 from S = 256 to
+    // 8192; SDPA's fp16 is ~8x slower still), and the only one that skips what rules exclude.
+    const bool sdpa_case =
+        a.q.scalar_type() == at::kBFloat16 && plain_rules(a) && a.softcap == 0 && !a.sinks;
     return sdpa_case ? LocalKernel::kSdpa : LocalKernel::kFused;
   }
   if (requested == LocalKernel::kFused) {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <map>
 
 #include "testing.h"
 
@@ -82,7 +83,7 @@ TEST(LocalKernelRule, EachCaseRunsWhereTheRuleSaysAndExactly) {
   struct Case {
     const char* name;
     std::function<void(LocalAttentionArgs&)> set;
-    LocalKernel want;
+    LocalKernel bf16;  // Where bf16 runs; fp32 and fp16 run on the fused kernel, fp64 on math.
     std::vector<int64_t> kv_map = {0, 0, 1, 1};
   };
   const std::vector<Case> cases = {
@@ -99,8 +100,11 @@ TEST(LocalKernelRule, EachCaseRunsWhereTheRuleSaysAndExactly) {
       {"softcap", [](LocalAttentionArgs& a) { a.softcap = 2.0; }, LocalKernel::kFused},
       {"sinks", [&](LocalAttentionArgs& a) { a.sinks = sinks; }, LocalKernel::kFused},
   };
+  // Relative error against the fp64 reference: each dtype's rounding of q, k, v and the output.
+  const std::map<at::ScalarType, double> tolerance = {
+      {at::kFloat, 1e-5}, {at::kDouble, 1e-12}, {at::kHalf, 5e-3}, {at::kBFloat16, 3e-2}};
   for (const Case& c : cases) {
-    for (const at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+    for (const auto& [dtype, tol] : tolerance) {
       std::vector<at::Tensor> ours, ref;
       for (const bool reference : {false, true}) {
         const at::ScalarType t = reference ? at::kDouble : dtype;
@@ -111,7 +115,9 @@ TEST(LocalKernelRule, EachCaseRunsWhereTheRuleSaysAndExactly) {
         c.set(a);
         if (a.sinks) a.sinks = a.sinks->to(t);
         if (!reference) {
-          const LocalKernel want = dtype == at::kDouble ? LocalKernel::kMath : c.want;
+          const LocalKernel want = dtype == at::kDouble     ? LocalKernel::kMath
+                                   : dtype == at::kBFloat16 ? c.bf16
+                                                            : LocalKernel::kFused;
           EXPECT_EQ(to_string(choose_local_kernel(a, LocalKernel::kAuto)), to_string(want))
               << c.name << " " << dtype;
         }
@@ -121,8 +127,7 @@ TEST(LocalKernelRule, EachCaseRunsWhereTheRuleSaysAndExactly) {
         into = {o, q.grad(), k.grad(), v.grad()};
       }
       for (size_t i = 0; i < ours.size(); ++i) {
-        EXPECT_LT(testing::rel_error(ours[i].to(at::kDouble), ref[i]),
-                  dtype == at::kDouble ? 1e-12 : 1e-5)
+        EXPECT_LT(testing::rel_error(ours[i].to(at::kDouble), ref[i]), tol)
             << c.name << " " << dtype << " output/grad " << i;
       }
     }

@@ -67,12 +67,13 @@ enum class LocalKernel {
 // "auto", "fused", "sdpa" or "math"; throws c10::ValueError naming the choices otherwise.
 LocalKernel parse_local_kernel(const std::string& name);
 std::string to_string(LocalKernel kernel);
-// Note [Local attention by case]: the kernel a case runs on. kAuto, on CPU: plain or causal
-// attention with no other rule (no mask, documents, window, global rows, softcap or sinks)
-// takes SDPA, torch's flash kernel, which is faster there; every other case the fused kernel,
-// which skips the tiles its rules exclude; fp64 the math kernel (exact in fp64). Other devices:
-// SDPA (flash or memory-efficient backends on CUDA), math for a softcap or sinks. A requested
-// kernel that cannot run the case raises c10::ValueError saying which kernels can.
+// Note [Local attention by case]: the kernel a case runs on. kAuto, on CPU: fp64 the math
+// kernel (exact in fp64); bf16 plain or causal attention with no other rule (no mask,
+// documents, window, global rows, softcap or sinks) torch's SDPA, which multiplies in bf16;
+// every other case, fp32 and fp16 plain attention included, the fused kernel, which is the
+// faster there and skips the tiles its rules exclude. Other devices: SDPA (flash or
+// memory-efficient backends on CUDA), math for a softcap or sinks. A requested kernel that
+// cannot run the case raises c10::ValueError saying which kernels can.
 LocalKernel choose_local_kernel(const LocalAttentionArgs& args, LocalKernel requested);
 // Local attention on choose_local_kernel(args, kernel). Differentiable.
 at::Tensor local_attention(const LocalAttentionArgs& args, LocalKernel kernel = LocalKernel::kAuto);

@@ -13,6 +13,7 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -22,14 +23,19 @@ namespace ulysses {
 
 // Tile sizes of flash_attention.
 struct FlashOptions {
-  int64_t block_q = 128;  // Query rows per tile, >= 1.
+  int64_t block_q = 256;  // Query rows per tile, >= 1.
   // Keys per tile, >= 1; 0 picks the largest multiple of 16 (<= 256) for which every tile
-  // GEMM has block_q * block_k * max(D, Dv) <= 2^21 multiply-adds: 256 for D = 64. Measured
-  // on 2 cores at S = 4096 (GQA 8/2, D 64, fwd+bwd, runs alternated): 64 x 128 tiles took
-  // 1.12x (full) and 1.10x (causal) the time of 128 x 256; the GEMMs are MKL's sgemm_
-  // (single-threaded inside our parallel loop), whose per-call cost small tiles amortise less.
+  // GEMM has block_q * block_k * max(D, Dv) <= 2^22 multiply-adds: 256 x 256 tiles for D = 64.
+  // The passes are GEMM-bound (MKL's sgemm_, single-threaded inside our parallel loop), and
+  // larger tiles amortise its per-call packing: measured on 2 cores at S = 4096 (GQA 8/2, D 64,
+  // fwd+bwd, `ulysses bench attention --block-q --block-k`), 128 x 256 tiles took 1.28x the time
+  // of 256 x 256, and 128 x 512 1.10x.
   int64_t block_k = 0;
 };
+
+// The instruction set the kernel runs in: "AVX512", "AVX2" or "DEFAULT", as ATen chose for
+// this CPU (at::get_cpu_capability(); the environment variable ATEN_CPU_CAPABILITY lowers it).
+std::string flash_attention_isa();
 
 // Same contract as math_attention (see attention.h), without materialising [S, S] scores.
 // Differentiable in q, k, v and a floating-point mask. fp64 inputs fall back to

@@ -304,7 +304,7 @@ def rebuild_mask(mask: torch.Tensor, q_heads: int, kv_heads: int, seq_lens: Sequ
 
 
 @torch.library.register_fake("ulysses::flash_attention")
-def _(q, k, v, kv_map, mask, positions, causal, scale, rows, block_q=128, block_k=0, window=0, softcap=0.0,
+def _(q, k, v, kv_map, mask, positions, causal, scale, rows, block_q=256, block_k=0, window=0, softcap=0.0,
       sinks=None):
     B, H, S, _ = q.shape
     return q.new_empty((B, H, S, v.shape[-1])), q.new_empty((B, H, S), dtype=torch.float32)
@@ -312,7 +312,7 @@ def _(q, k, v, kv_map, mask, positions, causal, scale, rows, block_q=128, block_
 
 @torch.library.register_fake("ulysses::flash_attention_backward")
 def _(grad_out, q, k, v, out, lse, kv_map, mask, positions, causal, scale, mask_grad, rows,
-      block_q=128, block_k=0, window=0, softcap=0.0):
+      block_q=256, block_k=0, window=0, softcap=0.0):
     dmask = mask.new_empty(mask.shape) if mask_grad else q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask
 
@@ -344,8 +344,8 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: S
     """Local attention (BHSD, as ``flash_attention``) on the exact kernel ``kernel`` names:
     ``"fused"`` (the CPU kernel), ``"sdpa"`` (torch's SDPA, any device), ``"math"`` (any dtype,
     fp64 exact) or ``"auto"``, the library's rule (Note [Local attention by case] in
-    include/ulysses/attention.h): on CPU SDPA for plain or causal attention and the fused kernel
-    for every other rule, math for fp64; SDPA elsewhere."""
+    include/ulysses/attention.h): on CPU the fused kernel, but SDPA for bf16 with no mask or rule
+    other than causal, and math for fp64; SDPA elsewhere."""
     return _ops.local_attention(q, k, v, list(kv_map), mask, positions, causal,
                                 0.0 if scale is None else float(scale), kernel, window,
                                 float(softcap or 0.0), sinks)

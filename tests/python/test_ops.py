@@ -3,6 +3,10 @@ and each op's values against slicing of full single-rank tensors."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -78,6 +82,49 @@ def test_opcheck_flash_attention(with_mask):
                           (g, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
                            [0, 0, 1, 1], None if mask is None else mask.detach(), pos, True, 0.0,
                            with_mask, []))
+
+
+_ISA_CHECK = """
+import torch, ulysses
+from ulysses import _C, ops as U
+torch.manual_seed(0)
+S, kv = 200, [0, 0, 1, 1, 1]
+pos = torch.cat([torch.arange(70), torch.arange(130)])
+mask = torch.randn(1, 5, S, S, dtype=torch.float64)
+ref = [t.requires_grad_() for t in (torch.randn(1, 5, S, 24, dtype=torch.float64),
+       torch.randn(1, 2, S, 24, dtype=torch.float64), torch.randn(1, 2, S, 20, dtype=torch.float64))]
+ours = [t.detach().float().requires_grad_() for t in ref]
+g = torch.randn(1, 5, S, 20, dtype=torch.float64)
+worst = 0.0
+for causal, use_mask in [(False, True), (True, False)]:
+    o_ref = U.local_attention(*ref, kv, mask=mask if use_mask else None, positions=pos, causal=causal,
+                              kernel="math")
+    o = U.flash_attention(*ours, kv, mask=mask.float() if use_mask else None, positions=pos,
+                          causal=causal)
+    grads_ref = torch.autograd.grad(o_ref, ref, g)
+    grads = torch.autograd.grad(o, ours, g.float())
+    for a, b in zip((o, *grads), (o_ref, *grads_ref)):
+        worst = max(worst, ((a.double() - b).norm() / b.norm()).item())
+print(_C.flash_attention_isa(), worst)
+"""
+
+
+@pytest.mark.parametrize("isa", ["default", "avx2", "avx512"])
+def test_flash_kernel_in_each_instruction_set(isa):
+    """The fused kernel is built once per instruction set and runs the one ATen picks (lowered
+    by ATEN_CPU_CAPABILITY): each build this CPU can run matches the fp64 math kernel, forward
+    and backward, with documents, a float mask and the causal rule."""
+    order = ["DEFAULT", "AVX2", "AVX512"]
+    supported = torch.backends.cpu.get_cpu_capability()  # What this CPU allows, unlowered.
+    if supported not in order:
+        pytest.skip(f"the kernel's instruction-set builds are x86's; this CPU runs {supported}")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=isa)
+    proc = subprocess.run([sys.executable, "-c", _ISA_CHECK], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    ran, worst = proc.stdout.split()
+    assert ran == order[min(order.index(isa.upper()), order.index(supported))]
+    assert float(worst) < 1e-5
 
 
 def test_opcheck_sequence_lengths():
