@@ -259,6 +259,15 @@ bench::Record measure(const AttentionBench& o, const Runtime& runtime, int64_t S
         [&] { step(fused, in, o.kv_map, causal, positions, no_window); }, 1, o.repeats);
     r.add("fused_no_window", full).add("no_window_over_window", full.median / f.median);
   }
+  if (o.dtype != at::kFloat) {  // The kernel on the same values in fp32: what bf16 buys.
+    Inputs in32 = in;
+    for (at::Tensor* t : {&in32.q, &in32.k, &in32.v}) {
+      *t = t->detach().to(at::kFloat).requires_grad_();
+    }
+    const auto t = bench::time_ms([&] { step(fused, in32, o.kv_map, causal, positions, rules); },
+                                  1, o.repeats);
+    r.add("fused_fp32", t).add("fp32_over_fused", t.median / f.median);
+  }
   if (sdpa) {  // (None for a softcap, which SDPA has no equivalent of.)
     const auto t =
         bench::time_ms([&] { step(*sdpa, in, o.kv_map, causal, positions, rules); }, 1, o.repeats);
@@ -307,6 +316,8 @@ const std::vector<std::string> kColumns{"seq_len",
                                         "fused_ms",
                                         "fused_spread",
                                         "no_window_over_window",
+                                        "fused_fp32_ms",
+                                        "fp32_over_fused",
                                         "sdpa_ms",
                                         "sdpa_over_fused",
                                         "math_ms",

@@ -166,12 +166,12 @@ LocalKernel choose_local_kernel(const LocalAttentionArgs& a, LocalKernel request
     // SDPA has neither a softcap nor sinks.
     if (!cpu) return a.softcap > 0 || a.sinks ? LocalKernel::kMath : LocalKernel::kSdpa;
     if (fp64) return LocalKernel::kMath;
-    // bf16 without any rule: torch's SDPA multiplies in bf16 (oneDNN), ours in fp32, so SDPA
-    // is the faster there (bench attention --dtype bfloat16). Everything else, fp32 and fp16
-    // plain or causal included: ours, the faster there (sdpa_over_fused >= 1 from S = 256 to
-    // 8192; SDPA's fp16 is ~8x slower still), and the only one that skips what rules exclude.
-    const bool sdpa_case =
-        a.q.scalar_type() == at::kBFloat16 && plain_rules(a) && a.softcap == 0 && !a.sinks;
+    // Ours is the faster for fp32 and fp16 (sdpa_over_fused >= 1 from S = 256 to 8192; SDPA's
+    // fp16 is ~8x slower still) and for bf16 where it multiplies in bf16 (AVX512-BF16), and it
+    // skips what rules exclude. bf16 with no rule on a CPU without AVX512-BF16: SDPA, whose
+    // bf16 GEMMs (oneDNN) beat our fp32 compute there.
+    const bool sdpa_case = a.q.scalar_type() == at::kBFloat16 && !flash_attention_bf16_gemm() &&
+                           plain_rules(a) && a.softcap == 0 && !a.sinks;
     return sdpa_case ? LocalKernel::kSdpa : LocalKernel::kFused;
   }
   if (requested == LocalKernel::kFused) {

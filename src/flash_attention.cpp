@@ -9,6 +9,7 @@
 #include <string>
 
 #include "detail/flash_kernel.h"
+#include "detail/gemm_bf16.h"
 #include "detail/kernel_ops.h"
 #include "ulysses/mask_decision.h"
 
@@ -31,10 +32,18 @@ const detail::FlashPasses& passes() {
   return chosen;
 }
 
+// bf16 inputs multiply in bf16 where the AVX512 passes run and the CPU has AVX512-BF16 (the
+// bf16 GEMM, detail/gemm_bf16.h); every other input is read as fp32.
+at::ScalarType kernel_dtype(const LocalAttentionArgs& a) {
+  const bool bf16 = a.q.scalar_type() == at::kBFloat16 && a.k.scalar_type() == at::kBFloat16 &&
+                    a.v.scalar_type() == at::kBFloat16;
+  return bf16 && flash_attention_bf16_gemm() ? at::kBFloat16 : at::kFloat;
+}
+
 // Float rows with a contiguous last dim and a BLAS-valid row stride, as the kernel reads
 // them (a no-op for fp32 BHSD tensors and for BSHD tensors viewed as BHSD).
-at::Tensor as_kernel_input(const at::Tensor& t) {
-  at::Tensor f = t.scalar_type() == at::kFloat ? t : t.to(at::kFloat);
+at::Tensor as_kernel_input(const at::Tensor& t, at::ScalarType dtype) {
+  at::Tensor f = t.scalar_type() == dtype ? t : t.to(dtype);
   const bool usable = f.stride(3) == 1 && f.stride(2) >= std::max<int64_t>(1, f.size(3));
   return usable ? f : f.contiguous();
 }
@@ -128,9 +137,11 @@ Problem make_problem(const LocalAttentionArgs& a, const FlashOptions& options) {
   check_problem(a, options);
   Problem p;
   // Detached: the backward node keeps these, and must not keep autograd history alive.
-  p.q = as_kernel_input(a.q).detach();
-  p.k = as_kernel_input(a.k).detach();
-  p.v = as_kernel_input(a.v).detach();
+  const at::ScalarType dtype = kernel_dtype(a);
+  p.bf16 = dtype == at::kBFloat16;
+  p.q = as_kernel_input(a.q, dtype).detach();
+  p.k = as_kernel_input(a.k, dtype).detach();
+  p.v = as_kernel_input(a.v, dtype).detach();
   p.B = a.q.size(0), p.Hq = a.q.size(1), p.Sq = a.q.size(2), p.D = a.q.size(3);
   p.Hkv = a.k.size(1), p.Sk = a.k.size(2), p.Dv = a.v.size(3);
   p.kv_map = a.kv_map;
@@ -173,7 +184,8 @@ std::vector<at::Tensor> flash_attention_backward(const at::Tensor& grad_out,
   const Problem p = make_problem(a, options);
   at::NoGradGuard no_grad;
   FlashGrads g =
-      passes().backward(p, as_kernel_input(grad_out), out.to(at::kFloat), lse, mask_grad);
+      passes().backward(p, as_kernel_input(grad_out, p.q.scalar_type()), out.to(at::kFloat),
+                        lse, mask_grad);
   std::vector<at::Tensor> result{g.dq.to(a.q.scalar_type()), g.dk.to(a.k.scalar_type()),
                                  g.dv.to(a.v.scalar_type()), at::Tensor()};
   if (mask_grad) result[3] = g.dbias.sum_to_size(a.mask->sizes()).to(a.mask->scalar_type());
@@ -181,6 +193,10 @@ std::vector<at::Tensor> flash_attention_backward(const at::Tensor& grad_out,
 }
 
 std::string flash_attention_isa() { return passes().isa; }
+
+bool flash_attention_bf16_gemm() {
+  return std::string(passes().isa) == "AVX512" && detail::has_bf16_gemm();
+}
 
 at::Tensor flash_attention(const LocalAttentionArgs& a, const FlashOptions& options) {
   if (a.q.scalar_type() == at::kDouble) return math_attention(a);

@@ -9,8 +9,10 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "detail/flash_kernel.h"
+#include "detail/gemm_bf16.h"
 
 #ifndef CPU_CAPABILITY
 #error "flash_kernel.cpp is compiled with CPU_CAPABILITY set to DEFAULT, AVX2 or AVX512"
@@ -42,6 +44,25 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
   const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
   sgemm_(&ta, &tb, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
 }
+
+// The tile GEMMs of one thread: sgemm when both operands are fp32, else the bf16 GEMM (fp32
+// operands, the probabilities and their gradients, rounded to bf16), with its packing scratch.
+struct TileGemm {
+  std::vector<uint32_t> scratch;
+
+  template <typename TA, typename TB>
+  void operator()(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                  const TA* A, int64_t lda, const TB* B, int64_t ldb, float beta, float* C,
+                  int64_t ldc) {
+    if constexpr (std::is_same_v<TA, float> && std::is_same_v<TB, float>) {
+      gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    } else {
+      const auto need = static_cast<size_t>(gemm_bf16_scratch(M, N, K));
+      if (scratch.size() < need) scratch.resize(need);
+      gemm_bf16(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, scratch.data());
+    }
+  }
+};
 
 // exp(x) to ~2 ulp for x in [-87, 88]; exactly 0 below (-inf gives 0) and NaN stays NaN. The
 // softmax's hot loop: at::vec's own exp is a call into Sleef per vector, and its exp_u20 loses
@@ -90,18 +111,20 @@ void scale_row(float* row, int64_t n, float factor) {
   at::vec::map([factor](Vec x) { return x * Vec(factor); }, row, row, n);
 }
 
-// A 4-D float tensor whose last dim is contiguous, as strides for pointer arithmetic.
+// A 4-D fp32 or bf16 tensor whose last dim is contiguous, as strides for pointer arithmetic.
+template <typename T>
 struct Strided {
-  const float* data = nullptr;
+  const T* data = nullptr;
   int64_t s0 = 0, s1 = 0, s2 = 0;
-  const float* at(int64_t i0, int64_t i1, int64_t i2) const {
+  const T* at(int64_t i0, int64_t i1, int64_t i2) const {
     return data + i0 * s0 + i1 * s1 + i2 * s2;
   }
 };
 
-Strided strided(const at::Tensor& t) {
-  TORCH_INTERNAL_ASSERT(t.scalar_type() == at::kFloat && t.stride(3) == 1);
-  return {t.data_ptr<float>(), t.stride(0), t.stride(1), t.stride(2)};
+template <typename T>
+Strided<T> strided(const at::Tensor& t) {
+  TORCH_INTERNAL_ASSERT(t.scalar_type() == c10::CppTypeToScalarType<T>::value && t.stride(3) == 1);
+  return {t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2)};
 }
 
 // Caps the scores of tile s (rows x cols, leading dim lds): s = softcap * tanh(s / softcap).
@@ -174,20 +197,23 @@ void mask_tile(const FlashProblem& p, int64_t b, int64_t h, int64_t i0, int64_t 
   }
 }
 
+template <typename T>
 std::pair<at::Tensor, at::Tensor> forward(const FlashProblem& p) {
-  at::Tensor out = at::empty({p.B, p.Hq, p.Sq, p.Dv}, p.q.options());
-  at::Tensor lse = at::empty({p.B, p.Hq, p.Sq}, p.q.options());
-  const Strided q = strided(p.q), k = strided(p.k), v = strided(p.v);
+  const auto f32 = p.q.options().dtype(at::kFloat);
+  at::Tensor out = at::empty({p.B, p.Hq, p.Sq, p.Dv}, f32);
+  at::Tensor lse = at::empty({p.B, p.Hq, p.Sq}, f32);
+  const auto q = strided<T>(p.q), k = strided<T>(p.k), v = strided<T>(p.v);
   const int64_t n_qb = (p.Sq + p.bq - 1) / p.bq;
   float* out_p = out.data_ptr<float>();
   float* lse_p = lse.data_ptr<float>();
   at::parallel_for(0, p.B * p.Hq * n_qb, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(p.bq * p.bk), acc(p.bq * p.Dv), m(p.bq), l(p.bq);
+    TileGemm gemm;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t qb = task % n_qb, h = (task / n_qb) % p.Hq, b = task / (n_qb * p.Hq);
       const int64_t i0 = qb * p.bq, rows = std::min(p.bq, p.Sq - i0);
       const int64_t g = p.kv_map[h];
-      const float* Q = q.at(b, h, i0);
+      const T* Q = q.at(b, h, i0);
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(m.begin(), m.end(), kNegInf);
       std::fill(l.begin(), l.end(), 0.0f);
@@ -235,32 +261,35 @@ std::pair<at::Tensor, at::Tensor> forward(const FlashProblem& p) {
 
 // Tasks own (batch, kv head, key blocks kb = c mod C): dk and dv of their key blocks and, when
 // C == 1, dq of the kv head's query heads, so no two tasks write the same memory.
+template <typename T>
 FlashGrads backward(const FlashProblem& p, const at::Tensor& d_out, const at::Tensor& out,
                     const at::Tensor& lse, bool want_dbias) {
-  const Strided q = strided(p.q), k = strided(p.k), v = strided(p.v);
+  const auto q = strided<T>(p.q), k = strided<T>(p.k), v = strided<T>(p.v);
+  const auto f32 = p.q.options().dtype(at::kFloat);
   const int64_t n_qb = (p.Sq + p.bq - 1) / p.bq, n_kb = (p.Sk + p.bk - 1) / p.bk;
   const int64_t threads = at::get_num_threads();
   const int64_t chunks =
       std::max<int64_t>(1, std::min(n_kb, (threads + p.B * p.Hkv - 1) / (p.B * p.Hkv)));
   at::Tensor delta = (d_out * out).sum(-1);  // [B, Hq, Sq]
-  at::Tensor dq_parts = at::zeros({chunks, p.B, p.Hq, p.Sq, p.D}, p.q.options());
+  at::Tensor dq_parts = at::zeros({chunks, p.B, p.Hq, p.Sq, p.D}, f32);
   FlashGrads g;
-  g.dk = at::empty({p.B, p.Hkv, p.Sk, p.D}, p.q.options());
-  g.dv = at::empty({p.B, p.Hkv, p.Sk, p.Dv}, p.q.options());
-  if (want_dbias) g.dbias = at::zeros({p.B, p.Hq, p.Sq, p.Sk}, p.q.options());
-  const Strided dO = strided(d_out);
+  g.dk = at::empty({p.B, p.Hkv, p.Sk, p.D}, f32);
+  g.dv = at::empty({p.B, p.Hkv, p.Sk, p.Dv}, f32);
+  if (want_dbias) g.dbias = at::zeros({p.B, p.Hq, p.Sq, p.Sk}, f32);
+  const auto dO = strided<T>(d_out);
   const float* lse_p = lse.data_ptr<float>();
   const float* delta_p = delta.data_ptr<float>();
   at::parallel_for(0, p.B * p.Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(p.bq * p.bk), dp(p.bq * p.bk), dk(p.bk * p.D), dv(p.bk * p.Dv);
     std::vector<float> slope(p.softcap > 0 ? p.bq * p.bk : 0);  // d(capped score)/d(score).
+    TileGemm gemm;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t c = task % chunks, kvh = (task / chunks) % p.Hkv, b = task / (chunks * p.Hkv);
       float* dq_base = dq_parts.data_ptr<float>() + c * p.B * p.Hq * p.Sq * p.D;
       for (int64_t kb = c; kb < n_kb; kb += chunks) {
         const int64_t j0 = kb * p.bk, cols = std::min(p.bk, p.Sk - j0);
-        const float* K = k.at(b, kvh, j0);
-        const float* V = v.at(b, kvh, j0);
+        const T* K = k.at(b, kvh, j0);
+        const T* V = v.at(b, kvh, j0);
         std::fill(dk.begin(), dk.end(), 0.0f);
         std::fill(dv.begin(), dv.end(), 0.0f);
         for (int64_t h = 0; h < p.Hq; ++h) {
@@ -269,8 +298,8 @@ FlashGrads backward(const FlashProblem& p, const at::Tensor& d_out, const at::Te
           for (int64_t qb = 0; qb < n_qb; ++qb) {
             const int64_t i0 = qb * p.bq, rows = std::min(p.bq, p.Sq - i0);
             if (p.skip(b, i0, rows, j0, cols)) continue;
-            const float* Q = q.at(b, h, i0);
-            const float* dO_i = dO.at(b, h, i0);
+            const T* Q = q.at(b, h, i0);
+            const T* dO_i = dO.at(b, h, i0);
             gemm(false, true, rows, cols, p.D, p.scale, Q, q.s2, K, k.s2, 0.0f, s.data(), p.bk);
             if (p.softcap > 0) cap_tile(p, rows, cols, s.data(), p.bk, slope.data());
             mask_tile(p, b, h, i0, rows, j0, cols, s.data(), p.bk);
@@ -315,8 +344,18 @@ FlashGrads backward(const FlashProblem& p, const at::Tensor& d_out, const at::Te
 
 }  // namespace
 
+std::pair<at::Tensor, at::Tensor> forward_any(const FlashProblem& p) {
+  return p.bf16 ? forward<c10::BFloat16>(p) : forward<float>(p);
+}
+
+FlashGrads backward_any(const FlashProblem& p, const at::Tensor& d_out, const at::Tensor& out,
+                        const at::Tensor& lse, bool want_dbias) {
+  return p.bf16 ? backward<c10::BFloat16>(p, d_out, out, lse, want_dbias)
+                : backward<float>(p, d_out, out, lse, want_dbias);
+}
+
 FlashPasses flash_passes() {
-  return {forward, backward, C10_STRINGIZE(CPU_CAPABILITY)};
+  return {forward_any, backward_any, C10_STRINGIZE(CPU_CAPABILITY)};
 }
 
 }  // namespace CPU_CAPABILITY

@@ -275,6 +275,57 @@ TEST(FlashAttention, SinksMatchMathAttentionWithTheirGradient) {
   }
 }
 
+// bf16 inputs against the fp64 math kernel on the same values. Where the CPU has AVX512-BF16
+// every tile GEMM multiplies in bf16 (fp32 accumulation, softmax statistics in fp32), so the
+// error is bf16's rounding of the probabilities, their gradients and the output (~2e-3
+// relative); elsewhere the kernel computes in fp32. Tolerance 1e-2, forward and backward, with
+// documents, masks (a learnable one included), windows and an uneven kv map, on several tiles.
+TEST(FlashBf16, MatchesFp64WithMasksAndDocuments) {
+  const int64_t B = 2, H = 4, S = 150, D = 64;
+  at::Tensor pos = at::arange(S, at::kLong).remainder(47).expand({B, S}).contiguous();
+  struct Case {
+    const char* name;
+    bool causal = false, packed = false;
+    int64_t window = 0;
+    int mask = 0;  // 0 none, 1 bool [B, 1, S, S], 2 learnable float [B, 1, S, S].
+    std::vector<int64_t> kv_map = {0, 0, 1, 1};
+  };
+  for (const Case& c : {Case{"causal", true}, Case{"documents", true, true},
+                        Case{"bidirectional documents", false, true},
+                        Case{"bool mask", false, false, 0, 1},
+                        Case{"learnable mask", true, false, 0, 2},
+                        Case{"window", true, false, 40}, Case{"uneven kv map", true, true, 0, 0,
+                                                              {1, 0, 0, 1}}}) {
+    std::vector<at::Tensor> got, want;
+    for (const at::ScalarType t : {at::kBFloat16, at::kDouble}) {
+      auto leaf = [&](std::vector<int64_t> shape, uint64_t seed) {
+        return seeded_randn(shape, seed).to(at::kBFloat16).to(t).requires_grad_();
+      };
+      at::Tensor q = leaf({B, H, S, D}, 1), k = leaf({B, 2, S, D}, 2), v = leaf({B, 2, S, D}, 3);
+      c10::optional<at::Tensor> mask;
+      if (c.mask == 1) mask = seeded_randn({B, 1, S, S}, 5).gt(-0.7);
+      if (c.mask == 2) {
+        mask = seeded_randn({B, 1, S, S}, 5).to(t == at::kDouble ? at::kDouble : at::kFloat);
+        mask->requires_grad_();
+      }
+      LocalAttentionArgs a{q, k, v, c.kv_map, mask, c.packed ? c10::optional<at::Tensor>(pos)
+                                                             : c10::nullopt,
+                           c.causal, 0.0};
+      a.window = c.window;
+      at::Tensor o = t == at::kDouble ? math_attention(a) : flash_attention(a, {64, 64});
+      (o.to(at::kDouble) * seeded_randn(o.sizes(), 6).to(at::kDouble)).sum().backward();
+      auto& into = t == at::kDouble ? want : got;
+      into = {o, q.grad(), k.grad(), v.grad()};
+      if (c.mask == 2) into.push_back(mask->grad());
+    }
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_LT(rel_error(got[i].to(at::kDouble), want[i]), 1e-2)
+          << c.name << " output/grad " << i << " (bf16 GEMM: " << flash_attention_bf16_gemm()
+          << ")";
+    }
+  }
+}
+
 TEST(FlashAttention, MultiThreadedMatchesSingleThreaded) {
   const int threads = at::get_num_threads();
   at::Tensor q = seeded_randn({1, 4, 90, 16}, 1).requires_grad_(),

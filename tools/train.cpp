@@ -32,7 +32,7 @@ struct TrainOptions {
   int dp = 0;                   // --dp: data-parallel size; 0: the world divided by sp.
   int ring = 1;                 // --ring: ring ranks R in each SP group (SP = Ulysses x R).
   int64_t seq_len = 256;        // --seq-len: tokens per sequence S, >= 1.
-  int64_t batch = 8;            // --batch: sequences per DP rank and step, >= 1.
+  int64_t batch = 16;           // --batch: sequences per DP rank and step, >= 1.
   int64_t steps = 400;          // --steps: optimiser steps in all, >= 0.
   int64_t pairs = 16;           // --pairs: key/value pairs per retrieval sequence, >= 1.
   double lr = 5e-3;             // --lr: peak learning rate, in [0, 10].

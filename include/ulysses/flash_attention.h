@@ -37,6 +37,10 @@ struct FlashOptions {
 // this CPU (at::get_cpu_capability(); the environment variable ATEN_CPU_CAPABILITY lowers it).
 std::string flash_attention_isa();
 
+// True when bf16 inputs multiply in bf16 here: the AVX512 passes run and the CPU has
+// AVX512-BF16 (fp32 accumulation and softmax); elsewhere bf16 and fp16 compute in fp32.
+bool flash_attention_bf16_gemm();
+
 // Same contract as math_attention (see attention.h), without materialising [S, S] scores.
 // Differentiable in q, k, v and a floating-point mask. fp64 inputs fall back to
 // math_attention.

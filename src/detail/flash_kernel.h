@@ -15,7 +15,7 @@ namespace ulysses::detail {
 
 // Everything a forward or backward pass reads; tensors hold the memory the pointers refer to.
 struct FlashProblem {
-  at::Tensor q, k, v;           // fp32, last dim contiguous, BHSD.
+  at::Tensor q, k, v;           // fp32 (or bf16 with `bf16`), last dim contiguous, BHSD.
   at::Tensor bias;              // Additive float mask expanded to [B, Hq, Sq, Sk], or {}.
   at::Tensor allowed;           // Bool mask expanded to [B, Hq, Sq, Sk], or {}.
   at::Tensor q_index, k_index;  // [Sq], [Sk] contiguous int64 global rows (causal rule).
@@ -25,6 +25,9 @@ struct FlashProblem {
   int64_t window = 0;    // > 0: keys with index <= query index - window are not seen.
   float softcap = 0.0f;  // > 0: scores s become softcap * tanh(s / softcap) before the masks.
   float scale = 1.0f;
+  // q, k, v and the backward's d_out are bf16 and every tile GEMM multiplies in bf16 (fp32
+  // accumulation, softmax statistics and gradients in fp32; detail/gemm_bf16.h).
+  bool bf16 = false;
   int64_t bq = 128, bk = 256;
   int64_t B = 0, Hq = 0, Hkv = 0, Sq = 0, Sk = 0, D = 0, Dv = 0;
 
@@ -49,8 +52,8 @@ struct FlashGrads {
 };
 
 // One instruction set's passes. forward: out [B, Hq, Sq, Dv] and lse [B, Hq, Sq] (fp32,
-// contiguous). backward: from d_out [B, Hq, Sq, Dv] (q's dtype, last dim contiguous, any other
-// strides) and the forward's out and lse.
+// contiguous). backward: from d_out [B, Hq, Sq, Dv] (q's kernel dtype, last dim contiguous, any
+// other strides) and the forward's out and lse.
 struct FlashPasses {
   std::pair<at::Tensor, at::Tensor> (*forward)(const FlashProblem&);
   FlashGrads (*backward)(const FlashProblem&, const at::Tensor& d_out, const at::Tensor& out,
