@@ -114,10 +114,13 @@ bench::Stats time_ours_and_raw(const A2aCase& c, bench::Record& r) {
   // (scripts/netns_hosts.sh sets LINK_RATE_BITS) also as a share of the configured link.
   double sent_bits = 0;
   for (const at::Tensor& x : raw_in) sent_bits += 8.0 * x.nbytes() * (P - 1) / P;
+  // Ours moves the same bytes, so its rate is the same bits over its own time.
   const double raw_gbit = sent_bits / (t.steps[1].median * 1e-3) / 1e9;
-  r.add("raw_gbit_per_s", raw_gbit);
+  const double ours_gbit = sent_bits / (t.steps[0].median * 1e-3) / 1e9;
+  r.add("raw_gbit_per_s", raw_gbit).add("ours_gbit_per_s", ours_gbit);
   if (const char* link = std::getenv("LINK_RATE_BITS")) {
     r.add("raw_over_link", raw_gbit * 1e9 / std::stod(link));
+    r.add("ours_over_link", ours_gbit * 1e9 / std::stod(link));
   }
   return t.steps[0];
 }
@@ -175,6 +178,8 @@ const std::vector<std::string> kColumns{"seq_len",
                                         "parts_over_raw_spread",
                                         "raw_gbit_per_s",
                                         "raw_over_link",
+                                        "ours_gbit_per_s",
+                                        "ours_over_link",
                                         "reference_ms",
                                         "reference_over_ours",
                                         "reference_matches",
@@ -228,7 +233,9 @@ int bench_a2a_main(const Argv& argv, const Runtime& runtime) {
   }
   if (!lead) return 0;
   std::cout << "\nsummary: P=" << P << ", " << layout_name << ", D=" << D
-            << ", fp32, Gloo on loopback, median of " << repeats
+            << ", fp32, Gloo "
+            << (std::getenv("LINK_RATE_BITS") ? "across test hosts" : "on loopback")
+            << ", median of " << repeats
             << " (each sample: slowest rank; ratios within each repeat, steps run in turn)\n";
   bench::print_table(records, kColumns);
   const bool all_referenced = std::all_of(records.begin(), records.end(), [](const auto& r) {

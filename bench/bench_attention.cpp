@@ -172,7 +172,7 @@ AttentionBench parse(const Argv& argv) {
                         ? args.real("--math-limit-gb", 0.0)
                         : 0.6 * sysconf(_SC_PHYS_PAGES) * sysconf(_SC_PAGE_SIZE) / 1e9;
   o.json = args.str("--json");
-  o.blocks.block_q = args.integer("--block-q", 1);
+  o.blocks.block_q = args.integer("--block-q", 0);
   o.blocks.block_k = args.integer("--block-k", 0);
   o.measure_peak = args.str("--measure-peak");
   if (o.dtype_name != "float32" && o.dtype_name != "bfloat16")

@@ -256,6 +256,7 @@ AUTOSP_CASES = [
     ("plain GQA 8/2, causal", "plain", 16, False),
     ("plain GQA 8/2, padding mask", "plain", 16, True),
     ("Llama, S even", "llama", 16, False),
+    ("Llama, S even, padding", "llama", 16, True),  # The one setup DeepSpeed's AutoSP runs in.
     ("Llama, S uneven, padding", "llama", 13, True),
 ]
 
@@ -402,6 +403,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--seq-lens", default="",
+                   help="comma-separated sequence lengths to time (default: --seq-len)")
+    p.add_argument("--heads", default="8/8,8/2",
+                   help="comma-separated query/kv head counts to time, e.g. 16/16,16/4")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default="")
     p.add_argument("--parts", default="matrix,autosp,timing",
@@ -423,11 +428,14 @@ def main():
             outcome, detail = autosp_outcome(r)
             autosp_rows.append({"system": system, "case": case[0], "outcome": outcome, "detail": detail})
             print(f"  autosp {system:10s} {case[0]:28s} {outcome}", flush=True)
-    for S, hq, hkv in [(args.seq_len, 8, 8), (args.seq_len, 8, 2)] if "timing" in parts else ():
+    seq_lens = [int(x) for x in args.seq_lens.split(",")] if args.seq_lens else [args.seq_len]
+    heads = [tuple(int(n) for n in h.split("/")) for h in args.heads.split(",")]
+    shapes = [(S, hq, hkv) for S in seq_lens for hq, hkv in heads]
+    for S, hq, hkv in shapes if "timing" in parts else ():
         for system in SYSTEMS:
             if available(system):
                 continue
-            r = run_world(P, ("time", system, (S, hq, hkv)), args, limit_s=180)
+            r = run_world(P, ("time", system, (S, hq, hkv)), args, limit_s=900)
             entry = {"system": system, "seq_len": S, "q_heads": hq, "kv_heads": hkv}
             entry.update(r if isinstance(r, dict) else {"error": f"{r[0]}: {r[1]}"})
             timing.append(entry)
@@ -442,10 +450,10 @@ def main():
         print(f"\ntime, B=1, D=64, fp32, slowest rank, median of {args.repeats}; x = system / ulysses in "
               f"this run. a2a: the forward all-to-alls alone (q, k, v in; o out). layer: attention "
               f"forward+backward, causal; peak: RSS one layer step adds")
-        base = {(t["seq_len"], t["kv_heads"]): t for t in result["timing"]
+        base = {(t["seq_len"], t["q_heads"], t["kv_heads"]): t for t in result["timing"]
                 if t["system"] == "ulysses" and "layer_ms" in t}
         for t in result["timing"]:
-            key = (t["seq_len"], t["kv_heads"])
+            key = (t["seq_len"], t["q_heads"], t["kv_heads"])
             if "layer_ms" in t:
                 b = base.get(key, {})
                 xa = t["a2a_ms"] / b["a2a_ms"] if b else float("nan")

@@ -74,9 +74,9 @@ void check_problem(const LocalAttentionArgs& a, const FlashOptions& options) {
   for (int64_t g : a.kv_map)
     TORCH_CHECK_VALUE(g >= 0 && g < a.k.size(1), "flash_attention: kv_map entry ", g,
                       " is out of range for ", a.k.size(1), " kv heads");
-  TORCH_CHECK_VALUE(options.block_q >= 1 && options.block_k >= 0,
-                    "flash_attention: block sizes must be >= 1; got ", options.block_q, ", ",
-                    options.block_k);
+  TORCH_CHECK_VALUE(options.block_q >= 0 && options.block_k >= 0,
+                    "flash_attention: block sizes must be >= 1 (0: chosen by the kernel); got ",
+                    options.block_q, ", ", options.block_k);
 }
 
 // The mask as the kernel reads it: bool `allowed` or float `bias`, expanded to
@@ -149,11 +149,13 @@ Problem make_problem(const LocalAttentionArgs& a, const FlashOptions& options) {
   p.window = a.window;
   p.softcap = static_cast<float>(a.softcap);
   p.scale = static_cast<float>(a.scale > 0 ? a.scale : 1.0 / std::sqrt(static_cast<double>(p.D)));
-  p.bq = options.block_q;
+  // Square tiles that shrink with short sequences, so the causal rule still skips most of
+  // the upper triangle (one 256-row tile at S = 256 would compute all of it).
+  p.bq = options.block_q > 0 ? options.block_q : p.Sq >= 2048 ? 256 : p.Sq >= 1024 ? 128 : 64;
   p.bk = options.block_k;
   if (p.bk == 0) {
     const int64_t fit = (int64_t{1} << 22) / (p.bq * std::max(p.D, p.Dv));
-    p.bk = std::max<int64_t>(16, std::min<int64_t>(256, fit / 16 * 16));
+    p.bk = std::max<int64_t>(16, std::min<int64_t>(std::max<int64_t>(p.bq, 64), fit / 16 * 16));
   }
   set_mask(p, a.mask);
   set_rows(p, a);

@@ -914,13 +914,13 @@ TORCH_LIBRARY(ulysses, m) {
       pt2);
   m.def(
       "flash_attention(Tensor q, Tensor k, Tensor v, int[] kv_map, Tensor? mask, "
-      "Tensor? positions, bool causal, float scale, Tensor[] rows, int block_q=256, "
+      "Tensor? positions, bool causal, float scale, Tensor[] rows, int block_q=0, "
       "int block_k=0, int window=0, float softcap=0., Tensor? sinks=None) -> (Tensor, Tensor)",
       pt2);
   m.def(
       "flash_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, int[] kv_map, Tensor? mask, Tensor? positions, bool causal, float scale, "
-      "bool mask_grad, Tensor[] rows, int block_q=256, int block_k=0, int window=0, float "
+      "bool mask_grad, Tensor[] rows, int block_q=0, int block_k=0, int window=0, float "
       "softcap=0.) -> "
       "(Tensor, Tensor, Tensor, Tensor)",
       pt2);

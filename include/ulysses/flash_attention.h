@@ -23,13 +23,15 @@ namespace ulysses {
 
 // Tile sizes of flash_attention.
 struct FlashOptions {
-  int64_t block_q = 256;  // Query rows per tile, >= 1.
-  // Keys per tile, >= 1; 0 picks the largest multiple of 16 (<= 256) for which every tile
-  // GEMM has block_q * block_k * max(D, Dv) <= 2^22 multiply-adds: 256 x 256 tiles for D = 64.
-  // The passes are GEMM-bound (MKL's sgemm_, single-threaded inside our parallel loop), and
-  // larger tiles amortise its per-call packing: measured on 2 cores at S = 4096 (GQA 8/2, D 64,
-  // fwd+bwd, `ulysses bench attention --block-q --block-k`), 128 x 256 tiles took 1.28x the time
-  // of 256 x 256, and 128 x 512 1.10x.
+  // Query rows per tile, >= 1; 0 picks 256 from S = 2048 on, 128 from 1024, else 64.
+  int64_t block_q = 0;
+  // Keys per tile, >= 1; 0 picks block_q (at least 64), or less where the tile GEMM would
+  // exceed block_q * block_k * max(D, Dv) = 2^22 multiply-adds (multiples of 16). The passes are
+  // GEMM-bound (MKL's sgemm_, single-threaded inside our parallel loop) and large tiles amortise
+  // its per-call packing; short sequences take small ones so that causal attention skips most of
+  // the upper triangle. Measured on 2 cores (`ulysses bench attention --block-q --block-k`, fp32,
+  // fwd+bwd): at S = 4096 (GQA 8/2, D 64) 128 x 256 tiles took 1.10x the time of 256 x 256; at
+  // S = 256 (B 16, 2/1 heads, D 16, causal) 256 x 256 tiles took 1.8x the time of 64 x 64.
   int64_t block_k = 0;
 };
 

@@ -304,7 +304,7 @@ def rebuild_mask(mask: torch.Tensor, q_heads: int, kv_heads: int, seq_lens: Sequ
 
 
 @torch.library.register_fake("ulysses::flash_attention")
-def _(q, k, v, kv_map, mask, positions, causal, scale, rows, block_q=256, block_k=0, window=0, softcap=0.0,
+def _(q, k, v, kv_map, mask, positions, causal, scale, rows, block_q=0, block_k=0, window=0, softcap=0.0,
       sinks=None):
     B, H, S, _ = q.shape
     return q.new_empty((B, H, S, v.shape[-1])), q.new_empty((B, H, S), dtype=torch.float32)
@@ -312,7 +312,7 @@ def _(q, k, v, kv_map, mask, positions, causal, scale, rows, block_q=256, block_
 
 @torch.library.register_fake("ulysses::flash_attention_backward")
 def _(grad_out, q, k, v, out, lse, kv_map, mask, positions, causal, scale, mask_grad, rows,
-      block_q=256, block_k=0, window=0, softcap=0.0):
+      block_q=0, block_k=0, window=0, softcap=0.0):
     dmask = mask.new_empty(mask.shape) if mask_grad else q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask
 
