@@ -264,8 +264,8 @@ bench::Record measure(const AttentionBench& o, const Runtime& runtime, int64_t S
     for (at::Tensor* t : {&in32.q, &in32.k, &in32.v}) {
       *t = t->detach().to(at::kFloat).requires_grad_();
     }
-    const auto t = bench::time_ms([&] { step(fused, in32, o.kv_map, causal, positions, rules); },
-                                  1, o.repeats);
+    const auto t = bench::time_ms([&] { step(fused, in32, o.kv_map, causal, positions, rules); }, 1,
+                                  o.repeats);
     r.add("fused_fp32", t).add("fp32_over_fused", t.median / f.median);
   }
   if (sdpa) {  // (None for a softcap, which SDPA has no equivalent of.)

@@ -185,9 +185,8 @@ std::vector<at::Tensor> flash_attention_backward(const at::Tensor& grad_out,
                     "flash_attention_backward: a mask gradient needs a floating-point mask");
   const Problem p = make_problem(a, options);
   at::NoGradGuard no_grad;
-  FlashGrads g =
-      passes().backward(p, as_kernel_input(grad_out, p.q.scalar_type()), out.to(at::kFloat),
-                        lse, mask_grad);
+  FlashGrads g = passes().backward(p, as_kernel_input(grad_out, p.q.scalar_type()),
+                                   out.to(at::kFloat), lse, mask_grad);
   std::vector<at::Tensor> result{g.dq.to(a.q.scalar_type()), g.dk.to(a.k.scalar_type()),
                                  g.dv.to(a.v.scalar_type()), at::Tensor()};
   if (mask_grad) result[3] = g.dbias.sum_to_size(a.mask->sizes()).to(a.mask->scalar_type());

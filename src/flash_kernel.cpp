@@ -1,6 +1,8 @@
 // The fused kernel's forward and backward passes (see flash_attention.h for the equations and
 // detail/flash_kernel.h for how this file is built once per instruction set). Every elementwise
 // loop is written in at::vec::Vectorized, so each build runs in its own vector width.
+#include "detail/flash_kernel.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -11,7 +13,6 @@
 #include <limits>
 #include <type_traits>
 
-#include "detail/flash_kernel.h"
 #include "detail/gemm_bf16.h"
 
 #ifndef CPU_CAPABILITY
@@ -164,8 +165,8 @@ void mask_tile(const FlashProblem& p, int64_t b, int64_t h, int64_t i0, int64_t 
     float* row = s + r * lds;
     if (p.bias.defined()) {
       const at::Tensor& t = p.bias;
-      const float* bp = t.data_ptr<float>() + b * t.stride(0) + h * t.stride(1) +
-                        i * t.stride(2) + j0 * t.stride(3);
+      const float* bp = t.data_ptr<float>() + b * t.stride(0) + h * t.stride(1) + i * t.stride(2) +
+                        j0 * t.stride(3);
       const int64_t st = t.stride(3);
       if (st == 1) {
         at::vec::map2([](Vec x, Vec y) { return x + y; }, row, row, bp, cols);
@@ -354,9 +355,7 @@ FlashGrads backward_any(const FlashProblem& p, const at::Tensor& d_out, const at
                 : backward<float>(p, d_out, out, lse, want_dbias);
 }
 
-FlashPasses flash_passes() {
-  return {forward_any, backward_any, C10_STRINGIZE(CPU_CAPABILITY)};
-}
+FlashPasses flash_passes() { return {forward_any, backward_any, C10_STRINGIZE(CPU_CAPABILITY)}; }
 
 }  // namespace CPU_CAPABILITY
 }  // namespace ulysses::detail

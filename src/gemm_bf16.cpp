@@ -30,9 +30,7 @@ __mmask16 first(int64_t n) {
 __m256i load16(const float* p, int64_t n) {
   return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(first(n), p)));
 }
-__m256i load16(const c10::BFloat16* p, int64_t n) {
-  return _mm256_maskz_loadu_epi16(first(n), p);
-}
+__m256i load16(const c10::BFloat16* p, int64_t n) { return _mm256_maskz_loadu_epi16(first(n), p); }
 
 uint16_t bf16_bits(float x) {
   return static_cast<uint16_t>(
@@ -43,8 +41,7 @@ uint16_t bf16_bits(c10::BFloat16 x) { return x.x; }
 // out[kk][x] = (src[2kk][x], src[2kk + 1][x]) for kk < ceil(rows / 2), x < width (zeros past
 // cols): the pairs of a matrix whose other index is contiguous.
 template <typename T>
-void pack_row_pairs(const T* src, int64_t ld, int64_t rows, int64_t cols, int64_t width,
-                    u32* out) {
+void pack_row_pairs(const T* src, int64_t ld, int64_t rows, int64_t cols, int64_t width, u32* out) {
   for (int64_t kk = 0; 2 * kk < rows; ++kk) {
     const T* r0 = src + 2 * kk * ld;
     const bool second = 2 * kk + 1 < rows;
@@ -152,7 +149,7 @@ void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, floa
   }
   const char* a;
   int64_t a_row, a_pair;  // Bytes from one row, and from one pair, to the next.
-  if (trans_a) {  // op(A)[m][k] = A[k][m]: pairs of A's rows.
+  if (trans_a) {          // op(A)[m][k] = A[k][m]: pairs of A's rows.
     const int64_t mp = round_up(M, 16);
     pack_row_pairs(A, lda, K, M, mp, ap);
     a = reinterpret_cast<const char*>(ap), a_row = sizeof(u32), a_pair = sizeof(u32) * mp;
@@ -182,8 +179,8 @@ bool has_bf16_gemm() { return false; }
 int64_t gemm_bf16_scratch(int64_t, int64_t, int64_t) { return 0; }
 
 template <typename TA, typename TB>
-void gemm_bf16(bool, bool, int64_t, int64_t, int64_t, float, const TA*, int64_t, const TB*,
-               int64_t, float, float*, int64_t, uint32_t*) {
+void gemm_bf16(bool, bool, int64_t, int64_t, int64_t, float, const TA*, int64_t, const TB*, int64_t,
+               float, float*, int64_t, uint32_t*) {
   throw std::logic_error("gemm_bf16: this build has no AVX512-BF16 GEMM (check has_bf16_gemm)");
 }
 
@@ -192,8 +189,8 @@ void gemm_bf16(bool, bool, int64_t, int64_t, int64_t, float, const TA*, int64_t,
 #endif
 
 namespace ulysses::detail {
-#define ULYSSES_GEMM_BF16(TA, TB)                                                                \
-  template void gemm_bf16<TA, TB>(bool, bool, int64_t, int64_t, int64_t, float, const TA*,       \
+#define ULYSSES_GEMM_BF16(TA, TB)                                                          \
+  template void gemm_bf16<TA, TB>(bool, bool, int64_t, int64_t, int64_t, float, const TA*, \
                                   int64_t, const TB*, int64_t, float, float*, int64_t, uint32_t*);
 ULYSSES_GEMM_BF16(float, float)
 ULYSSES_GEMM_BF16(float, c10::BFloat16)

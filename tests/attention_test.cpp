@@ -1,6 +1,5 @@
 // The local attention reference (math_attention).
 #include "ulysses/attention.h"
-#include "ulysses/flash_attention.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
@@ -9,6 +8,7 @@
 #include <map>
 
 #include "testing.h"
+#include "ulysses/flash_attention.h"
 
 namespace ulysses {
 namespace {
@@ -118,7 +118,7 @@ TEST(LocalKernelRule, EachCaseRunsWhereTheRuleSaysAndExactly) {
         c.set(a);
         if (a.sinks) a.sinks = a.sinks->to(t);
         if (!reference) {
-          const LocalKernel want = dtype == at::kDouble     ? LocalKernel::kMath
+          const LocalKernel want = dtype == at::kDouble ? LocalKernel::kMath
                                    : dtype == at::kBFloat16 && !flash_attention_bf16_gemm()
                                        ? c.bf16
                                        : LocalKernel::kFused;

@@ -290,12 +290,11 @@ TEST(FlashBf16, MatchesFp64WithMasksAndDocuments) {
     int mask = 0;  // 0 none, 1 bool [B, 1, S, S], 2 learnable float [B, 1, S, S].
     std::vector<int64_t> kv_map = {0, 0, 1, 1};
   };
-  for (const Case& c : {Case{"causal", true}, Case{"documents", true, true},
-                        Case{"bidirectional documents", false, true},
-                        Case{"bool mask", false, false, 0, 1},
-                        Case{"learnable mask", true, false, 0, 2},
-                        Case{"window", true, false, 40}, Case{"uneven kv map", true, true, 0, 0,
-                                                              {1, 0, 0, 1}}}) {
+  for (const Case& c :
+       {Case{"causal", true}, Case{"documents", true, true},
+        Case{"bidirectional documents", false, true}, Case{"bool mask", false, false, 0, 1},
+        Case{"learnable mask", true, false, 0, 2}, Case{"window", true, false, 40},
+        Case{"uneven kv map", true, true, 0, 0, {1, 0, 0, 1}}}) {
     std::vector<at::Tensor> got, want;
     for (const at::ScalarType t : {at::kBFloat16, at::kDouble}) {
       auto leaf = [&](std::vector<int64_t> shape, uint64_t seed) {
@@ -308,8 +307,8 @@ TEST(FlashBf16, MatchesFp64WithMasksAndDocuments) {
         mask = seeded_randn({B, 1, S, S}, 5).to(t == at::kDouble ? at::kDouble : at::kFloat);
         mask->requires_grad_();
       }
-      LocalAttentionArgs a{q, k, v, c.kv_map, mask, c.packed ? c10::optional<at::Tensor>(pos)
-                                                             : c10::nullopt,
+      LocalAttentionArgs a{q,        k,    v,
+                           c.kv_map, mask, c.packed ? c10::optional<at::Tensor>(pos) : c10::nullopt,
                            c.causal, 0.0};
       a.window = c.window;
       at::Tensor o = t == at::kDouble ? math_attention(a) : flash_attention(a, {64, 64});
