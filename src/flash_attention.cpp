@@ -40,8 +40,8 @@ at::ScalarType kernel_dtype(const LocalAttentionArgs& a) {
   return bf16 && flash_attention_bf16_gemm() ? at::kBFloat16 : at::kFloat;
 }
 
-// Float rows with a contiguous last dim and a BLAS-valid row stride, as the kernel reads
-// them (a no-op for fp32 BHSD tensors and for BSHD tensors viewed as BHSD).
+// Rows of `dtype` (kernel_dtype's) with a contiguous last dim and a BLAS-valid row stride, as
+// the kernel reads them (a no-op for such BHSD tensors and for BSHD tensors viewed as BHSD).
 at::Tensor as_kernel_input(const at::Tensor& t, at::ScalarType dtype) {
   at::Tensor f = t.scalar_type() == dtype ? t : t.to(dtype);
   const bool usable = f.stride(3) == 1 && f.stride(2) >= std::max<int64_t>(1, f.size(3));
@@ -196,7 +196,9 @@ std::vector<at::Tensor> flash_attention_backward(const at::Tensor& grad_out,
 std::string flash_attention_isa() { return passes().isa; }
 
 bool flash_attention_bf16_gemm() {
-  return std::string(passes().isa) == "AVX512" && detail::has_bf16_gemm();
+  // Once: choose_local_kernel asks on every attention call.
+  static const bool bf16_gemm = std::string(passes().isa) == "AVX512" && detail::has_bf16_gemm();
+  return bf16_gemm;
 }
 
 at::Tensor flash_attention(const LocalAttentionArgs& a, const FlashOptions& options) {

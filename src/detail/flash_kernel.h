@@ -28,7 +28,7 @@ struct FlashProblem {
   // q, k, v and the backward's d_out are bf16 and every tile GEMM multiplies in bf16 (fp32
   // accumulation, softmax statistics and gradients in fp32; detail/gemm_bf16.h).
   bool bf16 = false;
-  int64_t bq = 128, bk = 256;
+  int64_t bq = 0, bk = 0;  // Tile sizes, as make_problem picks them.
   int64_t B = 0, Hq = 0, Hkv = 0, Sq = 0, Sk = 0, D = 0, Dv = 0;
 
   const int64_t* qi() const { return q_index.data_ptr<int64_t>(); }
