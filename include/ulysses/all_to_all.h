@@ -147,6 +147,39 @@ std::vector<at::Tensor> project_head_parts(const at::Tensor& x, const at::Tensor
 at::Tensor project_from_head_parts(const std::vector<at::Tensor>& parts, const at::Tensor& weight,
                                    const std::vector<Range>& ranges);
 
+// Projections overlapped with the exchanges (BSHD). Where project_head_parts computes every
+// part before the exchange starts, these compute slab by slab: a slab is up to
+// GroupOptions::message_bytes of one peer's heads over consecutive tokens of one batch entry,
+// and the GEMM of the next slab runs while the previous one is on the wire.
+//
+// One input projection of x [B, S_r, E]: weight [H x D, E] with head-major rows (a Linear's),
+// bias [H x D] or none, H the plan's total of `heads`.
+struct HeadProjection {
+  at::Tensor weight;
+  c10::optional<at::Tensor> bias;
+  Heads heads = Heads::kQuery;
+};
+// y_t = scatter_heads(linear(x, W_t, b_t) viewed [B, S_r, H_t, D_t]) for each projection t:
+// [B, S, |R_t[r]|, D_t] on rank r. Slabs for peers go out as they are projected; this rank's own
+// heads are projected straight into y_t. Backward mirrors it: each peer's gradient slab gives
+// its share of dx, dW and db as it arrives. Differentiable in x, the weights and biases; the
+// plan must be agreed for the projected shapes (agree_projection_plan).
+std::vector<at::Tensor> scatter_projected(const at::Tensor& x,
+                                          const std::vector<HeadProjection>& projections,
+                                          const AllToAllPlan& plan, const Group& group);
+// out = linear(gather_heads(y) flattened to [B, S_r, Hq x D], weight) for y [B, S, |R[r]|, D]
+// (query heads) and weight [E, Hq x D]: each peer's block of this rank's tokens is multiplied
+// into out as it arrives, this rank's own block while the others travel. Backward sends each
+// peer its gradient slab as soon as it is computed. Differentiable in y and weight.
+at::Tensor gather_projected(const at::Tensor& y, const at::Tensor& weight,
+                            const AllToAllPlan& plan, const Group& group);
+// The plan of scatter_projected and gather_projected for x [B, S_r, E] and `projections`:
+// checks x and each weight and bias against `heads` on this rank, then agree_plan on the
+// projected shapes [B, S_r, H_t, D_t], so a mistake on any rank raises the same error on all.
+AllToAllPlan agree_projection_plan(const Group& group, const HeadPartition& heads,
+                                   const at::Tensor& x,
+                                   const std::vector<HeadProjection>& projections);
+
 // The shape rules of the two projections (raising c10::ValueError with the shapes), for
 // callers that project otherwise (Python's traceable F.linear form).
 void check_head_projection(const std::vector<int64_t>& x, const std::vector<int64_t>& weight,
