@@ -232,9 +232,8 @@ int bench_a2a_main(const Argv& argv, const Runtime& runtime) {
     }
   }
   if (!lead) return 0;
-  std::cout << "\nsummary: P=" << P << ", " << layout_name << ", D=" << D << ", fp32, Gloo "
-            << (std::getenv("LINK_RATE_BITS") ? "across test hosts" : "on loopback")
-            << ", median of " << repeats
+  std::cout << "\nsummary: P=" << P << ", " << layout_name << ", D=" << D << ", fp32, "
+            << bench::where_ranks_run() << ", median of " << repeats
             << " (each sample: slowest rank; ratios within each repeat, steps run in turn)\n";
   bench::print_table(records, kColumns);
   const bool all_referenced = std::all_of(records.begin(), records.end(), [](const auto& r) {

@@ -2,12 +2,15 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 
+#include <cmath>
 #include <iostream>
 #include <thread>
 
 #include "args.h"
 #include "bench.h"
 #include "bench_util.h"
+#include "ulysses/all_to_all.h"
+#include "ulysses/attention.h"
 #include "ulysses/distributed_attention.h"
 #include "ulysses/ring_attention.h"
 
@@ -18,10 +21,121 @@ const Options& bench_layer_options() {
   static const Options options =
       with({value("--nproc", "2"), value("--seq-lens", "2048,4096,8192"), value("--q-heads", "8"),
             value("--kv-heads", "2"), value("--head-dim", "64"), value("--ring", "1"),
-            value("--repeats", "3"), placeholder("--json", "FILE")},
+            value("--repeats", "3"), flag("--projections"), placeholder("--json", "FILE")},
            group_option_table());
   return options;
 }
+
+namespace {
+
+const std::vector<std::string> kProjectedColumns{"seq_len",
+                                                 "model_dim",
+                                                 "layer_ms",
+                                                 "layer_spread",
+                                                 "sequential_ms",
+                                                 "compute_ms",
+                                                 "transfer_ms",
+                                                 "layer_over_bound",
+                                                 "sequential_over_bound",
+                                                 "sequential_over_layer"};
+
+// One attention layer with its projections (E = Hq x D, causal), fwd+bwd, four ways side by
+// side: `layer` overlaps the projections with the exchanges (scatter_projected,
+// gather_projected); `sequential` projects head parts first and exchanges them after
+// (project_head_parts, scatter_head_parts, gather_head_parts, project_from_head_parts);
+// `compute` is the same arithmetic with nothing exchanged; `transfer` the same exchanges with
+// no arithmetic. The bound a perfect overlap reaches is max(compute, transfer).
+bench::Record projected_layer(const Group& g, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
+                              int repeats) {
+  const int P = g.size(), me = g.rank();
+  const int64_t E = Hq * D;
+  const auto heads = HeadPartition::make(Hq, Hkv, P);
+  const auto seq = SequencePartition::even(S, P);
+  const int64_t s = seq.length(me);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(7 + me);
+  const double init = 1.0 / std::sqrt(static_cast<double>(E));
+  auto param = [&](std::vector<int64_t> shape) {
+    return (at::randn(shape, gen) * init).requires_grad_();
+  };
+  const at::Tensor x = at::randn({1, s, E}, gen).requires_grad_();
+  const std::vector<HeadProjection> in{{param({Hq * D, E}), c10::nullopt, Heads::kQuery},
+                                       {param({Hkv * D, E}), c10::nullopt, Heads::kKeyValue},
+                                       {param({Hkv * D, E}), c10::nullopt, Heads::kKeyValue}};
+  const at::Tensor wo = param({E, Hq * D});
+  const AllToAllPlan plan = agree_projection_plan(g, heads, x, in);
+  const std::vector<int64_t> kv_map = heads.kv_map(me);
+  // Causal attention on this rank's heads, BSHD in and out.
+  auto attend = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    LocalAttentionArgs args{q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), kv_map};
+    args.causal = true;
+    return local_attention(args).transpose(1, 2);
+  };
+  auto reset = [&] {
+    for (const at::Tensor& t : {x, in[0].weight, in[1].weight, in[2].weight, wo})
+      t.mutable_grad().reset();
+  };
+  auto layer = [&] {
+    reset();
+    const auto qkv = scatter_projected(x, in, plan, g);
+    gather_projected(attend(qkv[0], qkv[1], qkv[2]), wo, plan, g).sum().backward();
+  };
+  auto sequential = [&] {
+    reset();
+    std::vector<std::vector<at::Tensor>> parts;
+    for (const HeadProjection& p : in)
+      parts.push_back(project_head_parts(x, p.weight, p.bias, plan.ranges(p.heads)));
+    const auto qkv =
+        scatter_head_parts(parts, {Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue}, plan, g);
+    const at::Tensor o = attend(qkv[0], qkv[1], qkv[2]).contiguous();
+    project_from_head_parts(gather_head_parts(o, Heads::kQuery, plan, g), wo,
+                            plan.ranges(Heads::kQuery))
+        .sum()
+        .backward();
+  };
+  // The same GEMMs and attention on this rank's shapes, nothing exchanged.
+  const int64_t hq = plan.ranges(Heads::kQuery)[me].size(),
+                hkv = plan.ranges(Heads::kKeyValue)[me].size();
+  const at::Tensor q0 = at::randn({1, S, hq, D}, gen).requires_grad_(),
+                   k0 = at::randn({1, S, hkv, D}, gen).requires_grad_(),
+                   v0 = at::randn({1, S, hkv, D}, gen).requires_grad_(),
+                   o0 = at::randn({1, s, E}, gen).requires_grad_();
+  auto compute = [&] {
+    reset();
+    at::Tensor loss = attend(q0, k0, v0).sum() + at::linear(o0, wo).sum();
+    for (const HeadProjection& p : in) loss = loss + at::linear(x, p.weight).sum();
+    loss.backward();
+  };
+  // The layer's exchanges alone (parts in, parts out: no packing), forward and backward.
+  std::vector<std::vector<at::Tensor>> parts0;
+  for (const HeadProjection& p : in) {
+    std::vector<at::Tensor> ps;
+    for (const Range& r : plan.ranges(p.heads))
+      ps.push_back(at::randn({1, s, r.size(), D}, gen).requires_grad_());
+    parts0.push_back(ps);
+  }
+  const at::Tensor y0 = at::randn({1, S, hq, D}, gen).requires_grad_();
+  auto transfer = [&] {
+    const auto qkv =
+        scatter_head_parts(parts0, {Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue}, plan, g);
+    at::Tensor loss = qkv[0].sum() + qkv[1].sum() + qkv[2].sum();
+    for (const at::Tensor& part : gather_head_parts(y0, Heads::kQuery, plan, g))
+      loss = loss + part.sum();
+    loss.backward();
+  };
+  const auto t = bench::time_side_by_side(g, {layer, sequential, compute, transfer}, 1, repeats);
+  const double bound = std::max(t.steps[2].median, t.steps[3].median);
+  bench::Record r;
+  r.add("seq_len", S).add("model_dim", E).add("q_heads", Hq).add("kv_heads", Hkv);
+  r.add("head_dim", D).add("sp", P).add("causal", true);
+  r.add("layer", t.steps[0]).add("sequential", t.steps[1]);
+  r.add("compute", t.steps[2]).add("transfer", t.steps[3]);
+  r.add("layer_over_bound", t.steps[0].median / bound);
+  r.add("sequential_over_bound", t.steps[1].median / bound);
+  r.add_ratio("sequential_over_layer", t.ratio(1, 0));
+  return r;
+}
+
+}  // namespace
 
 int bench_layer_main(const Argv& argv, const Runtime& runtime) {
   const Args args(argv, bench_layer_options());
@@ -32,6 +146,7 @@ int bench_layer_main(const Argv& argv, const Runtime& runtime) {
   const int repeats = static_cast<int>(args.integer("--repeats", 1, 100000));
   const auto rings = args.integers("--ring", 1, kMaxRanks);
   const std::string json = args.str("--json");
+  const bool projections = args.has("--projections");
   const GroupOptions group_opts = group_options(args);
   const int code = relaunch_as_ranks(nproc, runtime.self, {"bench", "layer"}, argv);
   if (code >= 0) return code;
@@ -40,9 +155,25 @@ int bench_layer_main(const Argv& argv, const Runtime& runtime) {
   const int P = g.size();
   // Ranks share the machine's cores.
   at::set_num_threads(std::max<int>(1, static_cast<int>(std::thread::hardware_concurrency()) / P));
+  std::vector<bench::Record> records;
+  if (projections) {
+    for (int64_t S : seq_lens) {
+      records.push_back(projected_layer(g, S, Hq, Hkv, D, repeats));
+      if (g.rank() == 0) bench::print_table({records.back()}, kProjectedColumns);
+    }
+    if (g.rank() == 0) {
+      std::cout << "\nsummary: attention layer with projections (E = Hq x D) fwd+bwd, P=" << P
+                << ", Hq=" << Hq << " Hkv=" << Hkv << " D=" << D << ", causal, "
+                << at::get_num_threads() << " threads/rank, " << bench::where_ranks_run()
+                << " (ms: slowest rank, median of " << repeats
+                << "; bound = max(compute, transfer))\n";
+      bench::print_table(records, kProjectedColumns);
+      if (!json.empty()) bench::write_json(json, records);
+    }
+    return 0;
+  }
   AttentionOptions options;
   options.causal = true;
-  std::vector<bench::Record> records;
   // One mesh (and its process groups) per ring size, made once for every sequence length.
   std::vector<Mesh> meshes;
   for (int64_t R : rings) {

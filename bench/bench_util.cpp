@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -152,6 +153,11 @@ std::string Record::text(const std::string& name) const {
     return os.str();
   }
   return "";
+}
+
+std::string where_ranks_run() {
+  const char* link = std::getenv("LINK_RATE_BITS");
+  return link ? std::string("Gloo across test hosts (") + link + " bit/s)" : "Gloo on loopback";
 }
 
 std::string gemm_library() {

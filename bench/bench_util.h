@@ -75,6 +75,10 @@ class Record {
 // The shared object that provides the BLAS `sgemm_` the attention kernel calls.
 std::string gemm_library();
 
+// Where the ranks' Gloo runs: "Gloo across test hosts (<rate> bit/s)" under
+// scripts/netns_hosts.sh (which sets LINK_RATE_BITS), else "Gloo on loopback".
+std::string where_ranks_run();
+
 // Prints `records` as an aligned table of `columns`, leaving out columns no record has.
 void print_table(const std::vector<Record>& records, const std::vector<std::string>& columns);
 // Writes `records` as a JSON array to `path`.

@@ -102,8 +102,8 @@ struct InputProjections {
     }
   }
   at::Tensor project(const at::Tensor& x_rows, size_t t, int j) const {
-    at::Tensor out = at::empty({x_rows.size(0), range(t, j).size() * head_dim(t)},
-                               x_rows.options());
+    at::Tensor out =
+        at::empty({x_rows.size(0), range(t, j).size() * head_dim(t)}, x_rows.options());
     project(x_rows, t, j, out);
     return out;
   }
@@ -113,15 +113,14 @@ int64_t max_elements(const Group& group, const at::Tensor& like) {
   return std::max<int64_t>(1, group.options().message_bytes / like.element_size());
 }
 
-std::vector<at::Tensor> scatter_projected_forward(const at::Tensor& x,
-                                                  const InputProjections& in,
+std::vector<at::Tensor> scatter_projected_forward(const at::Tensor& x, const InputProjections& in,
                                                   const AllToAllPlan& plan, const Group& group) {
   const int P = group.size(), me = group.rank();
   const int64_t B = x.size(0), mine = plan.seq.length(me), limit = max_elements(group, x);
   std::vector<at::Tensor> ys;
   for (size_t t = 0; t < in.projections.size(); ++t) {
-    ys.push_back(at::empty({B, plan.seq.seq_len(), in.range(t, me).size(), in.head_dim(t)},
-                           x.options()));
+    ys.push_back(
+        at::empty({B, plan.seq.seq_len(), in.range(t, me).size(), in.head_dim(t)}, x.options()));
   }
   Transfers io{group};
   std::vector<Exchange> arrivals;
@@ -156,8 +155,7 @@ std::vector<at::Tensor> scatter_projected_forward(const at::Tensor& x,
 
 // Gradients of scatter_projected: {dx, dW_t..., db_t (for each projection with a bias)...}.
 std::vector<at::Tensor> scatter_projected_backward(const std::vector<at::Tensor>& grads,
-                                                   const at::Tensor& x,
-                                                   const InputProjections& in,
+                                                   const at::Tensor& x, const InputProjections& in,
                                                    const AllToAllPlan& plan, const Group& group) {
   const int P = group.size(), me = group.rank();
   const int64_t B = x.size(0), mine = plan.seq.length(me), limit = max_elements(group, x);
@@ -355,7 +353,8 @@ AllToAllPlan agree_projection_plan(const Group& group, const HeadPartition& head
                                    const at::Tensor& x,
                                    const std::vector<HeadProjection>& projections) {
   const std::vector<TensorSpec> specs = fail_together_on_error(group, [&] {
-    TORCH_CHECK_VALUE(x.defined() && x.dim() == 3, "agree_projection_plan: x must be [B, S_r, E]; got ",
+    TORCH_CHECK_VALUE(x.defined() && x.dim() == 3,
+                      "agree_projection_plan: x must be [B, S_r, E]; got ",
                       x.defined() ? c10::str(x.sizes()) : "undefined");
     const auto dims =
         check_input_projections("agree_projection_plan", x, projections, heads, x.size(1));
@@ -380,9 +379,8 @@ std::vector<at::Tensor> scatter_projected(const at::Tensor& x,
   std::vector<HeadProjection> saved;  // Detached: backward computes without a graph.
   std::vector<at::Tensor> inputs{x};
   for (const HeadProjection& p : projections) {
-    saved.push_back({p.weight.detach(), p.bias ? c10::optional<at::Tensor>(p.bias->detach())
-                                               : c10::nullopt,
-                     p.heads});
+    saved.push_back({p.weight.detach(),
+                     p.bias ? c10::optional<at::Tensor>(p.bias->detach()) : c10::nullopt, p.heads});
     inputs.push_back(p.weight);
   }
   for (const HeadProjection& p : projections)
@@ -400,16 +398,16 @@ std::vector<at::Tensor> scatter_projected(const at::Tensor& x,
   return ys;
 }
 
-at::Tensor gather_projected(const at::Tensor& y, const at::Tensor& weight,
-                            const AllToAllPlan& plan, const Group& group) {
+at::Tensor gather_projected(const at::Tensor& y, const at::Tensor& weight, const AllToAllPlan& plan,
+                            const Group& group) {
   check_plan("gather_projected", plan, group);
   const int me = group.rank();
   const int64_t Hq = plan.heads.q_heads(), mine = plan.ranges(Heads::kQuery)[me].size();
-  TORCH_CHECK_VALUE(y.defined() && y.dim() == 4 && y.size(1) == plan.seq.seq_len() &&
-                        y.size(2) == mine,
-                    "gather_projected: y must be [B, ", plan.seq.seq_len(), ", ", mine,
-                    ", D] (all tokens of this rank's query heads); got ",
-                    y.defined() ? c10::str(y.sizes()) : "undefined", " (rank ", me, ")");
+  TORCH_CHECK_VALUE(
+      y.defined() && y.dim() == 4 && y.size(1) == plan.seq.seq_len() && y.size(2) == mine,
+      "gather_projected: y must be [B, ", plan.seq.seq_len(), ", ", mine,
+      ", D] (all tokens of this rank's query heads); got ",
+      y.defined() ? c10::str(y.sizes()) : "undefined", " (rank ", me, ")");
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == Hq * y.size(3),
                     "gather_projected: weight must be [E, ", Hq, " query heads x ", y.size(3),
                     "]; got ", weight.sizes());

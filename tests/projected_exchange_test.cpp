@@ -110,7 +110,8 @@ TEST_P(ProjectedExchange, ScatterMatchesReference) {
     const auto ys = scatter_projected(x, projections, plan, g);
     at::Tensor loss = at::zeros({});
     for (size_t t = 0; t < ys.size(); ++t) {
-      EXPECT_LT(rel_error(ys[t].to(at::kDouble), y_ref[t]), kTol) << "output " << t << where(g, ys[t]);
+      EXPECT_LT(rel_error(ys[t].to(at::kDouble), y_ref[t]), kTol)
+          << "output " << t << where(g, ys[t]);
       loss = loss + (ys[t] * cotangent(me, t).to(at::kFloat)).sum();
     }
     loss.backward();
@@ -180,7 +181,8 @@ TEST(ProjectedExchangeErrors, OneRanksWeightIsWrong) {
     const at::Tensor w = at::zeros({g.rank() == 1 ? 13 : 16, 8});
     agree_projection_plan(g, HeadPartition::make(4, 4, 2), x, {{w, c10::nullopt, Heads::kQuery}});
   });
-  expect_ranks_fail_alike(errors, "projection 0's weight must be [4 query heads x D, 8]; got [13, 8]");
+  expect_ranks_fail_alike(errors,
+                          "projection 0's weight must be [4 query heads x D, 8]; got [13, 8]");
 }
 
 // The ops' own checks, against an agreed plan, name the shapes.
@@ -208,8 +210,9 @@ TEST(ProjectedExchangeErrors, ShapesAgainstThePlan) {
         try {
           gather_projected(at::zeros({1, 4, 4, 4}), at::zeros({8, 12}), plan, g);
         } catch (const c10::ValueError& e) {
-          EXPECT_NE(std::string(e.what()).find("weight must be [E, 4 query heads x 4]; got [8, 12]"),
-                    std::string::npos)
+          EXPECT_NE(
+              std::string(e.what()).find("weight must be [E, 4 query heads x 4]; got [8, 12]"),
+              std::string::npos)
               << e.what();
           throw;
         }

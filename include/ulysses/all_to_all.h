@@ -171,8 +171,8 @@ std::vector<at::Tensor> scatter_projected(const at::Tensor& x,
 // (query heads) and weight [E, Hq x D]: each peer's block of this rank's tokens is multiplied
 // into out as it arrives, this rank's own block while the others travel. Backward sends each
 // peer its gradient slab as soon as it is computed. Differentiable in y and weight.
-at::Tensor gather_projected(const at::Tensor& y, const at::Tensor& weight,
-                            const AllToAllPlan& plan, const Group& group);
+at::Tensor gather_projected(const at::Tensor& y, const at::Tensor& weight, const AllToAllPlan& plan,
+                            const Group& group);
 // The plan of scatter_projected and gather_projected for x [B, S_r, E] and `projections`:
 // checks x and each weight and bias against `heads` on this rank, then agree_plan on the
 // projected shapes [B, S_r, H_t, D_t], so a mistake on any rank raises the same error on all.
