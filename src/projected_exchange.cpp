@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <string>
 
-#include "detail/autograd.h"
+#include "detail/ops.h"
 #include "detail/wire.h"
 #include "ulysses/all_to_all.h"
 
@@ -113,8 +113,88 @@ int64_t max_elements(const Group& group, const at::Tensor& like) {
   return std::max<int64_t>(1, group.options().message_bytes / like.element_size());
 }
 
-std::vector<at::Tensor> scatter_projected_forward(const at::Tensor& x, const InputProjections& in,
-                                                  const AllToAllPlan& plan, const Group& group) {
+// Columns of `w` [E, Hq x D] (or its gradient) that take rank j's heads.
+at::Tensor columns(const at::Tensor& w, const AllToAllPlan& plan, int j, int64_t D) {
+  const Range r = plan.ranges(Heads::kQuery)[j];
+  return w.narrow(1, r.begin * D, r.size() * D);
+}
+
+const char* heads_name(Heads h) { return h == Heads::kQuery ? "query" : "kv"; }
+
+// This rank's checks of scatter_projected's inputs against `heads` (x holding `tokens`
+// tokens); returns each projection's head dim.
+std::vector<int64_t> check_input_projections(const char* op, const at::Tensor& x,
+                                             const std::vector<HeadProjection>& projections,
+                                             const HeadPartition& heads, int64_t tokens) {
+  TORCH_CHECK_VALUE(x.defined() && x.dim() == 3, op, ": x must be [B, S_r, E]; got ",
+                    x.defined() ? c10::str(x.sizes()) : "undefined");
+  TORCH_CHECK_VALUE(x.size(1) == tokens, op, ": x must hold this rank's ", tokens,
+                    " tokens in dim 1; got shape ", x.sizes());
+  TORCH_CHECK_VALUE(!projections.empty(), op, ": need at least one projection");
+  std::vector<int64_t> dims;
+  for (size_t t = 0; t < projections.size(); ++t) {
+    const HeadProjection& p = projections[t];
+    const int64_t H = p.heads == Heads::kQuery ? heads.q_heads() : heads.kv_heads();
+    TORCH_CHECK_VALUE(p.weight.defined() && p.weight.dim() == 2 && p.weight.size(1) == x.size(2) &&
+                          p.weight.size(0) % H == 0 && p.weight.size(0) > 0,
+                      op, ": projection ", t, "'s weight must be [", H, " ", heads_name(p.heads),
+                      " heads x D, ", x.size(2), "]; got ",
+                      p.weight.defined() ? c10::str(p.weight.sizes()) : "undefined");
+    TORCH_CHECK_VALUE(!p.bias || (p.bias->dim() == 1 && p.bias->size(0) == p.weight.size(0)), op,
+                      ": projection ", t, "'s bias must be [", p.weight.size(0), "]; got ",
+                      p.bias ? c10::str(p.bias->sizes()) : "");
+    for (const at::Tensor& w : {p.weight, p.bias ? *p.bias : p.weight}) {
+      TORCH_CHECK_TYPE(w.scalar_type() == x.scalar_type(), op, ": projection ", t, " is ",
+                       w.scalar_type(), " but x is ", x.scalar_type(), "; give them one dtype");
+      TORCH_CHECK_VALUE(w.device() == x.device(), op, ": projection ", t, " is on ", w.device(),
+                        " but x is on ", x.device());
+    }
+    dims.push_back(p.weight.size(0) / H);
+  }
+  return dims;
+}
+
+void check_plan(const char* op, const AllToAllPlan& plan, const Group& group) {
+  TORCH_CHECK_VALUE(plan.layout == Layout::kBSHD, op, ": the layout must be BSHD; got ",
+                    to_string(plan.layout));
+  TORCH_CHECK_VALUE(plan.heads.sp_size() == group.size(), op, ": plan is for ",
+                    plan.heads.sp_size(), " ranks but the group has ", group.size());
+}
+
+}  // namespace
+
+namespace detail {
+
+void check_scatter_projected(const at::Tensor& x, const std::vector<HeadProjection>& projections,
+                             const AllToAllPlan& plan, const Group& group) {
+  check_plan("scatter_projected", plan, group);
+  check_input_projections("scatter_projected", x, projections, plan.heads,
+                          plan.seq.length(group.rank()));
+}
+
+void check_gather_projected(const at::Tensor& y, const at::Tensor& weight, const AllToAllPlan& plan,
+                            const Group& group) {
+  check_plan("gather_projected", plan, group);
+  const int me = group.rank();
+  const int64_t Hq = plan.heads.q_heads(), mine = plan.ranges(Heads::kQuery)[me].size();
+  TORCH_CHECK_VALUE(
+      y.defined() && y.dim() == 4 && y.size(1) == plan.seq.seq_len() && y.size(2) == mine,
+      "gather_projected: y must be [B, ", plan.seq.seq_len(), ", ", mine,
+      ", D] (all tokens of this rank's query heads); got ",
+      y.defined() ? c10::str(y.sizes()) : "undefined", " (rank ", me, ")");
+  TORCH_CHECK_VALUE(weight.defined() && weight.dim() == 2 && weight.size(1) == Hq * y.size(3),
+                    "gather_projected: weight must be [E, ", Hq, " query heads x ", y.size(3),
+                    "]; got ", weight.defined() ? c10::str(weight.sizes()) : "undefined");
+  TORCH_CHECK_TYPE(weight.scalar_type() == y.scalar_type(), "gather_projected: weight is ",
+                   weight.scalar_type(), " but y is ", y.scalar_type(), "; give them one dtype");
+  TORCH_CHECK_VALUE(weight.device() == y.device(), "gather_projected: weight is on ",
+                    weight.device(), " but y is on ", y.device());
+}
+
+std::vector<at::Tensor> scatter_projected_kernel(const at::Tensor& x,
+                                                 const std::vector<HeadProjection>& projections,
+                                                 const AllToAllPlan& plan, const Group& group) {
+  const InputProjections in{projections, plan};
   const int P = group.size(), me = group.rank();
   const int64_t B = x.size(0), mine = plan.seq.length(me), limit = max_elements(group, x);
   std::vector<at::Tensor> ys;
@@ -153,10 +233,10 @@ std::vector<at::Tensor> scatter_projected_forward(const at::Tensor& x, const Inp
   return ys;
 }
 
-// Gradients of scatter_projected: {dx, dW_t..., db_t (for each projection with a bias)...}.
-std::vector<at::Tensor> scatter_projected_backward(const std::vector<at::Tensor>& grads,
-                                                   const at::Tensor& x, const InputProjections& in,
-                                                   const AllToAllPlan& plan, const Group& group) {
+std::vector<at::Tensor> scatter_projected_backward_kernel(
+    const std::vector<at::Tensor>& grads, const at::Tensor& x,
+    const std::vector<HeadProjection>& projections, const AllToAllPlan& plan, const Group& group) {
+  const InputProjections in{projections, plan};
   const int P = group.size(), me = group.rank();
   const int64_t B = x.size(0), mine = plan.seq.length(me), limit = max_elements(group, x);
   std::vector<at::Tensor> gys;
@@ -212,27 +292,17 @@ std::vector<at::Tensor> scatter_projected_backward(const std::vector<at::Tensor>
   return out;
 }
 
-// Columns of `w` [E, Hq x D] (or its gradient) that take rank j's heads.
-at::Tensor columns(const at::Tensor& w, const AllToAllPlan& plan, int j, int64_t D) {
-  const Range r = plan.ranges(Heads::kQuery)[j];
-  return w.narrow(1, r.begin * D, r.size() * D);
-}
-
-// gather_projected's output and the blocks it multiplied (part j: rank j's heads on this rank's
-// tokens, [B, S_r, |R[j]|, D]), which backward needs for dW.
-struct GatheredProjection {
-  at::Tensor out;
-  std::vector<at::Tensor> parts;
-};
-
-GatheredProjection gather_projected_forward(const at::Tensor& y, const at::Tensor& weight,
-                                            const AllToAllPlan& plan, const Group& group) {
+std::vector<at::Tensor> gather_projected_kernel(const at::Tensor& y_in, const at::Tensor& weight,
+                                                const AllToAllPlan& plan, const Group& group) {
+  const at::Tensor y = y_in.contiguous();
   const int P = group.size(), me = group.rank();
   const auto& ranges = plan.ranges(Heads::kQuery);
   const int64_t B = y.size(0), D = y.size(3), mine = plan.seq.length(me);
   const int64_t limit = max_elements(group, y);
-  GatheredProjection g{at::empty({B, mine, weight.size(0)}, y.options()),
-                       std::vector<at::Tensor>(P)};
+  struct {
+    at::Tensor out;
+    std::vector<at::Tensor> parts;
+  } g{at::empty({B, mine, weight.size(0)}, y.options()), std::vector<at::Tensor>(P)};
   g.parts[me] = y.narrow(1, plan.seq.range(me).begin, mine);
   Transfers io{group};
   std::vector<Arrival> arrivals;
@@ -262,16 +332,20 @@ GatheredProjection gather_projected_forward(const at::Tensor& y, const at::Tenso
     rows(g.out, a.slab).addmm_(a.data, columns(weight, plan, a.peer, D).t());
   }
   io.finish();
-  return g;
+  std::vector<at::Tensor> out{g.out};
+  for (int j = 0; j < P; ++j)
+    if (j != me) out.push_back(g.parts[j]);
+  return out;
 }
 
-// Gradients of gather_projected: {dy, dW}.
-std::vector<at::Tensor> gather_projected_backward(const at::Tensor& grad, const at::Tensor& weight,
-                                                  const std::vector<at::Tensor>& parts,
-                                                  const AllToAllPlan& plan, const Group& group) {
+std::vector<at::Tensor> gather_projected_backward_kernel(
+    const at::Tensor& grad, const at::Tensor& y, const at::Tensor& weight,
+    const std::vector<at::Tensor>& peer_parts, const AllToAllPlan& plan, const Group& group) {
   const int P = group.size(), me = group.rank();
   const auto& ranges = plan.ranges(Heads::kQuery);
   const at::Tensor g = grad.contiguous();
+  std::vector<at::Tensor> parts(peer_parts.begin(), peer_parts.end());
+  parts.insert(parts.begin() + me, y.narrow(1, plan.seq.range(me).begin, plan.seq.length(me)));
   const int64_t B = g.size(0), D = parts[me].size(3), mine = plan.seq.length(me);
   const int64_t limit = max_elements(group, g);
   at::Tensor dy = at::empty({B, plan.seq.seq_len(), ranges[me].size(), D}, g.options());
@@ -305,53 +379,12 @@ std::vector<at::Tensor> gather_projected_backward(const at::Tensor& grad, const 
   return {dy, dw};
 }
 
-const char* heads_name(Heads h) { return h == Heads::kQuery ? "query" : "kv"; }
-
-// This rank's checks of scatter_projected's inputs against the plan; returns each projection's
-// head dim.
-std::vector<int64_t> check_input_projections(const char* op, const at::Tensor& x,
-                                             const std::vector<HeadProjection>& projections,
-                                             const HeadPartition& heads, int64_t tokens) {
-  TORCH_CHECK_VALUE(x.defined() && x.dim() == 3, op, ": x must be [B, S_r, E]; got ",
-                    x.defined() ? c10::str(x.sizes()) : "undefined");
-  TORCH_CHECK_VALUE(x.size(1) == tokens, op, ": x must hold this rank's ", tokens,
-                    " tokens in dim 1; got shape ", x.sizes());
-  TORCH_CHECK_VALUE(!projections.empty(), op, ": need at least one projection");
-  std::vector<int64_t> dims;
-  for (size_t t = 0; t < projections.size(); ++t) {
-    const HeadProjection& p = projections[t];
-    const int64_t H = p.heads == Heads::kQuery ? heads.q_heads() : heads.kv_heads();
-    TORCH_CHECK_VALUE(p.weight.defined() && p.weight.dim() == 2 && p.weight.size(1) == x.size(2) &&
-                          p.weight.size(0) % H == 0 && p.weight.size(0) > 0,
-                      op, ": projection ", t, "'s weight must be [", H, " ", heads_name(p.heads),
-                      " heads x D, ", x.size(2), "]; got ",
-                      p.weight.defined() ? c10::str(p.weight.sizes()) : "undefined");
-    TORCH_CHECK_VALUE(!p.bias || (p.bias->dim() == 1 && p.bias->size(0) == p.weight.size(0)), op,
-                      ": projection ", t, "'s bias must be [", p.weight.size(0), "]; got ",
-                      p.bias ? c10::str(p.bias->sizes()) : "");
-    for (const at::Tensor& w : {p.weight, p.bias ? *p.bias : p.weight}) {
-      TORCH_CHECK_TYPE(w.scalar_type() == x.scalar_type(), op, ": projection ", t, " is ",
-                       w.scalar_type(), " but x is ", x.scalar_type(), "; give them one dtype");
-      TORCH_CHECK_VALUE(w.device() == x.device(), op, ": projection ", t, " is on ", w.device(),
-                        " but x is on ", x.device());
-    }
-    dims.push_back(p.weight.size(0) / H);
-  }
-  return dims;
-}
-
-void check_plan(const char* op, const AllToAllPlan& plan, const Group& group) {
-  TORCH_CHECK_VALUE(plan.layout == Layout::kBSHD, op, ": the layout must be BSHD; got ",
-                    to_string(plan.layout));
-  TORCH_CHECK_VALUE(plan.heads.sp_size() == group.size(), op, ": plan is for ",
-                    plan.heads.sp_size(), " ranks but the group has ", group.size());
-}
-
-}  // namespace
+}  // namespace detail
 
 AllToAllPlan agree_projection_plan(const Group& group, const HeadPartition& heads,
                                    const at::Tensor& x,
-                                   const std::vector<HeadProjection>& projections) {
+                                   const std::vector<HeadProjection>& projections,
+                                   const c10::optional<SequencePartition>& seq) {
   const std::vector<TensorSpec> specs = fail_together_on_error(group, [&] {
     TORCH_CHECK_VALUE(x.defined() && x.dim() == 3,
                       "agree_projection_plan: x must be [B, S_r, E]; got ",
@@ -367,64 +400,20 @@ AllToAllPlan agree_projection_plan(const Group& group, const HeadPartition& head
     }
     return out;
   });
-  return agree_plan(group, heads, Layout::kBSHD, specs);
+  return agree_plan(group, heads, Layout::kBSHD, specs, seq);
 }
 
 std::vector<at::Tensor> scatter_projected(const at::Tensor& x,
                                           const std::vector<HeadProjection>& projections,
                                           const AllToAllPlan& plan, const Group& group) {
-  check_plan("scatter_projected", plan, group);
-  check_input_projections("scatter_projected", x, projections, plan.heads,
-                          plan.seq.length(group.rank()));
-  std::vector<HeadProjection> saved;  // Detached: backward computes without a graph.
-  std::vector<at::Tensor> inputs{x};
-  for (const HeadProjection& p : projections) {
-    saved.push_back({p.weight.detach(),
-                     p.bias ? c10::optional<at::Tensor>(p.bias->detach()) : c10::nullopt, p.heads});
-    inputs.push_back(p.weight);
-  }
-  for (const HeadProjection& p : projections)
-    if (p.bias) inputs.push_back(*p.bias);
-  std::vector<at::Tensor> ys;
-  {
-    at::NoGradGuard no_grad;
-    ys = scatter_projected_forward(x, InputProjections{saved, plan}, plan, group);
-  }
-  detail::attach_backward(inputs, ys, "ScatterProjectedBackward",
-                          [x = x.detach(), saved, plan, group](std::vector<at::Tensor>&& grads) {
-                            return scatter_projected_backward(
-                                grads, x, InputProjections{saved, plan}, plan, group);
-                          });
-  return ys;
+  detail::check_scatter_projected(x, projections, plan, group);
+  return detail::call_scatter_projected(x, projections, plan, group);
 }
 
 at::Tensor gather_projected(const at::Tensor& y, const at::Tensor& weight, const AllToAllPlan& plan,
                             const Group& group) {
-  check_plan("gather_projected", plan, group);
-  const int me = group.rank();
-  const int64_t Hq = plan.heads.q_heads(), mine = plan.ranges(Heads::kQuery)[me].size();
-  TORCH_CHECK_VALUE(
-      y.defined() && y.dim() == 4 && y.size(1) == plan.seq.seq_len() && y.size(2) == mine,
-      "gather_projected: y must be [B, ", plan.seq.seq_len(), ", ", mine,
-      ", D] (all tokens of this rank's query heads); got ",
-      y.defined() ? c10::str(y.sizes()) : "undefined", " (rank ", me, ")");
-  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == Hq * y.size(3),
-                    "gather_projected: weight must be [E, ", Hq, " query heads x ", y.size(3),
-                    "]; got ", weight.sizes());
-  TORCH_CHECK_TYPE(weight.scalar_type() == y.scalar_type(), "gather_projected: weight is ",
-                   weight.scalar_type(), " but y is ", y.scalar_type(), "; give them one dtype");
-  GatheredProjection g;
-  {
-    at::NoGradGuard no_grad;
-    g = gather_projected_forward(y.detach().contiguous(), weight.detach(), plan, group);
-  }
-  std::vector<at::Tensor> outs{g.out};
-  detail::attach_backward({y, weight}, outs, "GatherProjectedBackward",
-                          [w = weight.detach(), parts = std::move(g.parts), plan,
-                           group](std::vector<at::Tensor>&& grads) {
-                            return gather_projected_backward(grads[0], w, parts, plan, group);
-                          });
-  return outs[0];
+  detail::check_gather_projected(y, weight, plan, group);
+  return detail::call_gather_projected(y, weight, plan, group);
 }
 
 }  // namespace ulysses

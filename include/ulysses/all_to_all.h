@@ -175,10 +175,12 @@ at::Tensor gather_projected(const at::Tensor& y, const at::Tensor& weight, const
                             const Group& group);
 // The plan of scatter_projected and gather_projected for x [B, S_r, E] and `projections`:
 // checks x and each weight and bias against `heads` on this rank, then agree_plan on the
-// projected shapes [B, S_r, H_t, D_t], so a mistake on any rank raises the same error on all.
+// projected shapes [B, S_r, H_t, D_t] (and `seq`, when given), so a mistake on any rank raises
+// the same error on all.
 AllToAllPlan agree_projection_plan(const Group& group, const HeadPartition& heads,
                                    const at::Tensor& x,
-                                   const std::vector<HeadProjection>& projections);
+                                   const std::vector<HeadProjection>& projections,
+                                   const c10::optional<SequencePartition>& seq = c10::nullopt);
 
 // The shape rules of the two projections (raising c10::ValueError with the shapes), for
 // callers that project otherwise (Python's traceable F.linear form).

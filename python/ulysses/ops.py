@@ -27,6 +27,7 @@ GroupLike = str | dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int | str] 
 # A collective's longest wait: a timedelta or seconds (None: DEFAULT_TIMEOUT).
 Timeout = datetime.timedelta | float | None
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
+_DEFAULT_TIMEOUT_MS = 120_000
 _ops = torch.ops.ulysses
 
 
@@ -51,8 +52,8 @@ def group_name(group: GroupLike) -> str:
 
 def timeout_ms(timeout: Timeout) -> int:
     """Milliseconds of a timedelta or of seconds (None: the default, 120 s)."""
-    if timeout is None:
-        timeout = DEFAULT_TIMEOUT
+    if timeout is None:  # Without timedelta arithmetic, which torch.compile cannot trace.
+        return _DEFAULT_TIMEOUT_MS
     seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
     if not seconds > 0:
         raise ValueError(f"ulysses: timeout must be > 0 seconds; got {seconds}")
@@ -205,6 +206,65 @@ def gather_head_parts(ys: Sequence[torch.Tensor], heads: Sequence[str], q_heads:
                                   group_name(group), group_options(timeout))
     n = len(flat) // max(1, len(ys))
     return [flat[i * n:(i + 1) * n] for i in range(len(ys))]
+
+
+# ---- projections overlapped with the exchanges -----------------------------------------------
+
+
+@torch.library.register_fake("ulysses::scatter_projected")
+def _(x, weights, biases, heads, q_heads, kv_heads, seq_lens, group, group_options, agree=True):
+    rank, size = _rank_size(group)
+    counts = _plan(q_heads, kv_heads, size)
+    outs = []
+    for w, h in zip(weights, heads):
+        total = q_heads if h == "q" else kv_heads
+        outs.append(x.new_empty((x.shape[0], sum(seq_lens), counts["q_heads" if h == "q" else "kv_heads"][rank],
+                                 w.shape[0] // total)))
+    return outs
+
+
+@torch.library.register_fake("ulysses::scatter_projected_backward")
+def _(grads, x, weights, biases, heads, q_heads, kv_heads, seq_lens, group, group_options):
+    return [torch.empty_like(x)] + [torch.empty_like(w) for w in weights] + \
+        [torch.empty_like(b) for b in biases if b is not None]
+
+
+@torch.library.register_fake("ulysses::gather_projected")
+def _(y, weight, q_heads, kv_heads, seq_lens, group, group_options, agree=True):
+    rank, size = _rank_size(group)
+    counts = _plan(q_heads, kv_heads, size)["q_heads"]
+    B, D, mine = y.shape[0], y.shape[3], seq_lens[rank]
+    return [y.new_empty((B, mine, weight.shape[0]))] + \
+        [y.new_empty((B, mine, counts[j], D)) for j in range(size) if j != rank]
+
+
+@torch.library.register_fake("ulysses::gather_projected_backward")
+def _(grad, y, weight, parts, q_heads, kv_heads, seq_lens, group, group_options):
+    return torch.empty_like(y), torch.empty_like(weight)
+
+
+def scatter_projected(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
+                      heads: Sequence[str], q_heads: int, kv_heads: int, seq_lens: Sequence[int],
+                      group: GroupLike = None, timeout: Timeout = None) -> list[torch.Tensor]:
+    """Input projections overlapped with the sequence -> heads exchange (BSHD): for ``x
+    [B, S_r, E]`` and each ``weights[i] [H_i * D_i, E]`` (head-major rows, an ``nn.Linear``'s;
+    ``biases[i]`` or None; ``heads[i]`` "q" or "kv"), returns ``scatter_heads`` of
+    ``F.linear(x, weights[i], biases[i])`` viewed ``[B, S_r, H_i, D_i]``: ``[B, S, H_i_r, D_i]``.
+    Each peer's heads are projected slab by slab (``message_bytes`` each) and sent while the next
+    slab is projected; this rank's own heads go straight into the output. Every rank checks
+    every rank's shapes first (one small collective). Differentiable in x, weights and biases."""
+    return _ops.scatter_projected(x, list(weights), list(biases), list(heads), q_heads, kv_heads,
+                                  list(seq_lens), group_name(group), group_options(timeout))
+
+
+def gather_projected(y: torch.Tensor, weight: torch.Tensor, q_heads: int, kv_heads: int,
+                     seq_lens: Sequence[int], group: GroupLike = None, timeout: Timeout = None) -> torch.Tensor:
+    """The output projection overlapped with the heads -> sequence exchange (BSHD): for ``y
+    [B, S, H_r, D]`` (this rank's query heads) and ``weight [E, Hq * D]``, returns
+    ``F.linear(gather_heads(y).flatten(-2), weight)``: ``[B, S_r, E]``. Each peer's block is
+    multiplied in as it arrives; this rank's own while the others travel. Differentiable."""
+    return _ops.gather_projected(y, weight, q_heads, kv_heads, list(seq_lens), group_name(group),
+                                 group_options(timeout))[0]
 
 
 def project_head_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -46,8 +46,36 @@ at::Tensor call_sequence_collective(const at::Tensor& x, int64_t dim, const Sequ
                                     const Group& group, bool reduce, bool agree = true);
 at::Tensor call_rebuild_mask(const at::Tensor& mask, const AllToAllPlan& plan, const Group& group,
                              int64_t key_len);
+// scatter_projected and gather_projected on an agreed plan.
+std::vector<at::Tensor> call_scatter_projected(const at::Tensor& x,
+                                               const std::vector<HeadProjection>& projections,
+                                               const AllToAllPlan& plan, const Group& group);
+at::Tensor call_gather_projected(const at::Tensor& y, const at::Tensor& weight,
+                                 const AllToAllPlan& plan, const Group& group);
 
 // ---- kernels (no autograd) ----
+// This rank's checks of scatter_projected's and gather_projected's arguments against `plan`.
+void check_scatter_projected(const at::Tensor& x, const std::vector<HeadProjection>& projections,
+                             const AllToAllPlan& plan, const Group& group);
+void check_gather_projected(const at::Tensor& y, const at::Tensor& weight, const AllToAllPlan& plan,
+                            const Group& group);
+// scatter_projected's outputs y_t [B, S, |R_t[r]|, D_t].
+std::vector<at::Tensor> scatter_projected_kernel(const at::Tensor& x,
+                                                 const std::vector<HeadProjection>& projections,
+                                                 const AllToAllPlan& plan, const Group& group);
+// Its gradients: {dx, dW_t for each t, db_t for each t with a bias}.
+std::vector<at::Tensor> scatter_projected_backward_kernel(
+    const std::vector<at::Tensor>& grads, const at::Tensor& x,
+    const std::vector<HeadProjection>& projections, const AllToAllPlan& plan, const Group& group);
+// gather_projected's output [B, S_r, E], then the blocks it multiplied from each peer j != r
+// in rank order (rank j's heads on this rank's tokens, [B, S_r, |R[j]|, D]): backward's dW
+// needs them.
+std::vector<at::Tensor> gather_projected_kernel(const at::Tensor& y, const at::Tensor& weight,
+                                                const AllToAllPlan& plan, const Group& group);
+// Its gradients {dy, dW}, from the peers' blocks the forward returned.
+std::vector<at::Tensor> gather_projected_backward_kernel(
+    const at::Tensor& grad, const at::Tensor& y, const at::Tensor& weight,
+    const std::vector<at::Tensor>& peer_parts, const AllToAllPlan& plan, const Group& group);
 std::vector<at::Tensor> scatter_heads_kernel(const std::vector<at::Tensor>& xs,
                                              const std::vector<Heads>& kinds,
                                              const AllToAllPlan& plan, const Group& group);

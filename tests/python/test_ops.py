@@ -39,6 +39,15 @@ def collective_op_calls(rank: int, group: str, world: int) -> list:
           [k.detach()[:, :, a:b].clone().requires_grad_() for a, b in plan["kv_ranges"]],
           ["q", "kv"], 4, 2, lens, "BSHD", group, OPTIONS)),
         (ops.gather_head_parts.default, ([y], ["q"], 4, 2, lens, "BSHD", group, OPTIONS)),
+        # Projections overlapped with the exchanges: q's without a bias, k's with one.
+        (ops.scatter_projected.default,
+         (torch.randn(2, lens[rank], 12, generator=g, requires_grad=True),
+          [torch.randn(4 * 8, 12, generator=g, requires_grad=True),
+           torch.randn(2 * 8, 12, generator=g, requires_grad=True)],
+          [None, torch.randn(2 * 8, generator=g, requires_grad=True)], ["q", "kv"], 4, 2, lens,
+          group, OPTIONS)),
+        (ops.gather_projected.default,
+         (y, torch.randn(12, 4 * 8, generator=g, requires_grad=True), 4, 2, lens, group, OPTIONS)),
         (ops.all_gather_sequence.default,
          (torch.randn(3, lens[rank], 2, requires_grad=True), 1, lens, group, OPTIONS)),
         (ops.reduce_scatter_sequence.default,
@@ -65,7 +74,7 @@ def _opcheck_collectives(rank: int, group: str, world: int) -> int:
 def test_opcheck_collective_ops(tmp_path, world):
     """opcheck (schema, autograd registration, fake tensors, AOT dispatch with dynamic shapes)
     of every collective op, on real Gloo groups of `world` processes."""
-    assert run_processes(world, _opcheck_collectives, world, tmp_dir=str(tmp_path)) == [10] * world
+    assert run_processes(world, _opcheck_collectives, world, tmp_dir=str(tmp_path)) == [12] * world
 
 
 @pytest.mark.parametrize("with_mask", [False, True])

@@ -1,7 +1,8 @@
 """Head parts from Python: q, k, v projected per destination rank (ulysses.project_head_parts),
 DistributedAttention.forward_parts, o's parts through the output projection
 (ulysses.project_from_head_parts), against the same layer on whole tensors, forward and
-backward, eager and compiled; the parts ops against the whole-tensor ops."""
+backward, eager and compiled; the parts ops against the whole-tensor ops; the projections
+overlapped with the exchanges (ulysses.scatter_projected, ulysses.gather_projected) likewise."""
 
 from __future__ import annotations
 
@@ -39,8 +40,19 @@ def parts_layer(attn, x, wq, wk, wv, wo, plan, lens):
                                            plan["q_ranges"])
 
 
+def projected_layer(attn, x, wq, wk, wv, wo, hq, hkv, plan, lens, rank):
+    """The layer with its projections overlapped with the exchanges; local attention on this
+    rank's heads (attn: unused, for the same call shape as the others)."""
+    q, k, v = ulysses.scatter_projected(x, [wq, wk, wv], [None, None, None], ["q", "kv", "kv"], hq, hkv,
+                                        lens, group=attn.group_name)
+    kv_map = plan["kv_map"][rank]
+    o = ulysses.local_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), kv_map,
+                                causal=True).transpose(1, 2)
+    return ulysses.gather_projected(o, wo, hq, hkv, lens, group=attn.group_name)
+
+
 @pytest.mark.parametrize("world,S,hq,hkv", [(2, 9, 6, 3), (3, 13, 6, 2), (4, 10, 8, 2)])
-def test_forward_parts_matches_forward(world, S, hq, hkv):
+def test_parts_and_projected_layers_match_forward(world, S, hq, hkv):
     E, D = 12, 4
     lens = seq_lens(S, world)
 
@@ -49,15 +61,32 @@ def test_forward_parts_matches_forward(world, S, hq, hkv):
         plan = ulysses.plan(hq, hkv, world)
         attn = ulysses.DistributedAttention(group, q_heads=hq, kv_heads=hkv, causal=True)
         results = []
-        for layer in (lambda *a: whole_layer(*a, D, lens), lambda *a: parts_layer(*a, plan, lens)):
+        for layer in (lambda *a: whole_layer(*a, D, lens), lambda *a: parts_layer(*a, plan, lens),
+                      lambda *a: projected_layer(*a, hq, hkv, plan, lens, rank)):
             xs = x.clone().requires_grad_()
             ws = [w.clone().requires_grad_() for w in weights]
             out = layer(attn, xs, *ws)
             (out * torch.arange(out.numel()).view(out.shape).sin()).sum().backward()
+            # Weight gradients are this rank's tokens' share in every form.
             results.append([out.detach(), xs.grad] + [w.grad for w in ws])
-        return max(rel(a, b) for a, b in zip(*results))
+        return max(rel(a, b) for other in results[1:] for a, b in zip(other, results[0]))
 
     assert max(run_ranks(world, body)) < 1e-5
+
+
+def test_projected_ops_fail_alike_when_one_rank_is_wrong():
+    world, hq, hkv, E, D = 2, 4, 2, 8, 4
+    lens = seq_lens(6, world)
+
+    def body(rank, group):
+        x = torch.randn(1, lens[rank], E)
+        wk = torch.randn((hkv * D if rank == 0 else hkv * D + 1), E)  # rank 1's is not whole heads
+        ulysses.scatter_projected(x, [torch.randn(hq * D, E), wk], [None, None], ["q", "kv"], hq, hkv,
+                                  lens, group=group)
+
+    errors = run_ranks_errors(world, body)
+    assert errors[0] == errors[1] != ""
+    assert "projection 1's weight must be [2 kv heads x D, 8]; got [9, 8]" in errors[0]
 
 
 def test_parts_ops_match_whole_tensor_ops():
@@ -92,7 +121,8 @@ def test_wrong_part_on_one_rank_fails_alike():
     assert "scatter_head_parts: q part 0 must be 4-D (BSHD) with 2 heads in dim 2" in errors[0]
 
 
-def test_forward_parts_compiles_to_the_eager_result():
+@pytest.mark.parametrize("form", ["parts", "projected"])
+def test_layer_compiles_to_the_eager_result(form):
     world, S, hq, hkv, E, D = 2, 9, 4, 2, 8, 4
     lens = seq_lens(S, world)
 
@@ -100,14 +130,17 @@ def test_forward_parts_compiles_to_the_eager_result():
         x, weights = layer_inputs(S, E, hq, hkv, D, rank, lens)
         plan = ulysses.plan(hq, hkv, world)
         attn = ulysses.DistributedAttention(group, q_heads=hq, kv_heads=hkv, causal=True)
+        layer, extra = ((parts_layer, (plan, lens)) if form == "parts"
+                        else (projected_layer, (hq, hkv, plan, lens, rank)))
 
         def loss_and_grads(fn):
+            xs = x.clone().requires_grad_()
             ws = [w.clone().requires_grad_() for w in weights]
-            fn(attn, x, *ws, plan, lens).square().sum().backward()
-            return [w.grad for w in ws]
+            fn(attn, xs, *ws, *extra).square().sum().backward()
+            return [xs.grad] + [w.grad for w in ws]
 
-        eager = loss_and_grads(parts_layer)
-        compiled = loss_and_grads(torch.compile(parts_layer, backend="aot_eager", fullgraph=True))
+        eager = loss_and_grads(layer)
+        compiled = loss_and_grads(torch.compile(layer, backend="aot_eager", fullgraph=True))
         return max(rel(a, b) for a, b in zip(eager, compiled))
 
     assert max(run_ranks(world, body, timeout_s=120)) < 1e-6
