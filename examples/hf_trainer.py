@@ -19,7 +19,6 @@ import json
 import os
 
 import torch
-import torch.distributed as dist
 from transformers import (
     AutoModelForCausalLM,
     DataCollatorWithFlattening,
@@ -145,10 +144,6 @@ def main() -> None:
             with open(a.report + ".json", "w") as f:
                 json.dump({"losses": losses, "eval_loss": metrics.get("eval_loss")}, f)
             torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, a.report + ".pt")
-    # Gloo's workers must drop their last Work (which holds Python state from a backward) while
-    # the interpreter is alive: at exit that aborts the process (docs/DESIGN.md, platform facts).
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
