@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "detail/ops.h"
+#include "detail/slabs.h"
 #include "detail/wire.h"
 #include "ulysses/call_fingerprint.h"
 #include "ulysses/mask_decision.h"
@@ -153,8 +154,7 @@ void exchange_collective(const BlockTensors& in, const BlockTensors& out, const 
   }
 }
 
-// Tag of the i-th message between two ranks in a pipelined exchange (ring attention uses 1, 2).
-constexpr int kFirstMessageTag = 16;
+using detail::kFirstMessageTag;
 
 // One message of a pipelined exchange: `count` tokens of `block` from its token `first`, of
 // batch entry `batch` (-1: all).
@@ -163,22 +163,17 @@ struct Message {
   int64_t batch, first, count;
 };
 
-// The messages to or from `peer` over `blocks`, in block order: per batch entry when
-// `batches` > 1 (so that in BSHD a message is contiguous wherever its heads are), then whole
-// tokens, each at most `max_elements` unless one token is larger. Both ends cut mirrored
-// blocks alike (same token counts, batch and elements per token), so message i of one end is
-// message i of the other.
+// The messages to or from `peer` over `blocks`, in block order: the blocks' slabs (per batch
+// entry when `batches` > 1, so that in BSHD a message is contiguous wherever its heads are).
+// Both ends cut mirrored blocks alike (same token counts, batch and elements per token).
 std::vector<Message> messages(const std::vector<ExchangeBlock>& blocks, int64_t peer,
                               int64_t max_elements, int64_t batches) {
   std::vector<Message> out;
   for (const ExchangeBlock& b : blocks) {
     if (b.peer != peer || b.numel == 0) continue;
     const int64_t n = b.tokens.size();
-    const int64_t step = std::max<int64_t>(1, max_elements / (b.numel / n / batches));
-    for (int64_t batch = 0; batch < batches; ++batch) {
-      for (int64_t first = 0; first < n; first += step) {
-        out.push_back({&b, batches > 1 ? batch : -1, first, std::min(step, n - first)});
-      }
+    for (const detail::Slab& s : detail::slabs(batches, n, b.numel / n / batches, max_elements)) {
+      out.push_back({&b, batches > 1 ? s.batch : -1, s.first, s.count});
     }
   }
   return out;

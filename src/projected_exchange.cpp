@@ -7,35 +7,16 @@
 #include <string>
 
 #include "detail/ops.h"
+#include "detail/slabs.h"
 #include "detail/wire.h"
 #include "ulysses/all_to_all.h"
 
 namespace ulysses {
 namespace {
 
-// Tag of a call's first message between two ranks (ring attention uses 1 and 2); message i of a
-// call takes kFirstTag + i, counted alike at both ends.
-constexpr int kFirstTag = 16;
-
-// Tokens [first, first + count) of batch entry `batch`.
-struct Slab {
-  int64_t batch, first, count;
-};
-
-// The slabs of `batches` x `tokens` tokens, each at most `max_elements` of `per_token` elements
-// per token (at least one token). Both ends of a transfer cut alike, so slab i of one is slab i
-// of the other.
-std::vector<Slab> slabs(int64_t batches, int64_t tokens, int64_t per_token, int64_t max_elements) {
-  std::vector<Slab> out;
-  if (per_token == 0) return out;
-  const int64_t step = std::max<int64_t>(1, max_elements / per_token);
-  for (int64_t b = 0; b < batches; ++b) {
-    for (int64_t first = 0; first < tokens; first += step) {
-      out.push_back({b, first, std::min(step, tokens - first)});
-    }
-  }
-  return out;
-}
+using detail::kFirstMessageTag;
+using detail::Slab;
+using detail::slabs;
 
 // Slab `s` of `t` [B, tokens, ...] from token `offset` on, as [count, rest] (contiguous when `t`
 // is).
@@ -206,7 +187,7 @@ std::vector<at::Tensor> scatter_projected_kernel(const at::Tensor& x,
   std::vector<Exchange> arrivals;
   for (int k = 1; k < P; ++k) {
     const int from = (me + P - k) % P;
-    int tag = kFirstTag;
+    int tag = kFirstMessageTag;
     for (const Slab& s : slabs(B, plan.seq.length(from), in.per_token(me), limit)) {
       for (const at::Tensor& y : ys) {
         arrivals.push_back(io.receive(rows(y, s, plan.seq.range(from).begin), from, tag++));
@@ -215,7 +196,7 @@ std::vector<at::Tensor> scatter_projected_kernel(const at::Tensor& x,
   }
   for (int k = 1; k < P; ++k) {
     const int to = (me + k) % P;
-    int tag = kFirstTag;
+    int tag = kFirstMessageTag;
     for (const Slab& s : slabs(B, mine, in.per_token(to), limit)) {
       for (size_t t = 0; t < ys.size(); ++t) io.send(in.project(rows(x, s), t, to), to, tag++);
     }
@@ -258,7 +239,7 @@ std::vector<at::Tensor> scatter_projected_backward_kernel(
   std::vector<Arrival> arrivals;
   for (int k = 1; k < P; ++k) {  // The gradients of the slabs this rank sent.
     const int from = (me + k) % P;
-    int tag = kFirstTag;
+    int tag = kFirstMessageTag;
     for (const Slab& s : slabs(B, mine, in.per_token(from), limit)) {
       for (size_t t = 0; t < gys.size(); ++t) {
         at::Tensor g = at::empty({s.count, in.range(t, from).size() * in.head_dim(t)}, x.options());
@@ -269,7 +250,7 @@ std::vector<at::Tensor> scatter_projected_backward_kernel(
   }
   for (int k = 1; k < P; ++k) {  // The gradients of the slabs this rank received.
     const int to = (me + P - k) % P;
-    int tag = kFirstTag;
+    int tag = kFirstMessageTag;
     for (const Slab& s : slabs(B, plan.seq.length(to), in.per_token(me), limit)) {
       for (const at::Tensor& g : gys) io.send(rows(g, s, plan.seq.range(to).begin), to, tag++);
     }
@@ -309,7 +290,7 @@ std::vector<at::Tensor> gather_projected_kernel(const at::Tensor& y_in, const at
   for (int k = 1; k < P; ++k) {
     const int from = (me + P - k) % P;
     g.parts[from] = at::empty({B, mine, ranges[from].size(), D}, y.options());
-    int tag = kFirstTag;
+    int tag = kFirstMessageTag;
     for (const Slab& s : slabs(B, mine, ranges[from].size() * D, limit)) {
       const at::Tensor dst = rows(g.parts[from], s);
       arrivals.push_back({io.receive(dst, from, tag++), dst, s, 0, from});
@@ -317,7 +298,7 @@ std::vector<at::Tensor> gather_projected_kernel(const at::Tensor& y_in, const at
   }
   for (int k = 1; k < P; ++k) {
     const int to = (me + k) % P;
-    int tag = kFirstTag;
+    int tag = kFirstMessageTag;
     for (const Slab& s : slabs(B, plan.seq.length(to), ranges[me].size() * D, limit)) {
       io.send(rows(y, s, plan.seq.range(to).begin), to, tag++);
     }
@@ -353,14 +334,14 @@ std::vector<at::Tensor> gather_projected_backward_kernel(
   std::vector<Exchange> arrivals;
   for (int k = 1; k < P; ++k) {  // The gradients of the slabs this rank sent.
     const int from = (me + k) % P;
-    int tag = kFirstTag;
+    int tag = kFirstMessageTag;
     for (const Slab& s : slabs(B, plan.seq.length(from), ranges[me].size() * D, limit)) {
       arrivals.push_back(io.receive(rows(dy, s, plan.seq.range(from).begin), from, tag++));
     }
   }
   for (int k = 1; k < P; ++k) {  // Each peer's, computed slab by slab and sent at once.
     const int to = (me + P - k) % P;
-    int tag = kFirstTag;
+    int tag = kFirstMessageTag;
     for (const Slab& s : slabs(B, mine, ranges[to].size() * D, limit)) {
       io.send(at::mm(rows(g, s), columns(weight, plan, to, D)), to, tag++);
     }
