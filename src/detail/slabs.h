@@ -18,7 +18,8 @@ struct Slab {
 
 // The slabs of `batches` x `tokens` tokens, batch entry by batch entry, each at most
 // `max_elements` of `per_token` elements per token (at least one token).
-inline std::vector<Slab> slabs(int64_t batches, int64_t tokens, int64_t per_token, int64_t max_elements) {
+inline std::vector<Slab> slabs(int64_t batches, int64_t tokens, int64_t per_token,
+                               int64_t max_elements) {
   std::vector<Slab> out;
   if (per_token == 0) return out;
   const int64_t step = std::max<int64_t>(1, max_elements / per_token);
