@@ -12,7 +12,8 @@ a peer that is not installed is reported as such. Prints, and writes as JSON:
    gradients), each case on a fresh process group with a 20 s timeout: exact / error / silently
    wrong / hang;
 2. time of the all-to-all chain and of the attention layer forward+backward per system, as
-   ratios to ulysses measured in the same run (slowest rank, median), and peak memory.
+   ratios to ulysses (slowest rank, median), every system in one world on the same inputs and
+   timed in turns, so that the machine's drift falls on all alike; and peak memory.
 """
 
 from __future__ import annotations
@@ -204,48 +205,66 @@ def run_two_models(system, P, rank):
 
 # ---- Timing.
 
-def timed(fn, group, repeats):
-    fn()
-    samples = []
-    for _ in range(repeats):
-        dist.barrier(group)
-        t0 = time.perf_counter()
-        fn()
-        t = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        samples.append(t.item() * 1e3)
-    return statistics.median(samples)
+def alternated(fns, group, repeats):
+    """Median ms (slowest rank) of each of ``fns`` after a warm-up, timed in turns: repeat r runs
+    them in an order rotated by r, so that a drift in the machine's speed falls on all alike."""
+    names = list(fns)
+    for name in names:
+        fns[name]()
+    samples = {name: [] for name in names}
+    for r in range(repeats):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            fns[name]()
+            t = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            samples[name].append(t.item() * 1e3)
+    return {name: statistics.median(x) for name, x in samples.items()}
 
 
-def measure_time(system, P, rank, S, hq, hkv, repeats):
+def measure_times(systems, P, rank, S, hq, hkv, repeats):
+    """Every system's layer in one world on the same inputs: the peak RSS one step adds, then
+    layer and all-to-all times, alternated (see alternated)."""
     group = dist.new_group(list(range(P)), timeout=TIMEOUT)
-    layer = SYSTEMS[system](group, True)
     gen = torch.Generator().manual_seed(rank)
     n = S // P
-    q = torch.randn(1, n, hq, 64, generator=gen, requires_grad=True)
-    k = torch.randn(1, n, hkv, 64, generator=gen, requires_grad=True)
-    v = torch.randn(1, n, hkv, 64, generator=gen, requires_grad=True)
+    q, k, v = (torch.randn(1, n, h, 64, generator=gen) for h in (hq, hkv, hkv))
 
-    def step():
-        for t in (q, k, v):
-            t.grad = None
-        layer(q, k, v).sum().backward()
-
-    step()  # warm-up, then the peak RSS one step adds (the high-water mark reset first)
     def rss(key: str) -> int:
         with open("/proc/self/status") as status:
             return int(next(line.split()[1] for line in status if line.startswith(key)))
 
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = rss("VmRSS:")
-    step()
-    peak = torch.tensor([rss("VmHWM:") - before], dtype=torch.long)
-    ms = timed(step, group, repeats)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    results, steps = {}, {}
+    for system in systems:
+        layer = SYSTEMS[system](group, True)
+        inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+
+        def step(layer=layer, inputs=inputs):
+            for t in inputs:
+                t.grad = None
+            layer(*inputs).sum().backward()
+
+        try:
+            step()  # warm-up (a system that cannot run the case says so here, alike on every rank)
+        except Exception as e:  # noqa: BLE001 - reported as the system's outcome
+            results[system] = {"error": f"error: {type(e).__name__}: {str(e).splitlines()[0][:100]}"}
+            continue
+        with open("/proc/self/clear_refs", "w") as f:  # the high-water mark reset first
+            f.write("5")
+        before = rss("VmRSS:")
+        step()
+        peak = torch.tensor([rss("VmHWM:") - before], dtype=torch.long)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        results[system] = {"peak_mb": int(peak.item()) // 1024}
+        steps[system] = step
+    layer_ms = alternated(steps, group, repeats)
     with torch.no_grad():
-        a2a_ms = timed(lambda: a2a_chain(system, group, q, k, v), group, repeats)
-    return ms, int(peak.item()) // 1024, a2a_ms
+        a2a_ms = alternated({s: (lambda s=s: a2a_chain(s, group, q, k, v)) for s in steps}, group, repeats)
+    for system in steps:
+        results[system].update(layer_ms=layer_ms[system], a2a_ms=a2a_ms[system])
+    return results
 
 
 # ---- AutoSP: an unmodified single-device model compiled sequence-parallel.
@@ -341,10 +360,9 @@ def worker(rank, P, store_dir, task, args, out_dir):
         result = run_two_models(system, P, rank) if case[1] == 0 else run_case(system, case, P, rank)
     elif kind == "autosp":
         result = autosp_case(system, case, P)
-    else:
+    else:  # "time": `system` is the list of systems, timed together
         S, hq, hkv = case
-        ms, peak, a2a_ms = measure_time(system, P, rank, S, hq, hkv, args.repeats)
-        result = {"layer_ms": ms, "peak_mb": peak, "a2a_ms": a2a_ms}
+        result = measure_times(system, P, rank, S, hq, hkv, args.repeats)
     with open(os.path.join(out_dir, str(rank)), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -431,13 +449,12 @@ def main():
     seq_lens = [int(x) for x in args.seq_lens.split(",")] if args.seq_lens else [args.seq_len]
     heads = [tuple(int(n) for n in h.split("/")) for h in args.heads.split(",")]
     shapes = [(S, hq, hkv) for S in seq_lens for hq, hkv in heads]
+    present = [system for system in SYSTEMS if not available(system)]
     for S, hq, hkv in shapes if "timing" in parts else ():
-        for system in SYSTEMS:
-            if available(system):
-                continue
-            r = run_world(P, ("time", system, (S, hq, hkv)), args, limit_s=900)
+        r = run_world(P, ("time", present, (S, hq, hkv)), args, limit_s=3600)
+        for system in present:
             entry = {"system": system, "seq_len": S, "q_heads": hq, "kv_heads": hkv}
-            entry.update(r if isinstance(r, dict) else {"error": f"{r[0]}: {r[1]}"})
+            entry.update(r[system] if isinstance(r, dict) else {"error": f"{r[0]}: {r[1]}"})
             timing.append(entry)
     result = {"nproc": P, "matrix": rows, "autosp_matrix": autosp_rows, "timing": timing}
     if rows:
@@ -447,8 +464,8 @@ def main():
         print_matrix(f"\nAutoSP: an unmodified model compiled sequence-parallel, P={P}, fp32, loss "
                      "and every gradient vs the same model run eagerly on one rank", autosp_rows)
     if timing:
-        print(f"\ntime, B=1, D=64, fp32, slowest rank, median of {args.repeats}; x = system / ulysses in "
-              f"this run. a2a: the forward all-to-alls alone (q, k, v in; o out). layer: attention "
+        print(f"\ntime, B=1, D=64, fp32, slowest rank, median of {args.repeats} timed in turns in one world; "
+              f"x = system / ulysses. a2a: the forward all-to-alls alone (q, k, v in; o out). layer: attention "
               f"forward+backward, causal; peak: RSS one layer step adds")
         base = {(t["seq_len"], t["q_heads"], t["kv_heads"]): t for t in result["timing"]
                 if t["system"] == "ulysses" and "layer_ms" in t}
