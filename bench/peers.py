@@ -206,11 +206,9 @@ def run_two_models(system, P, rank):
 # ---- Timing.
 
 def alternated(fns, group, repeats):
-    """Median ms (slowest rank) of each of ``fns`` after a warm-up, timed in turns: repeat r runs
-    them in an order rotated by r, so that a drift in the machine's speed falls on all alike."""
+    """Median ms (slowest rank) of each of ``fns`` (already warmed up), timed in turns: repeat r
+    runs them in an order rotated by r, so that a drift in the machine's speed falls on all alike."""
     names = list(fns)
-    for name in names:
-        fns[name]()
     samples = {name: [] for name in names}
     for r in range(repeats):
         for i in range(len(names)):
@@ -261,7 +259,10 @@ def measure_times(systems, P, rank, S, hq, hkv, repeats):
         steps[system] = step
     layer_ms = alternated(steps, group, repeats)
     with torch.no_grad():
-        a2a_ms = alternated({s: (lambda s=s: a2a_chain(s, group, q, k, v)) for s in steps}, group, repeats)
+        chains = {s: (lambda s=s: a2a_chain(s, group, q, k, v)) for s in steps}
+        for chain in chains.values():
+            chain()  # warm-up
+        a2a_ms = alternated(chains, group, repeats)
     for system in steps:
         results[system].update(layer_ms=layer_ms[system], a2a_ms=a2a_ms[system])
     return results
