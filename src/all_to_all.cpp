@@ -4,9 +4,13 @@
 #include <c10/util/hash.h>
 
 #include <algorithm>
+#include <cstring>
+#include <map>
+#include <memory>
 #include <sstream>
 
 #include "detail/ops.h"
+#include "detail/shared_memory.h"
 #include "detail/slabs.h"
 #include "detail/wire.h"
 #include "ulysses/call_fingerprint.h"
@@ -179,10 +183,128 @@ std::vector<Message> messages(const std::vector<ExchangeBlock>& blocks, int64_t 
   return out;
 }
 
+// Prefix sums of `splits`: element offsets of each peer's chunk in a flat buffer, and the end.
+std::vector<int64_t> chunk_starts(const std::vector<int64_t>& splits) {
+  std::vector<int64_t> starts{0};
+  for (int64_t n : splits) starts.push_back(starts.back() + n);
+  return starts;
+}
+
+// The blocks of `plan` to and from co-located peers, through their shared-memory outboxes
+// (GroupOptions::shared_memory). Each block sits in its sender's outbox where it would sit in
+// the flat send buffer of one collective. post() packs this rank's blocks into its outbox and
+// sends each co-located peer a notice: where that peer's blocks start, the outbox's size, and
+// the errno of a failure to make room. finish() copies each peer's blocks out as its notice
+// comes, tells it so, and waits until every peer has read this rank's (the outbox is then free
+// for the next exchange). A failure completes the handshake first, then every co-located rank
+// raises the lowest failing rank's error.
+class SharedTransfer {
+ public:
+  SharedTransfer(const BlockTensors& in, const BlockTensors& out, const ExchangePlan& plan,
+                 const Group& group)
+      : in_(in),
+        out_(out),
+        plan_(plan),
+        group_(group),
+        links_(group.shared_memory_links()),
+        element_(in.tensors[0].element_size()) {
+    for (int j = 0; j < group.size(); ++j)
+      if (j != group.rank() && links_.colocated(j)) peers_.push_back(j);
+  }
+  bool colocated(int peer) const { return links_.colocated(peer); }
+
+  void post() {
+    for (int j : peers_) {
+      notices_.push_back(at::empty({4}, at::kLong));
+      packed_.push_back(group_.send_recv({}, j, notices_.back(), j, detail::kPackedTag));
+      reads_.push_back(at::empty({1}, at::kLong));
+      read_.push_back(group_.send_recv({}, j, reads_.back(), j, detail::kReadTag));
+    }
+    const auto starts = chunk_starts(plan_.send_splits());
+    int64_t need = 0;  // Bytes up to the end of the last co-located peer's chunk.
+    for (int j : peers_) need = std::max(need, starts[j + 1] * element_);
+    int error = 0;
+    uint8_t* base = need > 0 ? links_.outbox(need, error) : nullptr;
+    if (base != nullptr) {
+      for (const ExchangeBlock& b : plan_.send()) {
+        if (b.numel == 0 || !colocated(b.peer)) continue;
+        const at::Tensor src = in_.view(b);
+        at::from_blob(base + b.offset * element_, src.sizes(), src.options()).copy_(src);
+      }
+    }
+    if (error != 0) fail(group_.rank(), need, error);
+    for (int j : peers_) {
+      sent_.push_back(
+          at::tensor(std::vector<int64_t>{starts[j] * element_, links_.outbox_bytes(), error, need},
+                     at::kLong));
+      sends_.push_back(group_.send_recv(sent_.back(), j, {}, j, detail::kPackedTag));
+    }
+  }
+
+  void finish() {
+    const auto starts = chunk_starts(plan_.recv_splits());
+    for (size_t i = 0; i < peers_.size(); ++i) {
+      const int j = peers_[i];
+      packed_[i].wait();
+      const int64_t* n = notices_[i].data_ptr<int64_t>();  // chunk offset, size, errno, need
+      if (n[2] != 0) fail(j, n[3], static_cast<int>(n[2]));
+      if (failures_.empty()) copy_from(j, n[0], n[1], starts[j], starts[j + 1]);
+      sent_.push_back(at::zeros({1}, at::kLong));
+      sends_.push_back(group_.send_recv(sent_.back(), j, {}, j, detail::kReadTag));
+    }
+    for (Exchange& e : read_) e.wait();
+    for (Exchange& e : sends_) e.wait();
+    TORCH_CHECK(failures_.empty(), failures_.begin()->second);
+  }
+
+ private:
+  // Copies `peer`'s blocks for this rank (elements [recv_start, recv_end) of the flat receive
+  // buffer) out of its outbox, where they start at byte `chunk`.
+  void copy_from(int peer, int64_t chunk, int64_t outbox_bytes, int64_t recv_start,
+                 int64_t recv_end) {
+    if (recv_start == recv_end) return;  // Nothing from it (it may have no outbox at all).
+    int error = 0;
+    const uint8_t* base = links_.inbox(peer, outbox_bytes, error);
+    if (base == nullptr) {
+      failures_.emplace(group_.rank(), "ulysses: rank " + std::to_string(group_.rank()) +
+                                           " cannot map rank " + std::to_string(peer) +
+                                           "'s shared-memory outbox: " + std::strerror(error));
+      return;
+    }
+    for (const ExchangeBlock& b : plan_.recv()) {
+      if (b.peer != peer || b.numel == 0) continue;
+      const at::Tensor dst = out_.view(b);
+      const at::Tensor src =
+          at::from_blob(const_cast<uint8_t*>(base) + chunk + (b.offset - recv_start) * element_,
+                        dst.sizes(), dst.options());
+      put_block(dst, src, out_, plan_);
+    }
+  }
+  void fail(int rank, int64_t bytes, int error) {
+    failures_.emplace(rank, "ulysses: rank " + std::to_string(rank) + " cannot make a " +
+                                std::to_string(bytes) + "-byte shared-memory outbox in /dev/shm (" +
+                                std::strerror(error) +
+                                "): enlarge /dev/shm, or turn GroupOptions::shared_memory off "
+                                "(ULYSSES_SHARED_MEMORY)");
+  }
+
+  const BlockTensors& in_;
+  const BlockTensors& out_;
+  const ExchangePlan& plan_;
+  const Group& group_;
+  detail::SharedMemoryLinks& links_;
+  const int64_t element_;
+  std::vector<int> peers_;  // Co-located, in rank order.
+  std::vector<at::Tensor> notices_, reads_, sent_;
+  std::vector<Exchange> packed_, read_, sends_;
+  std::map<int, std::string> failures_;  // By failing rank.
+};
+
 // Executes `plan` as point-to-point messages (CPU): every receive is posted first, straight
 // into the output where a message lands contiguously; then each message is packed (unless
 // contiguous already) and sent at once, so packing the next overlaps the transfer of this one;
 // this rank's own blocks are copied across meanwhile, and each arrival is unpacked as it comes.
+// Blocks for co-located peers go through shared memory instead when the group's options say so.
 void exchange_pipelined(const BlockTensors& in, const BlockTensors& out, const ExchangePlan& plan,
                         const Group& group) {
   const int P = group.size(), me = group.rank();
@@ -195,9 +317,14 @@ void exchange_pipelined(const BlockTensors& in, const BlockTensors& out, const E
     at::Tensor dst, staged;  // staged: undefined when received in place.
     Exchange exchange;
   };
+  std::unique_ptr<SharedTransfer> shared;
+  if (group.options().shared_memory)
+    shared = std::make_unique<SharedTransfer>(in, out, plan, group);
+  auto by_messages = [&](int peer) { return !shared || !shared->colocated(peer); };
   std::vector<Arrival> arrivals;
   for (int k = 1; k < P; ++k) {
     const int from = (me + P - k) % P;
+    if (!by_messages(from)) continue;
     const auto in_msgs = messages(plan.recv(), from, max_elements, batches);
     for (size_t i = 0; i < in_msgs.size(); ++i) {
       const Message& m = in_msgs[i];
@@ -209,10 +336,12 @@ void exchange_pipelined(const BlockTensors& in, const BlockTensors& out, const E
       arrivals.push_back(std::move(a));
     }
   }
+  if (shared) shared->post();
   std::vector<at::Tensor> packed;  // Alive until their sends complete.
   std::vector<Exchange> departures;
   for (int k = 1; k < P; ++k) {
     const int to = (me + k) % P;
+    if (!by_messages(to)) continue;
     const auto out_msgs = messages(plan.send(), to, max_elements, batches);
     for (size_t i = 0; i < out_msgs.size(); ++i) {
       const Message& m = out_msgs[i];
@@ -236,6 +365,7 @@ void exchange_pipelined(const BlockTensors& in, const BlockTensors& out, const E
   for (size_t i = 0; i < own_send.size(); ++i) {
     put_block(out.view(*own_recv[i]), in.view(*own_send[i]), out, plan);
   }
+  if (shared) shared->finish();
   for (Arrival& a : arrivals) {
     a.exchange.wait();
     if (a.staged.defined()) put_block(a.dst, a.staged, out, plan);
@@ -466,6 +596,7 @@ CallFingerprint call_fingerprint(const Group& group, const HeadPartition& heads,
   // different paths (or cut messages differently) and wait on each other.
   f.pipeline_min_bytes = group.options().pipeline_min_bytes;
   f.message_bytes = group.options().message_bytes;
+  f.shared_memory = group.options().shared_memory;
   for (const TensorSpec& spec : tensors) f.tensors.push_back(facts_of(spec.tensor, first));
   f.mask = facts_of(call.mask, first);
   f.positions = facts_of(call.positions, first);

@@ -16,6 +16,8 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "detail/shared_memory.h"
+
 namespace ulysses {
 namespace detail {
 
@@ -87,6 +89,8 @@ struct GroupRuntime {
   std::atomic<int64_t> p2p_messages{0};   // Point-to-point sends posted.
   std::atomic<int64_t> p2p_bytes{0};      // Their bytes.
   std::shared_ptr<BufferCache> buffers;   // Shared with the deleters of tensors it lent.
+  std::mutex links_mu;
+  std::unique_ptr<SharedMemoryLinks> links;  // Set up on first use; guarded by links_mu.
 };
 
 // Counts one collective and the time spent in it.
@@ -270,16 +274,18 @@ Group Group::solo(const GroupOptions& options) {
 }
 
 std::vector<int64_t> options_to_ints(const GroupOptions& options) {
-  return {options.timeout.count(), options.pipeline_min_bytes, options.message_bytes};
+  return {options.timeout.count(), options.pipeline_min_bytes, options.message_bytes,
+          options.shared_memory ? 1 : 0};
 }
 
 GroupOptions options_from_ints(c10::IntArrayRef values) {
   GroupOptions o;
-  TORCH_CHECK_VALUE(values.size() <= 3, "Group: group_options has at most 3 values ([timeout ms, ",
-                    "pipeline_min_bytes, message_bytes]); got ", values.size());
+  TORCH_CHECK_VALUE(values.size() <= 4, "Group: group_options has at most 4 values ([timeout ms, ",
+                    "pipeline_min_bytes, message_bytes, shared_memory]); got ", values.size());
   if (values.size() > 0) o.timeout = std::chrono::milliseconds(values[0]);
   if (values.size() > 1) o.pipeline_min_bytes = values[1];
   if (values.size() > 2) o.message_bytes = values[2];
+  if (values.size() > 3) o.shared_memory = values[3] != 0;
   return o;
 }
 
@@ -370,6 +376,17 @@ void Exchange::wait() {
   std::vector<c10::intrusive_ptr<c10d::Work>> work = std::move(work_);
   work_.clear();
   for (const auto& w : work) ulysses::wait(*group_, "send_recv", w, number_);
+}
+
+bool GroupOptions::shared_memory_from_environment() {
+  const char* v = std::getenv("ULYSSES_SHARED_MEMORY");
+  return v != nullptr && std::string(v) == "1";
+}
+
+detail::SharedMemoryLinks& Group::shared_memory_links() const {
+  std::lock_guard<std::mutex> lock(runtime_->links_mu);
+  if (!runtime_->links) runtime_->links = std::make_unique<detail::SharedMemoryLinks>(*this);
+  return *runtime_->links;
 }
 
 at::Tensor Group::new_buffer(at::IntArrayRef shape, const at::TensorOptions& options) const {

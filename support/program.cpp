@@ -19,7 +19,8 @@ void print_usage(std::ostream& os, const std::vector<Command>& commands,
     os << "usage: ulysses <command> [options]    (ulysses <command> --help, ulysses --version)\n\n"
           "commands (--timeout SECONDS bounds every collective of those that communicate;\n"
           "--pipeline-min-kib K and --message-kib M: CPU all-to-alls sending >= K KiB per rank\n"
-          "go as pipelined messages of M KiB; defaults 4096 and 4096):\n";
+          "go as pipelined messages of M KiB; defaults 4096 and 4096; --shared-memory: their\n"
+          "blocks for ranks on this host go through /dev/shm, as ULYSSES_SHARED_MEMORY=1 does):\n";
   }
   for (const Command& c : commands) {
     if (!starts_with(c.name, prefix)) continue;
@@ -72,7 +73,8 @@ Options group_option_table() {
   const GroupOptions defaults;
   return {value("--timeout", "120"),
           value("--pipeline-min-kib", std::to_string(defaults.pipeline_min_bytes / kKiB)),
-          value("--message-kib", std::to_string(defaults.message_bytes / kKiB))};
+          value("--message-kib", std::to_string(defaults.message_bytes / kKiB)),
+          flag("--shared-memory")};
 }
 
 GroupOptions group_options(const Args& args) {
@@ -81,6 +83,7 @@ GroupOptions group_options(const Args& args) {
   constexpr int64_t kMostKiB = int64_t{1} << 40;
   options.pipeline_min_bytes = kKiB * args.integer("--pipeline-min-kib", 0, kMostKiB);
   options.message_bytes = kKiB * args.integer("--message-kib", 1, kMostKiB);
+  if (args.has("--shared-memory")) options.shared_memory = true;  // Else the environment's.
   return options;
 }
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
 #include <limits>
 #include <sstream>
 
@@ -30,11 +31,15 @@ struct Case {
   int64_t B = 2, D = 8, Dv = 8;
   // > 0: every exchange goes as pipelined messages of about this many bytes (0: one collective).
   int64_t message_bytes = 0;
+  // With message_bytes > 0: blocks between these ranks (all on this host) go through shared
+  // memory instead of messages.
+  bool shared_memory = false;
 };
 
 // `g` with the case's exchange options.
 Group with_exchange(const Group& g, const Case& c) {
   GroupOptions options = g.options();
+  options.shared_memory = c.shared_memory;
   if (c.message_bytes > 0) {
     options.pipeline_min_bytes = 0;
     options.message_bytes = c.message_bytes;
@@ -48,7 +53,7 @@ std::string describe(const Case& c) {
   std::ostringstream os;
   os << "P" << c.P << "_q" << c.hq << "_kv" << c.hkv << "_S" << c.S << "_" << to_string(c.layout)
      << "_B" << c.B << "_D" << c.D << "_Dv" << c.Dv;
-  if (c.message_bytes > 0) os << "_messages" << c.message_bytes;
+  if (c.message_bytes > 0) os << (c.shared_memory ? "_shm" : "_messages") << c.message_bytes;
   return os.str();
 }
 std::string case_name(const ::testing::TestParamInfo<Case>& info) { return describe(info.param); }
@@ -328,6 +333,10 @@ std::vector<Case> cases() {
       c.message_bytes = bytes;
       out.push_back(c);
     }
+    Case c = out[i];  // And through shared memory.
+    c.message_bytes = 1 << 20;
+    c.shared_memory = true;
+    out.push_back(c);
   }
   return out;
 }
@@ -448,17 +457,28 @@ TEST(AllToAllErrors, PartsOfTheWrongShapeNameThePart) {
 
 // One rank's group handle pipelines differently: the ranks would take different exchange
 // paths and wait on each other, so the plan's agreement refuses it on every rank.
-TEST(AllToAllErrors, RanksDisagreeOnExchangeOptions) {
-  auto errors = run_ranks(2, [](Group& world) {
+// Rank 1's options differ from rank 0's by `differ`: the exchange paths would differ, so the
+// plan's agreement fails both alike with `message`.
+void expect_options_disagreement(const std::function<void(GroupOptions&)>& differ,
+                                 const std::string& message) {
+  auto errors = run_ranks(2, [&](Group& world) {
     GroupOptions options = world.options();
-    if (world.rank() == 1) options.message_bytes = 1 << 10;
+    options.shared_memory = false;  // Whatever the environment says.
+    if (world.rank() == 1) differ(options);
     const Group g = world.with_options(options);
     at::Tensor x = at::zeros({1, 3, 4, 8});
     agree_plan(g, HeadPartition::make(4, 4, 2), Layout::kBSHD, {{x, Heads::kQuery, "x"}});
   });
-  expect_ranks_fail_alike(errors,
-                          "ranks disagree on GroupOptions::message_bytes: rank 0 has 4194304, "
-                          "rank 1 has 1024");
+  expect_ranks_fail_alike(errors, message);
+}
+
+TEST(AllToAllErrors, RanksDisagreeOnExchangeOptions) {
+  expect_options_disagreement([](GroupOptions& o) { o.message_bytes = 1 << 10; },
+                              "ranks disagree on GroupOptions::message_bytes: rank 0 has 4194304, "
+                              "rank 1 has 1024");
+  expect_options_disagreement(
+      [](GroupOptions& o) { o.shared_memory = true; },
+      "ranks disagree on GroupOptions::shared_memory: rank 0 has no, rank 1 has yes");
 }
 
 TEST(AllToAllErrors, RanksDisagreeOnDtype) {
@@ -509,6 +529,29 @@ TEST(AllToAllPipeline, ChosenBySizeAlikeOnEveryRank) {
       const Range heads = part.q_range(g.rank());
       EXPECT_TRUE(y.equal(X.narrow(2, heads.begin, heads.size()))) << min_bytes;
     }
+  });
+}
+
+// Through shared memory, blocks skip the messages: each exchange sends each co-located peer
+// two notices (4 + 1 int64), and the result is the same bit for bit. The links are set up once.
+TEST(AllToAllSharedMemory, BlocksBypassMessages) {
+  expect_ranks_succeed(3, [](Group& world) {
+    const Case c{3, 7, 7, 10, Layout::kBSHD, 2, 8, 8, 1 << 20, true};
+    const Group g = with_exchange(world, c),
+                plain = with_exchange(world, {3, 7, 7, 10, Layout::kBSHD, 2, 8, 8, 1 << 20, false});
+    const auto seq = SequencePartition::even(c.S, c.P);
+    at::Tensor X = seeded_randn({c.B, c.S, c.hq, c.D}, 71);
+    const Range mine = seq.range(g.rank());
+    at::Tensor x = X.narrow(1, mine.begin, mine.size()).contiguous();
+    auto plan =
+        agree_plan(g, HeadPartition::make(c.hq, c.hkv, c.P), c.layout, {{x, Heads::kQuery, "x"}});
+    scatter_heads(x, Heads::kQuery, plan, g);  // Sets the links up.
+    const int64_t bytes = g.p2p_bytes_sent(), collectives = g.collective_count();
+    at::Tensor y = scatter_heads(x, Heads::kQuery, plan, g);
+    EXPECT_EQ(g.p2p_bytes_sent() - bytes, 2 * (4 + 1) * 8);
+    EXPECT_EQ(g.collective_count(), collectives);
+    EXPECT_TRUE(y.equal(scatter_heads(x, Heads::kQuery, plan, plain)));
+    EXPECT_TRUE(gather_heads(y, Heads::kQuery, plan, g).equal(x));
   });
 }
 

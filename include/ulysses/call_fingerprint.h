@@ -32,6 +32,7 @@ struct CallFingerprint {
   // The group handle's exchange options (they choose the exchange path and message cuts).
   int64_t pipeline_min_bytes = 0;
   int64_t message_bytes = 0;
+  int64_t shared_memory = 0;
   // The exchanged tensors, in call order.
   std::vector<TensorFacts> tensors;
   // The attention call's options (their defaults for a bare exchange).

@@ -50,10 +50,19 @@ struct GroupOptions {
   // collective, where a message's fixed cost would dominate. >= 0 and > 0.
   int64_t pipeline_min_bytes = int64_t{4} << 20;
   int64_t message_bytes = int64_t{4} << 20;
+  // Pipelined exchanges with ranks on this host go through shared memory (/dev/shm): the sender
+  // packs its blocks into a file the receiver maps, and the receiver copies them out; other
+  // ranks' blocks still go as messages. Ranks in other network namespaces count as other
+  // hosts. The first such exchange sets the links up with two all_gathers. Measured on
+  // loopback: 0.5-0.9x a bare all_to_all_single's time, where messages take 1.3-1.6x. Off by
+  // default; on when the environment variable ULYSSES_SHARED_MEMORY is 1.
+  bool shared_memory = shared_memory_from_environment();
+
+  static bool shared_memory_from_environment();
 };
 
 // GroupOptions as dispatcher ops carry them (an `int[]`): [timeout ms, pipeline_min_bytes,
-// message_bytes]; a shorter list leaves the rest at their defaults.
+// message_bytes, shared_memory]; a shorter list leaves the rest at their defaults.
 std::vector<int64_t> options_to_ints(const GroupOptions& options);
 GroupOptions options_from_ints(c10::IntArrayRef values);
 
@@ -62,7 +71,8 @@ constexpr int64_t kAgreeMetaLimit = 96;
 
 namespace detail {
 struct GroupRuntime;
-}
+class SharedMemoryLinks;
+}  // namespace detail
 
 class Group;
 
@@ -120,6 +130,9 @@ class Group {
   // `output_splits`. Both tensors are 1-D and contiguous.
   void all_to_all(at::Tensor& output, at::Tensor& input, const std::vector<int64_t>& output_splits,
                   const std::vector<int64_t>& input_splits) const;
+  // This process group's shared-memory links (GroupOptions::shared_memory), set up on the first
+  // call: two all_gathers, which every rank issues at the same point.
+  detail::SharedMemoryLinks& shared_memory_links() const;
   // An uninitialised tensor. On CPU, from buffer_cache_min_bytes up, its memory comes from this
   // group's cache of freed buffers and goes back to it when the tensor dies: on this kind of
   // machine faulting in a fresh 33 MB buffer costs ~10x copying into a reused one. Smaller

@@ -77,6 +77,49 @@ def test_opcheck_collective_ops(tmp_path, world):
     assert run_processes(world, _opcheck_collectives, world, tmp_dir=str(tmp_path)) == [12] * world
 
 
+def _shared_memory_exchange(rank: int, group: str, on_ranks: list[int]):
+    """scatter_heads forward and backward with ULYSSES_SHARED_MEMORY=1 on `on_ranks`: this
+    rank's output and input gradient, or the error it raised."""
+    import ulysses
+
+    if rank in on_ranks:
+        os.environ["ULYSSES_SHARED_MEMORY"] = "1"
+    S, H, D = 2048, 16, 64  # 4 MiB per rank: large enough to take the pipelined path.
+    lens = seq_lens(S, 2)
+    q = shard(torch.randn(1, S, H, D, generator=torch.Generator().manual_seed(3)), 1, rank, lens)
+    q = q.clone().requires_grad_()
+    try:
+        y = ulysses.scatter_heads([q], ["q"], H, H, lens, group=group)[0]
+        w = torch.randn(y.shape, generator=torch.Generator().manual_seed(10 + rank))
+        (y * w).sum().backward()
+    except ValueError as e:  # the agreement's error
+        return str(e)
+    return y.detach(), q.grad
+
+
+def test_shared_memory_from_the_environment(tmp_path):
+    """ULYSSES_SHARED_MEMORY=1 sends blocks between processes of one host through /dev/shm:
+    forward and backward match slicing of the full tensor bit for bit, and nothing is left in
+    /dev/shm; a rank whose environment differs fails alike with the others."""
+    S, H, D = 2048, 16, 64
+    Q = torch.randn(1, S, H, D, generator=torch.Generator().manual_seed(3))
+    lens = seq_lens(S, 2)
+    before = set(os.listdir("/dev/shm"))
+    (tmp_path / "on").mkdir()
+    (tmp_path / "one").mkdir()
+    out = run_processes(2, _shared_memory_exchange, [0, 1], tmp_dir=str(tmp_path / "on"))
+    assert set(os.listdir("/dev/shm")) == before
+    W = [torch.randn(1, S, H // 2, D, generator=torch.Generator().manual_seed(10 + r)) for r in range(2)]
+    dQ = torch.cat(W, dim=2)
+    for rank, (y, dq) in enumerate(out):
+        heads = slice(rank * H // 2, (rank + 1) * H // 2)
+        assert torch.equal(y, Q[:, :, heads])
+        assert torch.equal(dq, shard(dQ, 1, rank, lens))
+    errors = run_processes(2, _shared_memory_exchange, [1], tmp_dir=str(tmp_path / "one"))
+    for e in errors:
+        assert "ranks disagree on GroupOptions::shared_memory: rank 0 has no, rank 1 has yes" in e
+
+
 @pytest.mark.parametrize("with_mask", [False, True])
 def test_opcheck_flash_attention(with_mask):
     q = torch.randn(1, 4, 9, 8, requires_grad=True)
