@@ -398,3 +398,19 @@ def test_every_option_in_help_is_accepted(command):
     tail = ["--", "true"] if command == ["launch"] else []
     r = run(ULYSSES, *command, *argv, "--zzz", "1", *tail)
     assert r.returncode == 2 and "unknown option --zzz" in r.stderr, (argv, r.stderr)
+
+
+def test_full_dev_shm_fails_every_rank_alike():
+    """--shared-memory with a /dev/shm too small for an outbox (a 512 KiB tmpfs in a private
+    mount namespace): every rank stops with the same error naming /dev/shm, no crash, no hang."""
+    probe = ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=512k tmpfs /dev/shm"]
+    if subprocess.run(probe, capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs in a private mount namespace here (needs root and unshare)")
+    script = (f"mount -t tmpfs -o size=512k tmpfs /dev/shm && exec {ULYSSES} train --nproc 2 "
+              "--steps 3 --shared-memory --pipeline-min-kib 0 --timeout 60")
+    r = run("unshare", "-m", "sh", "-c", script, timeout=240)
+    assert r.returncode == 1, r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    assert ("rank 0 cannot make a 1572864-byte shared-memory outbox in /dev/shm (No space left on "
+            "device): enlarge /dev/shm") in out
+    assert "rank 1 printed the same as rank 0" in out
