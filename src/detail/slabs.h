@@ -8,7 +8,8 @@
 
 namespace ulysses::detail {
 
-// Tag of the first message between two ranks (ring attention uses 1 and 2).
+// Tag of the first message between two ranks (ring attention uses 1 and 2; the shared-memory
+// notices 8 and 9, detail/shared_memory.h).
 constexpr int kFirstMessageTag = 16;
 
 // Tokens [first, first + count) of batch entry `batch`.
