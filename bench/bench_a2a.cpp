@@ -29,7 +29,7 @@ struct A2aCase {
   HeadCase heads;
   int repeats;
   at::Tensor q, k, v;
-  AllToAllPlan plan;
+  Sharding plan;
   bool gqa() const { return heads.hq != heads.hkv; }
 };
 

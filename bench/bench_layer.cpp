@@ -62,7 +62,7 @@ bench::Record projected_layer(const Group& g, int64_t S, int64_t Hq, int64_t Hkv
                                        {param({Hkv * D, E}), c10::nullopt, Heads::kKeyValue},
                                        {param({Hkv * D, E}), c10::nullopt, Heads::kKeyValue}};
   const at::Tensor wo = param({E, Hq * D});
-  const AllToAllPlan plan = agree_projection_plan(g, heads, x, in);
+  const Sharding plan = agree_projection_plan(g, heads, x, in);
   const std::vector<int64_t> kv_map = heads.kv_map(me);
   // Causal attention on this rank's heads, BSHD in and out.
   auto attend = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {

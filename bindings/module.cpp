@@ -1,8 +1,10 @@
 // ulysses._C: the pybind11 module behind the Python package. Thin: it converts arguments and
 // calls the core's pure planners (head and sequence splits, mask shapes, layouts); the
 // `ulysses` command is its own module (cli_module.cpp);
-// tensors reach the core through torch.ops.ulysses (src/ops.cpp), registered when libulysses
-// loads.
+// tensors reach the core through torch.ops.ulysses (each floor's src/<floor>/ops.cpp),
+// registered when libulysses loads. Every rule Python applies is read from here, never copied:
+// the even split, tile counts, the label rule, the kernel names and module-option rules, the
+// default timeout and the ignore index.
 #include <c10/util/Exception.h>
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
@@ -20,6 +22,8 @@
 #include "ulysses/mask_decision.h"
 #include "ulysses/partition.h"
 #include "ulysses/ring_attention.h"
+#include "ulysses/sharding.h"
+#include "ulysses/tiled.h"
 
 namespace py = pybind11;
 
@@ -253,6 +257,51 @@ void bind_groups_and_hooks(py::module_& m) {
       "for tests that hold the Python module to it.");
 }
 
+// The rules Python applies, each with its one home in C++.
+void bind_rules(py::module_& m) {
+  m.def(
+      "even_split", [](int64_t n, int64_t parts) { return ranges(even_split(n, parts)); },
+      py::arg("n"), py::arg("parts"),
+      "The even split of range(n) into `parts` (start, end) blocks, the first n % parts one "
+      "larger (the rule of every head, token and tile split).");
+  m.def("tile_count", &tile_count, py::arg("rows"), py::arg("tile_rows"),
+        "Tiles of at most tile_rows rows covering rows rows (at least 1).");
+  m.def("target_problem", &target_problem, py::arg("targets"), py::arg("vocab"),
+        py::arg("ignore_index"), py::arg("who"), py::arg("name"),
+        "What is wrong with the labels of a loss over vocab classes, or \"\".");
+  m.def(
+      "local_kernels",
+      [] {
+        std::vector<std::string> names;
+        for (LocalKernel k :
+             {LocalKernel::kAuto, LocalKernel::kFused, LocalKernel::kSdpa, LocalKernel::kMath})
+          names.push_back(to_string(k));
+        return names;
+      },
+      "The names of the local-attention kernels (\"auto\" first).");
+  m.def(
+      "check_attention_options",
+      [](int64_t q_heads, int64_t kv_heads, bool causal, double scale, int64_t window,
+         double softcap) {
+        AttentionRules rules;
+        rules.causal = causal, rules.scale = scale, rules.window = window, rules.softcap = softcap;
+        check_attention_options(q_heads, kv_heads, rules);
+      },
+      py::arg("q_heads"), py::arg("kv_heads"), py::arg("causal"), py::arg("scale"),
+      py::arg("window"), py::arg("softcap"),
+      "The rules of a DistributedAttention's options (raises ValueError).");
+  m.def(
+      "check_ring_kernel",
+      [](const std::string& local) {
+        const bool callable = local.empty();
+        check_ring_kernel(callable ? LocalKernel::kAuto : parse_local_kernel(local), callable);
+      },
+      py::arg("local"),
+      "Hybrid ring attention runs the fused kernel (local \"\": a callable; raises ValueError).");
+  m.attr("DEFAULT_TIMEOUT_MS") = GroupOptions{}.timeout.count();
+  m.attr("IGNORE_INDEX") = kIgnoreIndex;
+}
+
 }  // namespace
 }  // namespace ulysses
 
@@ -262,4 +311,5 @@ PYBIND11_MODULE(_C, m) {
   ulysses::bind_plans(m);
   ulysses::bind_shape_rules(m);
   ulysses::bind_groups_and_hooks(m);
+  ulysses::bind_rules(m);
 }

@@ -13,14 +13,15 @@ ensure_debian_packages clang libclang-rt-dev
 torch_dir="$(.venv/bin/python -c 'import os, torch; print(os.path.dirname(torch.__file__))')"
 mkdir -p build-fuzz
 flags=(-std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
-  -I include -I tools -I bench -isystem "$torch_dir/include"
+  -I include -I src -I tools -I bench -isystem "$torch_dir/include"
   -isystem "$torch_dir/include/torch/csrc/api/include" -D_GLIBCXX_USE_CXX11_ABI=1)
 libs=(-L "$torch_dir/lib" -Wl,-rpath,"$torch_dir/lib" -lc10)
-# Only the pure planning code is linked (and instrumented): no tensors, no process groups.
+# Only the pure plan floor is linked (and instrumented): no tensors, no process groups.
+plan_floor=$(echo src/plan/*.cpp)
 declare -A sources=(
-  [fuzz_partition]="src/partition.cpp"
-  [fuzz_mask_decision]="src/partition.cpp src/mask_decision.cpp"
-  [fuzz_cli_args]="src/partition.cpp tools/plan.cpp"
+  [fuzz_partition]="$plan_floor"
+  [fuzz_mask_decision]="$plan_floor"
+  [fuzz_cli_args]="$plan_floor tools/plan.cpp"
 )
 for target in fuzz_partition fuzz_mask_decision fuzz_cli_args; do
   echo "fuzz: building $target"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The C++ suite (GoogleTest and the fuzz targets' replays) built with AddressSanitizer and
 # UndefinedBehaviorSanitizer into build-sanitize/, then run. Any report fails the run. Takes
-# ~15 minutes on 2 cores (not part of the test command; see README, "Checking").
+# ~15 minutes on 2 cores (not part of the test command; see docs/development.md, "Checking").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

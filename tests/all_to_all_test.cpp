@@ -171,7 +171,7 @@ TEST_P(AllToAll, GatherBackwardMatchesReference) {
     at::Tensor O = seeded_randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 21);
     at::Tensor W = seeded_randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 22);
     at::Tensor y = O.narrow(hdim, hr.begin, hr.size()).contiguous().requires_grad_();
-    AllToAllPlan plan{part, seq, c.layout};
+    Sharding plan{part, seq, c.layout};
     at::Tensor o = gather_heads(y, Heads::kQuery, plan, g);
     at::Tensor w = W.narrow(sdim, mine.begin, mine.size());
     EXPECT_TRUE(o.equal(O.narrow(sdim, mine.begin, mine.size()))) << where(g, o);
@@ -188,7 +188,7 @@ struct OnRank {
         me(g.rank()),
         mine(plan.seq.range(me)) {}
   HeadPartition part;
-  AllToAllPlan plan;
+  Sharding plan;
   int me;
   Range mine;
 };
@@ -197,7 +197,7 @@ struct OnRank {
 void check_parts_match_whole_tensors(const Case& c, const Group& g) {
   const OnRank r(c, g);
   const HeadPartition& part = r.part;
-  const AllToAllPlan& plan = r.plan;
+  const Sharding& plan = r.plan;
   const int me = r.me;
   const Range mine = r.mine;
   const int64_t sdim = seq_dim(c.layout), hdim = head_dim(c.layout);
@@ -262,7 +262,7 @@ void check_parts_match_whole_tensors(const Case& c, const Group& g) {
 // all-to-alls, forward and gradients of the input, the weights and the bias.
 void check_projections_through_parts(const Case& c, const Group& g) {
   const OnRank r(c, g);
-  const AllToAllPlan& plan = r.plan;
+  const Sharding& plan = r.plan;
   const int me = r.me;
   const Range mine = r.mine;
   const int64_t E = 5;
@@ -439,8 +439,7 @@ TEST(AllToAllErrors, WrongHeadCountForPartition) {
 
 TEST(AllToAllErrors, PartsOfTheWrongShapeNameThePart) {
   auto errors = run_ranks(2, [](Group& g) {
-    const AllToAllPlan plan{HeadPartition::make(5, 5, 2), SequencePartition::even(4, 2),
-                            Layout::kBSHD};
+    const Sharding plan{HeadPartition::make(5, 5, 2), SequencePartition::even(4, 2), Layout::kBSHD};
     // Ranks get heads [0, 3) and [3, 5); part 1 here has 3.
     scatter_head_parts({at::zeros({1, 2, 3, 4}), at::zeros({1, 2, 3, 4})}, Heads::kQuery, plan, g);
   });
@@ -513,7 +512,7 @@ TEST(AllToAllPipeline, ChosenBySizeAlikeOnEveryRank) {
     const Range mine = seq.range(g.rank());
     at::Tensor X = seeded_randn({1, 10, 7, 8}, 61);
     at::Tensor x = X.narrow(1, mine.begin, mine.size()).contiguous();
-    const AllToAllPlan plan{part, seq, Layout::kBSHD};
+    const Sharding plan{part, seq, Layout::kBSHD};
     // 10 x 7 x 8 fp32 elements: 2240 bytes in all, 746 per rank.
     for (int64_t min_bytes : {int64_t{0}, int64_t{746}, int64_t{747}, int64_t{4} << 20}) {
       GroupOptions options = g.options();

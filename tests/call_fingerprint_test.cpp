@@ -1,6 +1,6 @@
 // The call fingerprint as a value: encode/decode round trip, and check_alike naming the first
 // differing field with every rank's value (no tensors, no process groups).
-#include "ulysses/call_fingerprint.h"
+#include "plan/call_fingerprint.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>

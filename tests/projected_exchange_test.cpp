@@ -105,7 +105,7 @@ TEST_P(ProjectedExchange, ScatterMatchesReference) {
                                                : c10::nullopt,
                              kinds[t]});
     }
-    const AllToAllPlan plan = agree_projection_plan(g, heads, x, projections);
+    const Sharding plan = agree_projection_plan(g, heads, x, projections);
     EXPECT_EQ(plan.seq, seq);
     const auto ys = scatter_projected(x, projections, plan, g);
     at::Tensor loss = at::zeros({});
@@ -151,7 +151,7 @@ TEST_P(ProjectedExchange, GatherMatchesReference) {
         O.narrow(2, R.begin, R.size()).to(at::kFloat).contiguous().requires_grad_(true);
     const at::Tensor w = W.to(at::kFloat).requires_grad_(true);
     const at::Tensor x_stand_in = at::zeros({c.B, mine.size(), c.E});
-    const AllToAllPlan plan = agree_projection_plan(
+    const Sharding plan = agree_projection_plan(
         g, heads, x_stand_in, {{at::zeros({c.hq * c.D, c.E}), c10::nullopt, Heads::kQuery}});
     const at::Tensor out = gather_projected(y, w, plan, g);
     EXPECT_LT(rel_error(out.to(at::kDouble), out_ref.detach().narrow(1, mine.begin, mine.size())),
@@ -191,7 +191,7 @@ TEST(ProjectedExchangeErrors, ShapesAgainstThePlan) {
   const auto heads = HeadPartition::make(4, 2, 1);
   const at::Tensor x = at::zeros({1, 4, 8});
   const std::vector<HeadProjection> p{{at::zeros({8, 8}), c10::nullopt, Heads::kKeyValue}};
-  const AllToAllPlan plan = agree_projection_plan(g, heads, x, p);
+  const Sharding plan = agree_projection_plan(g, heads, x, p);
   EXPECT_THROW(
       {
         try {

@@ -5,8 +5,8 @@
 
 #include "args.h"
 #include "commands.h"
+#include "ulysses/mesh_plan.h"
 #include "ulysses/partition.h"
-#include "ulysses/ring_attention.h"
 
 namespace ulysses::cli {
 namespace {

@@ -6,7 +6,7 @@
 //   gather_heads:   x_r[b, s, h_j + hl, d] = sum_j y_j[b, o_r + s, hl, d] (heads -> seq)
 // The sum in gather_heads only has more than one term for kv heads that are replicated over
 // ranks (Hkv < P); there it is exactly the backward of scatter_heads.
-// Backward of each op is the other, using the AllToAllPlan saved with the autograd node: the
+// Backward of each op is the other, using the Sharding saved with the autograd node: the
 // total head count is never read from anywhere else. Q, K and V may move in one collective.
 // Which block goes where is an ExchangePlan (ulysses/exchange_plan.h); this file executes it.
 #pragma once
@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "ulysses/call_fingerprint.h"
+#include "ulysses/attention_rules.h"
 #include "ulysses/exchange_plan.h"
 #include "ulysses/group.h"
 #include "ulysses/partition.h"
@@ -31,8 +31,10 @@ struct TensorSpec {
   std::string name = "x";
 };
 
-// Everything the all-to-alls of one attention call need, identical on every rank.
-struct AllToAllPlan {
+// How one call's tensors are sharded over the group, identical on every rank: tokens by rank
+// before the exchange (seq), heads by rank after it (heads), in one layout. Everything the
+// all-to-alls need; the ExchangePlan (who sends which block to whom) is derived from it.
+struct Sharding {
   HeadPartition heads;
   SequencePartition seq;
   Layout layout = Layout::kBSHD;
@@ -43,21 +45,20 @@ struct AllToAllPlan {
   }
   int64_t total(Heads h) const { return h == Heads::kQuery ? heads.q_heads() : heads.kv_heads(); }
 };
+// The former name of Sharding (it is not a plan: ExchangePlan is), kept for callers.
+using AllToAllPlan = Sharding;
 
 // The options of a call that every rank must hold alike besides its tensors: for an attention
 // call its mask and position ids (facts, not data), causal flag, scale and whether a
 // StepContext is used. A bare exchange leaves the defaults.
-struct CallOptions {
+struct CallOptions : AttentionRules {   // causal, scale, window, softcap.
   bool attention = false;               // The tensors are q, k, v (k's head dim is q's).
   c10::optional<at::Tensor> mask;       // Checked against every rank's shape (mask_decision.h).
   c10::optional<at::Tensor> positions;  // [B, S_r] (positions_for_call expands [S_r]).
-  bool causal = false;
-  double scale = 0.0;
-  int64_t window = 0;               // A sliding window (attention.h); 0: none.
-  double softcap = 0.0;             // A logit softcap (attention.h); 0: none.
-  c10::optional<at::Tensor> sinks;  // Attention sinks [Hq] (attention.h); facts, not data.
+  c10::optional<at::Tensor> sinks;      // Attention sinks [Hq] (attention.h); facts, not data.
   bool step_context = false;
-  bool check_mask = true;  // false: the caller checks the mask (the ring's rules).
+  // Who checks the mask's shape: the agreement, or the caller (the ring's rules).
+  enum class MaskCheck { kAgreement, kCaller } mask_check = MaskCheck::kAgreement;
 };
 
 // Checks `tensors` on every rank and agrees on the plan in one small collective: each must be a
@@ -68,20 +69,13 @@ struct CallOptions {
 // Local sequence lengths are gathered (or checked against `seq` when given); a mask's shape is
 // checked against every rank's (mask_decision.h). Any violation raises the same error on every
 // rank before data moves, naming the argument and every rank's value.
-AllToAllPlan agree_plan(const Group& group, const HeadPartition& heads, Layout layout,
-                        const std::vector<TensorSpec>& tensors,
-                        const c10::optional<SequencePartition>& seq = c10::nullopt,
-                        const CallOptions& call = {});
+Sharding agree_plan(const Group& group, const HeadPartition& heads, Layout layout,
+                    const std::vector<TensorSpec>& tensors,
+                    const c10::optional<SequencePartition>& seq = c10::nullopt,
+                    const CallOptions& call = {});
 
 // Raises c10::ValueError naming the first of `tensors` that is not 4-D (in `layout`).
 void check_4d(const std::vector<TensorSpec>& tensors, Layout layout);
-
-// This rank's CallFingerprint of a call after its local checks (those of agree_plan that need
-// no other rank; raises naming the argument): what agree_plan moves.
-CallFingerprint call_fingerprint(const Group& group, const HeadPartition& heads, Layout layout,
-                                 const std::vector<TensorSpec>& tensors,
-                                 const c10::optional<SequencePartition>& seq,
-                                 const CallOptions& call);
 
 // Position ids in the one form a call agrees on: [S_r] (the same positions for every batch
 // row) expanded to q's [B, S_r]; [B, S_r] and anything else as given.
@@ -89,18 +83,17 @@ c10::optional<at::Tensor> positions_for_call(const c10::optional<at::Tensor>& po
                                              const at::Tensor& q, Layout layout);
 
 // [S_r, all heads] -> [S, this rank's heads] (in `plan.layout`). Differentiable.
-at::Tensor scatter_heads(const at::Tensor& x, Heads heads, const AllToAllPlan& plan,
+at::Tensor scatter_heads(const at::Tensor& x, Heads heads, const Sharding& plan,
                          const Group& group);
 // [S, this rank's heads] -> [S_r, all heads]; replicated kv heads are summed. Differentiable.
-at::Tensor gather_heads(const at::Tensor& y, Heads heads, const AllToAllPlan& plan,
-                        const Group& group);
+at::Tensor gather_heads(const at::Tensor& y, Heads heads, const Sharding& plan, const Group& group);
 
 // Fused forms: the tensors (e.g. Q, K, V) move in one collective. Same dtype required.
 std::vector<at::Tensor> scatter_heads(const std::vector<at::Tensor>& xs,
-                                      const std::vector<Heads>& heads, const AllToAllPlan& plan,
+                                      const std::vector<Heads>& heads, const Sharding& plan,
                                       const Group& group);
 std::vector<at::Tensor> gather_heads(const std::vector<at::Tensor>& ys,
-                                     const std::vector<Heads>& heads, const AllToAllPlan& plan,
+                                     const std::vector<Heads>& heads, const Sharding& plan,
                                      const Group& group);
 
 // Heads split by rank ("parts"): parts[j] holds the heads R[j] of rank j, in `plan.layout`
@@ -111,18 +104,18 @@ std::vector<at::Tensor> gather_heads(const std::vector<at::Tensor>& ys,
 // scatter_heads from parts: equal to scatter_heads(cat(parts along the head dim)), without the
 // cat (parts for replicated kv heads repeat them). Differentiable.
 at::Tensor scatter_head_parts(const std::vector<at::Tensor>& parts, Heads heads,
-                              const AllToAllPlan& plan, const Group& group);
+                              const Sharding& plan, const Group& group);
 // Fused form: several tensors' parts (e.g. Q, K, V) in one exchange. Same dtype required.
 std::vector<at::Tensor> scatter_head_parts(const std::vector<std::vector<at::Tensor>>& parts,
-                                           const std::vector<Heads>& heads,
-                                           const AllToAllPlan& plan, const Group& group);
+                                           const std::vector<Heads>& heads, const Sharding& plan,
+                                           const Group& group);
 // gather_heads into parts: part j is rank j's heads R[j] on this rank's tokens. Replicated kv
 // heads stay in their own parts (gather_heads sums them). Differentiable.
-std::vector<at::Tensor> gather_head_parts(const at::Tensor& y, Heads heads,
-                                          const AllToAllPlan& plan, const Group& group);
+std::vector<at::Tensor> gather_head_parts(const at::Tensor& y, Heads heads, const Sharding& plan,
+                                          const Group& group);
 // Fused form: the parts of every tensor, flattened: tensor t's part j at t * P + j.
 std::vector<at::Tensor> gather_head_parts(const std::vector<at::Tensor>& ys,
-                                          const std::vector<Heads>& heads, const AllToAllPlan& plan,
+                                          const std::vector<Heads>& heads, const Sharding& plan,
                                           const Group& group);
 // A stand-in for the whole tensor that `parts` split (one part per rank, by `partition`'s
 // ranges of `heads` in `layout`): one element expanded to the whole shape, with the parts'
@@ -134,7 +127,7 @@ at::Tensor stand_in_for_parts(const std::vector<at::Tensor>& parts, Heads heads,
                               const std::string& who);
 
 // The projections that make and take parts (BSHD): one GEMM per rank instead of one in all,
-// the same FLOPs. `ranges` are the head ranges by rank (AllToAllPlan::ranges).
+// the same FLOPs. `ranges` are the head ranges by rank (Sharding::ranges).
 // Input projection: part j = (x @ weight[rows of heads R[j]]^T + bias[same]) viewed
 // [B, S_r, |R[j]|, D], for x [B, S_r, E] and weight [H x D, E] with head-major rows (a
 // Linear's). Differentiable.
@@ -166,21 +159,20 @@ struct HeadProjection {
 // plan must be agreed for the projected shapes (agree_projection_plan).
 std::vector<at::Tensor> scatter_projected(const at::Tensor& x,
                                           const std::vector<HeadProjection>& projections,
-                                          const AllToAllPlan& plan, const Group& group);
+                                          const Sharding& plan, const Group& group);
 // out = linear(gather_heads(y) flattened to [B, S_r, Hq x D], weight) for y [B, S, |R[r]|, D]
 // (query heads) and weight [E, Hq x D]: each peer's block of this rank's tokens is multiplied
 // into out as it arrives, this rank's own block while the others travel. Backward sends each
 // peer its gradient slab as soon as it is computed. Differentiable in y and weight.
-at::Tensor gather_projected(const at::Tensor& y, const at::Tensor& weight, const AllToAllPlan& plan,
+at::Tensor gather_projected(const at::Tensor& y, const at::Tensor& weight, const Sharding& plan,
                             const Group& group);
 // The plan of scatter_projected and gather_projected for x [B, S_r, E] and `projections`:
 // checks x and each weight and bias against `heads` on this rank, then agree_plan on the
 // projected shapes [B, S_r, H_t, D_t] (and `seq`, when given), so a mistake on any rank raises
 // the same error on all.
-AllToAllPlan agree_projection_plan(const Group& group, const HeadPartition& heads,
-                                   const at::Tensor& x,
-                                   const std::vector<HeadProjection>& projections,
-                                   const c10::optional<SequencePartition>& seq = c10::nullopt);
+Sharding agree_projection_plan(const Group& group, const HeadPartition& heads, const at::Tensor& x,
+                               const std::vector<HeadProjection>& projections,
+                               const c10::optional<SequencePartition>& seq = c10::nullopt);
 
 // The shape rules of the two projections (raising c10::ValueError with the shapes), for
 // callers that project otherwise (Python's traceable F.linear form).
@@ -190,6 +182,15 @@ void check_head_projection(const std::vector<int64_t>& x, const std::vector<int6
 void check_projection_from_parts(const std::vector<std::vector<int64_t>>& parts,
                                  const std::vector<int64_t>& weight,
                                  const std::vector<Range>& ranges);
+
+// Gathers the sequence shards of `x` along `dim` into the full sequence:
+// [.., S_r, ..] -> [.., S, ..] in rank order. Backward: reduce_scatter_sequence.
+at::Tensor all_gather_sequence(const at::Tensor& x, int64_t dim, const SequencePartition& seq,
+                               const Group& group);
+// Sums `x` ([.., S, ..] on every rank) over the group and keeps this rank's rows along `dim`:
+// [.., S_r, ..]. Backward: all_gather_sequence.
+at::Tensor reduce_scatter_sequence(const at::Tensor& x, int64_t dim, const SequencePartition& seq,
+                                   const Group& group);
 
 // Convenience: agree_plan for `x` alone, then scatter_heads.
 at::Tensor scatter_heads(const at::Tensor& x, const HeadPartition& partition, Heads heads,

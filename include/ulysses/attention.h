@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "ulysses/attention_rules.h"
+
 namespace ulysses {
 
 // Where the rows of q and k lie in one global sequence, when k is not q's own block (ring
@@ -33,26 +35,33 @@ struct GlobalRows {
 
 // Inputs of a local attention, in BHSD: q [B, Hq_r, S, D], k [B, Hkv_r, S, D],
 // v [B, Hkv_r, S, Dv] (any strides). Output: [B, Hq_r, S, Dv].
+// An aggregate (callers brace-initialise it: {q, k, v, kv_map, mask}), so the rules stay its own
+// fields, read and written as one AttentionRules value through rules() and set_rules().
 struct LocalAttentionArgs {
   at::Tensor q, k, v;
   std::vector<int64_t> kv_map;          // Local kv head of each local query head (size Hq_r).
   c10::optional<at::Tensor> mask;       // Bool or additive float, broadcastable to [B,Hq_r,S,S].
   c10::optional<at::Tensor> positions;  // [B, S] or [S] int64 global position ids (packing).
-  bool causal = false;
-  double scale = 0.0;  // Softmax scale; 0 means 1/sqrt(D).
+  bool causal = false;                  // The rules (attention_rules.h): causal, scale,
+  double scale = 0.0;                   // window and softcap.
   // Global rows for the causal and document rules (then `positions` must be unset); k may
   // then have another length than q.
   c10::optional<GlobalRows> rows;
-  // A sliding window (HF's sliding_window, with causal): query i sees keys j with
-  // i - window < j <= i, by global index; 0: no window.
   int64_t window = 0;
-  // A logit softcap (Gemma2's attn_logit_softcapping): scores s become softcap * tanh(s /
-  // softcap) before any mask is added; 0: none.
   double softcap = 0.0;
   // Attention sinks (gpt-oss's): one logit per local query head [Hq_r], added to each row's
   // softmax denominator (a key no query's output reads); learnable. Unset: none.
   c10::optional<at::Tensor> sinks;
+
+  AttentionRules rules() const { return {causal, scale, window, softcap}; }
+  void set_rules(const AttentionRules& r) {
+    causal = r.causal, scale = r.scale, window = r.window, softcap = r.softcap;
+  }
 };
+
+// The attention-sinks rule: none, or a floating-point [q_heads] tensor; throws
+// c10::ValueError otherwise.
+void check_sinks(const c10::optional<at::Tensor>& sinks, int64_t q_heads);
 
 // A local attention implementation.
 using LocalAttention = std::function<at::Tensor(const LocalAttentionArgs&)>;
@@ -68,12 +77,12 @@ enum class LocalKernel {
 LocalKernel parse_local_kernel(const std::string& name);
 std::string to_string(LocalKernel kernel);
 // Note [Local attention by case]: the kernel a case runs on. kAuto, on CPU: fp64 the math
-// kernel (exact in fp64); bf16 plain or causal attention with no other rule (no mask,
-// documents, window, global rows, softcap or sinks) torch's SDPA, which multiplies in bf16;
-// every other case, fp32 and fp16 plain attention included, the fused kernel, which is the
-// faster there and skips the tiles its rules exclude. Other devices: SDPA (flash or
-// memory-efficient backends on CUDA), math for a softcap or sinks. A requested kernel that
-// cannot run the case raises c10::ValueError saying which kernels can.
+// kernel (exact in fp64); bf16 with no rule but causal (no mask, documents, window, global
+// rows, softcap or sinks) on a CPU without AVX512-BF16 torch's SDPA, whose bf16 GEMMs beat the
+// fused kernel's fp32 compute there; every other case (fp32, fp16, bf16 where the CPU
+// multiplies bf16, every rule) the fused kernel, which is the faster there and skips the tiles
+// its rules exclude. Other devices: SDPA, math for a softcap or sinks (SDPA has neither). A
+// requested kernel that cannot run the case raises c10::ValueError saying which kernels can.
 LocalKernel choose_local_kernel(const LocalAttentionArgs& args, LocalKernel requested);
 // Local attention on choose_local_kernel(args, kernel). Differentiable.
 at::Tensor local_attention(const LocalAttentionArgs& args, LocalKernel kernel = LocalKernel::kAuto);

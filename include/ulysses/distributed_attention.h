@@ -18,6 +18,7 @@
 
 #include "ulysses/all_to_all.h"
 #include "ulysses/attention.h"
+#include "ulysses/attention_rules.h"
 #include "ulysses/group.h"
 #include "ulysses/partition.h"
 #include "ulysses/ring_attention.h"
@@ -35,7 +36,7 @@ class StepContext {
 
   // rebuild_mask(mask, plan, group), computed once per (mask, version, plan); with a ring
   // `layout`, rebuild_ring_mask(mask, plan, *layout, sp_rank, group) instead.
-  at::Tensor rebuilt_mask(const at::Tensor& mask, const AllToAllPlan& plan,
+  at::Tensor rebuilt_mask(const at::Tensor& mask, const Sharding& plan,
                           const RingLayout* layout = nullptr, int64_t sp_rank = 0);
   // ring_document_ids(positions, layout, ring), computed once per (positions, version, layout).
   at::Tensor ring_documents(const at::Tensor& positions, const RingLayout& layout,
@@ -66,16 +67,12 @@ class StepContext {
 };
 
 // Options of a DistributedAttention.
-struct AttentionOptions {
+struct AttentionOptions : AttentionRules {  // causal, scale, window (needs causal), softcap.
   // Total query heads Hq, >= 0; 0: taken from the first call's q. Hq >= the group size.
   int64_t q_heads = 0;
   // Total kv heads Hkv, >= 0; 0: taken from the first call's k. Hq must be a multiple of Hkv.
   int64_t kv_heads = 0;
   Layout layout = Layout::kBSHD;            // Dimension order of q, k, v and the output.
-  bool causal = false;                      // Causal attention (within each document when packed).
-  double scale = 0.0;                       // Softmax scale; 0 means 1/sqrt(D).
-  int64_t window = 0;                       // Sliding window (needs causal); 0: none.
-  double softcap = 0.0;                     // Logit softcap (attention.h); 0: none.
   bool fuse_qkv = true;                     // Move q, k, v in one all-to-all (else three).
   LocalKernel kernel = LocalKernel::kAuto;  // Local attention's kernel (attention.h).
   LocalAttention local;                     // A local attention of the caller's; empty: `kernel`.
@@ -93,51 +90,13 @@ struct AttentionInputs {
   c10::optional<at::Tensor> sinks;
 };
 
-// One attention call as the orchestration takes it (every field but the tensors).
-struct AttentionCall {
-  explicit AttentionCall(Group sp_group) : group(std::move(sp_group)) {}
-  Group group;                 // The Ulysses (SP) group.
-  Group ring = Group::solo();  // Hybrid attention's ring group (1 rank: none).
-  int64_t q_heads = 0;         // Totals; 0: read from the call's q (or k).
-  int64_t kv_heads = 0;
-  c10::optional<SequencePartition> seq;  // A known split (checked); else learned in the round.
-  Layout layout = Layout::kBSHD;
-  bool causal = false;
-  double scale = 0.0;
-  int64_t window = 0;
-  double softcap = 0.0;
-  c10::optional<at::Tensor> sinks;  // [Hq] (AttentionInputs::sinks); unset: none.
-  bool fuse_qkv = true;
-  LocalKernel kernel = LocalKernel::kAuto;
-  const LocalAttention* local = nullptr;  // Overrides `kernel`.
-  StepContext* step = nullptr;            // Shares rebuilt masks and positions across layers.
-  bool mask_rebuilt = false;              // The mask is rebuild_mask's output for these heads.
-};
-
-// Attention's inputs after the exchange: q, k, v on this rank's heads over the whole sequence
-// (BHSD), the mask rebuilt and the position ids gathered, with the agreed plan.
-struct AttentionHeads {
-  LocalAttentionArgs args;
-  AllToAllPlan plan;
-  c10::optional<RingLayout> ring;  // Hybrid attention's layout (then args.positions is unset
-  at::Tensor ring_documents;       // and these are the ring's document ids, if any).
-};
-
-// Note [One orchestration]: the body of every attention call, from C++ (DistributedAttention)
-// and from Python (torch.ops.ulysses.attention, whose kernel calls it). `qkv` holds q, k, v as
-// one tensor each, or (`parts`) as head parts. Steps: agree (the call fingerprint, before any
-// data moves) -> exchange -> mask and positions -> local attention -> exchange back. With a
-// known split and no ring every collective runs inside a dispatcher op, so torch.compile
-// traces the whole call. Returns o (one tensor, or o's parts).
-std::vector<at::Tensor> attend(const AttentionCall& call,
-                               const std::vector<std::vector<at::Tensor>>& qkv, bool parts,
-                               const c10::optional<at::Tensor>& mask,
-                               const c10::optional<at::Tensor>& positions);
-// attend's first half, for a local attention of the caller's.
-AttentionHeads attend_heads(const AttentionCall& call,
-                            const std::vector<std::vector<at::Tensor>>& qkv, bool parts,
-                            const c10::optional<at::Tensor>& mask,
-                            const c10::optional<at::Tensor>& positions);
+// The rules of a DistributedAttention's options (Python's constructor checks them too, through
+// _C): head counts >= 0 (0: taken from the first call) and the call's rules; raises
+// c10::ValueError.
+void check_attention_options(int64_t q_heads, int64_t kv_heads, const AttentionRules& rules);
+// Hybrid Ulysses x ring attention runs the fused kernel: `kernel` must be kAuto or kFused, and
+// no callable (`callable`) local attention; raises c10::ValueError.
+void check_ring_kernel(LocalKernel kernel, bool callable);
 
 class DistributedAttention {
  public:
@@ -175,7 +134,6 @@ class DistributedAttention {
   const Group& ring() const { return ring_; }
 
  private:
-  AttentionCall call(const AttentionInputs& in) const;
   Group group_;
   Group ring_ = Group::solo();
   AttentionOptions options_;

@@ -46,11 +46,11 @@ struct Extent {
 
 class ExchangePlan {
  public:
-  // The sequence -> heads exchange on `rank` for tensors of the given head kinds, each with
+  // The sequence -> heads exchange on `rank` for tensors of the given head tensor_heads, each with
   // `elements[t]` elements per (token, head) (e.g. B x D). Precondition: heads and seq are for
   // the same number of ranks, rank in [0, P).
   static ExchangePlan seq_to_heads(const HeadPartition& heads, const SequencePartition& seq,
-                                   int64_t rank, const std::vector<Heads>& kinds,
+                                   int64_t rank, const std::vector<Heads>& tensor_heads,
                                    const std::vector<int64_t>& elements);
   // The inverse direction (the backward): sends and receives swapped.
   ExchangePlan reversed() const;

@@ -29,9 +29,7 @@ struct FlashOptions {
   // exceed block_q * block_k * max(D, Dv) = 2^22 multiply-adds (multiples of 16). The passes are
   // GEMM-bound (MKL's sgemm_, single-threaded inside our parallel loop) and large tiles amortise
   // its per-call packing; short sequences take small ones so that causal attention skips most of
-  // the upper triangle. Measured on 2 cores (`ulysses bench attention --block-q --block-k`, fp32,
-  // fwd+bwd): at S = 4096 (GQA 8/2, D 64) 128 x 256 tiles took 1.10x the time of 256 x 256; at
-  // S = 256 (B 16, 2/1 heads, D 16, causal) 256 x 256 tiles took 1.8x the time of 64 x 64.
+  // the upper triangle (docs/benchmarks.md, "Tile sizes", has the measurements).
   int64_t block_k = 0;
 };
 
@@ -59,5 +57,13 @@ std::vector<at::Tensor> flash_attention_backward(const at::Tensor& grad_out,
                                                  const LocalAttentionArgs& args,
                                                  const at::Tensor& out, const at::Tensor& lse,
                                                  bool mask_grad, const FlashOptions& options = {});
+
+// Exact merge of two partial attentions of the same queries over disjoint key sets:
+// (out_a, lse_a) and (out_b, lse_b) with out [.., S, Dv] and lse [.., S] (fp32; a row with no
+// allowed key has lse = +inf, as flash_attention_forward returns it) give the attention over
+// both key sets. Differentiable in all four inputs.
+std::tuple<at::Tensor, at::Tensor> merge_attention(const at::Tensor& out_a, const at::Tensor& lse_a,
+                                                   const at::Tensor& out_b,
+                                                   const at::Tensor& lse_b);
 
 }  // namespace ulysses

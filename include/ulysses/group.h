@@ -32,13 +32,11 @@ struct GroupOptions {
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};
   // Most bytes of freed CPU buffers (see Group::new_buffer) kept for reuse, least recently
   // freed evicted first; >= 0. A step's transient buffers must fit, or every large exchange
-  // maps fresh pages (measured: 4.6x a bare all-to-all at 67M fp32 elements per rank with a
-  // 1 GiB cache, 1.6x with 8 GiB).
+  // maps fresh pages (docs/benchmarks.md, "Buffer cache").
   int64_t buffer_cache_bytes = int64_t{8} << 30;
   // CPU buffers smaller than this come from the default allocator, not the cache; >= 0. glibc's
   // heap reuses a freed block of this size for any later allocation, while a cached block is
-  // held back from the rest of the step: caching the 1-4 MiB message buffers of
-  // DistributedAttention at S = 8192, P = 2 raised its per-rank peak from 56 to 64 MB, to P = 1's.
+  // held back from the rest of the step (raising the peak: docs/benchmarks.md).
   int64_t buffer_cache_min_bytes = int64_t{8} << 20;
   // A rank still waiting for a collective after this fraction of `timeout` logs (to stderr,
   // once per collective) which collective it waits in and for which peers; in [0, 1], 0 never.
@@ -53,28 +51,20 @@ struct GroupOptions {
   // Pipelined exchanges with ranks on this host go through shared memory (/dev/shm): the sender
   // packs its blocks into a file the receiver maps, and the receiver copies them out; other
   // ranks' blocks still go as messages. Ranks in other network namespaces count as other
-  // hosts. The first such exchange sets the links up with two all_gathers. Measured on
-  // loopback (bench a2a, P = 2, S = 16384): 0.86-0.96x a bare all_to_all_single's time, where
-  // messages take 1.38-1.57x. Off by default; on when ULYSSES_SHARED_MEMORY is 1.
+  // hosts. The first such exchange sets the links up with two all_gathers (docs/benchmarks.md
+  // has its speed). Off by default; on when ULYSSES_SHARED_MEMORY is 1.
   bool shared_memory = shared_memory_from_environment();
 
   static bool shared_memory_from_environment();
 };
 
-// GroupOptions as dispatcher ops carry them (an `int[]`): [timeout ms, pipeline_min_bytes,
-// message_bytes, shared_memory]; a shorter list leaves the rest at their defaults.
-std::vector<int64_t> options_to_ints(const GroupOptions& options);
-GroupOptions options_from_ints(c10::IntArrayRef values);
-
-// Most metadata values one rank contributes to Group::agree.
-constexpr int64_t kAgreeMetaLimit = 96;
+class Group;
 
 namespace detail {
 struct GroupRuntime;
 class SharedMemoryLinks;
+SharedMemoryLinks& shared_memory_links(const Group& group);
 }  // namespace detail
-
-class Group;
 
 // Point-to-point transfers in flight, from Group::send_recv. Move-only; wait before reading the
 // receive buffer or reusing the send buffer (a handle that dies unwaited waits in its
@@ -109,7 +99,8 @@ class Group {
   static Group resolve(const std::string& name, const GroupOptions& options = {});
   // A group of this rank alone: every collective is a local copy.
   static Group solo(const GroupOptions& options = {});
-  // The group an op names: "" is solo(); options as options_to_ints writes them.
+  // The group a dispatcher op names: "" is solo(); `options` as the ops carry GroupOptions
+  // (src/transport/op_options.h).
   static Group from_op(const std::string& name, c10::IntArrayRef options);
 
   int rank() const { return rank_; }
@@ -130,13 +121,10 @@ class Group {
   // `output_splits`. Both tensors are 1-D and contiguous.
   void all_to_all(at::Tensor& output, at::Tensor& input, const std::vector<int64_t>& output_splits,
                   const std::vector<int64_t>& input_splits) const;
-  // This process group's shared-memory links (GroupOptions::shared_memory), set up on the first
-  // call: two all_gathers, which every rank issues at the same point.
-  detail::SharedMemoryLinks& shared_memory_links() const;
   // An uninitialised tensor. On CPU, from buffer_cache_min_bytes up, its memory comes from this
-  // group's cache of freed buffers and goes back to it when the tensor dies: on this kind of
-  // machine faulting in a fresh 33 MB buffer costs ~10x copying into a reused one. Smaller
-  // buffers and other devices use the default (caching) allocator.
+  // group's cache of freed buffers and goes back to it when the tensor dies (faulting in fresh
+  // pages costs more than the copy into them). Smaller buffers and other devices use the
+  // default (caching) allocator.
   at::Tensor new_buffer(at::IntArrayRef shape, const at::TensorOptions& options) const;
 
   // Posts, without waiting, a send of `send` (contiguous) to rank `to` and a receive into
@@ -155,7 +143,7 @@ class Group {
   void barrier() const;
 
   // Fail-fast agreement. Runs `local_check` on this rank; it returns this rank's metadata (at
-  // most kAgreeMetaLimit integers) or throws. Then the ranks exchange outcomes in one small
+  // most 96 integers) or throws. Then the ranks exchange outcomes in one small
   // collective of a fixed size: if any rank threw, every rank throws the same error (the lowest
   // failing rank's, of the same c10 error type, naming that rank); otherwise returns every
   // rank's metadata, in rank order (amounts may differ: the caller compares them).
@@ -185,6 +173,7 @@ class Group {
   int64_t cached_buffer_bytes() const;
 
  private:
+  friend detail::SharedMemoryLinks& detail::shared_memory_links(const Group& group);
   Group(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::shared_ptr<detail::GroupRuntime> runtime,
         int rank, int size, GroupOptions options);
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;      // Null only for solo().

@@ -16,15 +16,6 @@
 
 namespace ulysses {
 
-// Gathers the sequence shards of `x` along `dim` into the full sequence:
-// [.., S_r, ..] -> [.., S, ..] in rank order. Backward: reduce_scatter_sequence.
-at::Tensor all_gather_sequence(const at::Tensor& x, int64_t dim, const SequencePartition& seq,
-                               const Group& group);
-// Sums `x` ([.., S, ..] on every rank) over the group and keeps this rank's rows along `dim`:
-// [.., S_r, ..]. Backward: all_gather_sequence.
-at::Tensor reduce_scatter_sequence(const at::Tensor& x, int64_t dim, const SequencePartition& seq,
-                                   const Group& group);
-
 // The 4-D view [Bm, Hm, Sq, Sk] of a 2-D [Sq, Sk], 3-D [heads, Sq, Sk] or 4-D mask.
 at::Tensor as_4d_mask(const at::Tensor& mask);
 
@@ -32,14 +23,13 @@ at::Tensor as_4d_mask(const at::Tensor& mask);
 // adjoint of rebuild_mask: reduce-scatter, the reverse all-to-all, or zero-padding of this
 // rank's head block). Agrees on the mask's shape with the other ranks like rebuild_mask.
 at::Tensor rebuild_mask_backward(const at::Tensor& grad, const std::vector<int64_t>& mask_sizes,
-                                 const AllToAllPlan& plan, const Group& group,
-                                 int64_t key_len = -1);
+                                 const Sharding& plan, const Group& group, int64_t key_len = -1);
 
 // Rebuilds `mask` (2-, 3- or 4-D, bool or float) for local attention on this rank's heads over
 // the full sequence, following the rules above. Differentiable for float masks. Returns a 4-D
 // mask broadcastable to [B, |R_r|, S, S] (or `mask` itself when P == 1). `key_len`: the keys
 // the mask covers, -1 for S (see decide_mask).
-at::Tensor rebuild_mask(const at::Tensor& mask, const AllToAllPlan& plan, const Group& group,
+at::Tensor rebuild_mask(const at::Tensor& mask, const Sharding& plan, const Group& group,
                         int64_t key_len = -1);
 
 }  // namespace ulysses

@@ -14,14 +14,12 @@
 // collective), so all ranks take the same branch or raise the same error.
 #pragma once
 
-#include <ATen/ATen.h>
-#include <c10/util/Optional.h>
-
 #include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "ulysses/attention_rules.h"
 #include "ulysses/partition.h"
 
 namespace ulysses {
@@ -72,16 +70,5 @@ std::array<int64_t, 4> mask_sizes_4d(const std::vector<int64_t>& sizes, const st
 std::vector<int64_t> rebuilt_mask_shape(const std::vector<int64_t>& sizes,
                                         const HeadPartition& heads, const SequencePartition& seq,
                                         int64_t rank, int64_t key_len = -1);
-
-// The sliding-window rule (LocalAttentionArgs::window): throws c10::ValueError unless window
-// is 0 (none), or > 0 with causal attention.
-void check_window(int64_t window, bool causal);
-
-// The logit-softcap rule (LocalAttentionArgs::softcap): throws c10::ValueError unless softcap
-// is 0 (none) or a finite positive number.
-void check_softcap(double softcap);
-// The attention-sinks rule (LocalAttentionArgs::sinks): none, or a floating-point [q_heads]
-// tensor; throws c10::ValueError otherwise.
-void check_sinks(const c10::optional<at::Tensor>& sinks, int64_t q_heads);
 
 }  // namespace ulysses

@@ -50,6 +50,11 @@ struct Range {
 };
 std::ostream& operator<<(std::ostream& os, const Range& r);
 
+// The even split, the one rule for every split of n items into parts (heads, tokens, tiles):
+// `parts` (>= 1) contiguous blocks covering [0, n), the first n % parts one item larger (so
+// some are empty when n < parts), each scaled by `scale`.
+std::vector<Range> even_split(int64_t n, int64_t parts, int64_t scale = 1);
+
 // How the heads of one attention instance are split over an SP group of `sp_size` ranks.
 // Computed identically on every rank from (Hq, Hkv, P); compare with ==, print with <<.
 class HeadPartition {

@@ -20,7 +20,9 @@
 
 #include "ulysses/all_to_all.h"
 #include "ulysses/attention.h"
+#include "ulysses/flash_attention.h"
 #include "ulysses/group.h"
+#include "ulysses/mesh_plan.h"
 #include "ulysses/partition.h"
 
 namespace ulysses {
@@ -53,14 +55,6 @@ class RingLayout {
   int64_t ulysses_ = 1, ring_ = 1;
 };
 
-// Exact merge of two partial attentions of the same queries over disjoint key sets:
-// (out_a, lse_a) and (out_b, lse_b) with out [.., S, Dv] and lse [.., S] (fp32; a row with no
-// allowed key has lse = +inf, as flash_attention_forward returns it) give the attention over
-// both key sets. Differentiable in all four inputs.
-std::tuple<at::Tensor, at::Tensor> merge_attention(const at::Tensor& out_a, const at::Tensor& lse_a,
-                                                   const at::Tensor& out_b,
-                                                   const at::Tensor& lse_b);
-
 // Attention of this ring rank's queries over the keys of every ring rank: `args` holds q, k, v
 // of ring rank `ring.rank()`'s tokens in `layout`'s order (BHSD, this rank's heads; the same
 // kv heads on every ring rank), kv_map, causal, scale and optionally a mask (bool or additive,
@@ -88,35 +82,12 @@ std::vector<at::Tensor> ring_attention_backward(const at::Tensor& grad_out,
 // 1 or Hq; keys: all S in global order or 1), made ready for ring_attention: rows of this ring
 // rank's queries (full rows cut to the shard, then gathered over the Ulysses group by
 // rebuild_mask's rules), this rank's heads, keys unchanged. `plan` is the Ulysses group's.
-at::Tensor rebuild_ring_mask(const at::Tensor& mask, const AllToAllPlan& plan,
-                             const RingLayout& layout, int64_t sp_rank, const Group& ulysses);
+at::Tensor rebuild_ring_mask(const at::Tensor& mask, const Sharding& plan, const RingLayout& layout,
+                             int64_t sp_rank, const Group& ulysses);
 
 // Global document ids [B or 1, S] of packed sequences from this ring rank's position ids
 // ([B, L] or [L], its tokens in `layout`'s order): one all-gather over the ring group.
 at::Tensor ring_document_ids(const at::Tensor& positions, const RingLayout& layout,
                              const Group& ring);
-
-// The cost of one attention layer under a U x R split, per rank (see plan_sp_mesh).
-struct MeshCost {
-  int64_t ulysses = 1, ring = 1;
-  int64_t a2a_bytes = 0;      // Sent through all-to-alls, forward + backward.
-  int64_t ring_bytes = 0;     // Sent to the ring neighbour, forward + backward.
-  int64_t ring_messages = 0;  // Ring sends, forward + backward: (R-1) + (R-1) + R, or 0.
-  int64_t peak_bytes = 0;     // Attention activations held at the peak (inputs, a2a results,
-                              // kernel output and lse, ring blocks in flight).
-  int64_t kv_replicas = 1;    // Copies of each kv head inside a Ulysses group (U > Hkv).
-  std::string describe() const;
-};
-
-// What a layer needs: heads, sequence, head dim, batch, element size.
-struct LayerShape {
-  int64_t q_heads = 0, kv_heads = 0, seq_len = 0, head_dim = 64, batch = 1, elem_bytes = 4;
-};
-
-// Every valid U x R split of `sp` ranks (U <= Hq, U divides sp), with its cost; the first is
-// the recommendation: the fewest bytes moved per layer, ties to the smaller peak memory. Moved
-// bytes are what ranks on one network wait for; with this kind of CPU the compute is the same
-// for every split, so the bytes decide.
-std::vector<MeshCost> plan_sp_mesh(int64_t sp, const LayerShape& shape);
 
 }  // namespace ulysses

@@ -20,6 +20,7 @@
 #include <ATen/ATen.h>
 
 #include <functional>
+#include <string>
 #include <vector>
 
 namespace ulysses {
@@ -51,7 +52,13 @@ at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& 
                                     const at::Tensor& targets, int64_t tiles,
                                     int64_t ignore_index = -100);
 
-// Raises (naming `who`) unless targets are int64 and each is in [0, vocab) or ignore_index.
+// The label rule: what is wrong with `targets` (called `name` in the message, prefixed by
+// `who`) for a loss over `vocab` classes, or "": they must be int64, each in [0, vocab) or
+// ignore_index. Python's tiled loss reads it through _C, to fail together with other ranks.
+std::string target_problem(const at::Tensor& targets, int64_t vocab, int64_t ignore_index,
+                           const std::string& who, const std::string& name);
+// Raises target_problem's message (naming `who`): c10::TypeError for the dtype, else
+// c10::ValueError.
 void check_targets(const at::Tensor& targets, int64_t vocab, int64_t ignore_index, const char* who);
 
 // f(x) as one autograd node that keeps x and recomputes f in backward (kRecompute), or keeps a

@@ -1,0 +1,352 @@
+#include "ulysses/distributed_attention.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <exception>
+#include <utility>
+
+#include "attention/ops.h"
+#include "attention/orchestration.h"
+#include "transport/agreement.h"
+#include "transport/ops.h"
+#include "ulysses/attention.h"
+#include "ulysses/mask.h"
+#include "ulysses/mask_decision.h"
+
+namespace ulysses {
+
+at::Tensor StepContext::lookup(std::vector<Entry>& entries, const at::Tensor& source,
+                               const std::vector<Range>& q_ranges, const SequencePartition& seq,
+                               int64_t keys, const std::function<at::Tensor()>& build) {
+  for (const Entry& e : entries) {
+    if (e.source.is_same(source) && e.version == source._version() && e.q_ranges == q_ranges &&
+        e.seq_lengths == seq.lengths() && e.keys == keys) {
+      ++reuses_;
+      return e.result;
+    }
+  }
+  Entry e{source, static_cast<int64_t>(source._version()), q_ranges, seq.lengths(), keys, build()};
+  entries.push_back(e);
+  return e.result;
+}
+
+at::Tensor StepContext::rebuilt_mask(const at::Tensor& mask, const Sharding& plan,
+                                     const RingLayout* layout, int64_t sp_rank) {
+  // A head-shared mask does not depend on the head split: one entry serves every instance.
+  const bool shared = mask_shared_across_heads(mask.sizes().vec());
+  const std::vector<Range> key = shared ? std::vector<Range>{} : plan.heads.q_ranges();
+  if (layout) {
+    // Which rows a ring rank's mask holds depends on its SP rank: part of the key.
+    std::vector<Range> ring_key = key;
+    ring_key.push_back({sp_rank, sp_rank});
+    return lookup(masks_, mask, ring_key, plan.seq, layout->seq_len(),
+                  [&] { return rebuild_ring_mask(mask, plan, *layout, sp_rank, group_); });
+  }
+  return lookup(masks_, mask, key, plan.seq, -1, [&] { return rebuild_mask(mask, plan, group_); });
+}
+
+at::Tensor StepContext::gathered_positions(const at::Tensor& positions,
+                                           const SequencePartition& seq) {
+  return lookup(positions_, positions, {}, seq, -1,
+                [&] { return all_gather_sequence(positions, -1, seq, group_); });
+}
+
+at::Tensor StepContext::ring_documents(const at::Tensor& positions, const RingLayout& layout,
+                                       const Group& ring) {
+  return lookup(documents_, positions, {}, SequencePartition::from_lengths(layout.ring_lengths()),
+                layout.seq_len(), [&] { return ring_document_ids(positions, layout, ring); });
+}
+
+namespace {
+
+// Every ring rank must run the same ring: the ring ranks agree on the call's fingerprint (as the
+// Ulysses ranks did, but for the split, which differs between Ulysses groups) and learn each
+// ring rank's token count (the zigzag layout fixes them once S is known). Before data moves.
+RingLayout agree_ring(const AttentionCall& call, const Sharding& plan,
+                      const std::vector<TensorSpec>& specs, const CallOptions& options,
+                      const c10::optional<at::Tensor>& mask) {
+  const Group& ring = call.ring;
+  auto all = ring.agree(
+      [&] {
+        check_ring_kernel(call.kernel, call.local != nullptr);
+        CallFingerprint f =
+            call_fingerprint(call.group, plan.heads, plan.layout, specs, c10::nullopt, options);
+        std::vector<int64_t> m{plan.seq.seq_len()};
+        const std::vector<int64_t> fingerprint = f.encode();
+        m.insert(m.end(), fingerprint.begin(), fingerprint.end());
+        return m;
+      },
+      "the ring's call (DistributedAttention)");
+  std::vector<CallFingerprint> prints;
+  int64_t S = 0;
+  for (const auto& m : all) {
+    S += m[0];
+    prints.push_back(CallFingerprint::decode({m.begin() + 1, m.end()}));
+  }
+  std::vector<std::string> names;
+  for (const TensorSpec& spec : specs) names.push_back(spec.name);
+  check_alike(prints, names, "DistributedAttention (ring): ");
+  const RingLayout layout = RingLayout::make(S, call.group.size(), ring.size());
+  for (int r = 0; r < ring.size(); ++r) {
+    TORCH_CHECK_VALUE(all[r][0] == layout.ring_length(r), "DistributedAttention: ring rank ", r,
+                      "'s Ulysses group holds ", all[r][0], " tokens; the zigzag layout of ", S,
+                      " tokens gives it ", layout.ring_length(r),
+                      " (shard inputs with RingLayout::shard / ulysses.shard_sequence)");
+  }
+  if (mask) {  // Rows: this shard's, all S or 1; keys: all S (global order) or 1.
+    std::vector<std::array<int64_t, 4>> sizes;
+    for (const CallFingerprint& f : prints) sizes.push_back(mask_sizes_4d(f.mask.sizes, "mask"));
+    for (int r = 0; r < ring.size(); ++r) {
+      const int64_t shard = layout.shard_index(r * call.group.size() + call.group.rank()).numel();
+      const int64_t rows = sizes[r][2], keys = sizes[r][3];
+      TORCH_CHECK_VALUE((rows == shard || rows == S || rows == 1) && (keys == S || keys == 1),
+                        "DistributedAttention: with a ring, a mask's query rows must be this "
+                        "rank's ",
+                        shard, " tokens, all ", S, " or 1, and its keys all ", S,
+                        " (in global order) or 1; ring rank ", r, "'s mask is [", sizes[r][0], ", ",
+                        sizes[r][1], ", ", rows, ", ", keys, "]");
+    }
+  }
+  return layout;
+}
+
+// q, k and v (whole tensors, or stand-ins for their parts) with their names for agree_plan.
+std::vector<TensorSpec> specs_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  return {{q, Heads::kQuery, "q"}, {k, Heads::kKeyValue, "k"}, {v, Heads::kKeyValue, "v"}};
+}
+
+const std::vector<Heads> kQKV{Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue};
+
+int64_t heads_of(const at::Tensor& t, Layout layout) {
+  return t.defined() && t.dim() == 4 ? t.size(head_dim(layout)) : 0;
+}
+
+// The exchange when some collective runs outside an op (a split to learn, a ring, unfused
+// exchanges; eager only): agree_plan (and the ring's agreement), then the API's exchanges.
+std::vector<at::Tensor> agree_and_exchange(
+    const AttentionCall& call, const std::vector<std::vector<at::Tensor>>& qkv, HeadForm form,
+    int64_t hq, int64_t hkv, CallOptions& options, const c10::optional<at::Tensor>& mask,
+    const c10::optional<at::Tensor>& positions, c10::optional<Sharding>& plan,
+    c10::optional<RingLayout>& ring_layout) {
+  const Group& group = call.group;
+  const Layout L = call.layout;
+  const bool ring = call.ring.size() > 1, parts = form == HeadForm::kParts;
+  std::vector<at::Tensor> heads;
+  std::vector<TensorSpec> specs;
+  const HeadPartition partition = fail_together_on_error(group, [&] {
+    if (!parts) check_4d(specs_of(qkv[0][0], qkv[1][0], qkv[2][0]), L);
+    HeadPartition p = HeadPartition::make(hq, hkv, group.size());
+    if (parts) {
+      const std::string who = "DistributedAttention::forward_parts: ";
+      specs = specs_of(stand_in_for_parts(qkv[0], Heads::kQuery, p, L, who + "q"),
+                       stand_in_for_parts(qkv[1], Heads::kKeyValue, p, L, who + "k"),
+                       stand_in_for_parts(qkv[2], Heads::kKeyValue, p, L, who + "v"));
+    } else {
+      specs = specs_of(qkv[0][0], qkv[1][0], qkv[2][0]);
+    }
+    return p;
+  });
+  if (parts) options.positions = positions_for_call(positions, specs[0].tensor, L);
+  plan = agree_plan(group, partition, L, specs, call.seq, options);
+  if (ring) {
+    // A ring group that refuses the call fails its Ulysses groups too (and through them every
+    // rank of the SP group), with the same text: no rank is left waiting in an all-to-all.
+    std::exception_ptr refused;
+    try {
+      ring_layout = agree_ring(call, *plan, specs, options, mask);
+    } catch (const std::exception&) {
+      refused = std::current_exception();
+    }
+    group.agree(
+        [&] {
+          if (refused) std::rethrow_exception(refused);
+          return std::vector<int64_t>{};
+        },
+        "the ring's outcome (DistributedAttention)");
+  }
+  if (parts && call.fuse_qkv) {
+    heads = scatter_head_parts(qkv, kQKV, *plan, group);
+  } else if (parts) {
+    for (size_t i = 0; i < 3; ++i)
+      heads.push_back(scatter_head_parts(qkv[i], kQKV[i], *plan, group));
+  } else if (call.fuse_qkv) {
+    heads = scatter_heads({qkv[0][0], qkv[1][0], qkv[2][0]}, kQKV, *plan, group);
+  } else {
+    for (size_t i = 0; i < 3; ++i) heads.push_back(scatter_heads(qkv[i][0], kQKV[i], *plan, group));
+  }
+  return heads;
+}
+
+}  // namespace
+
+AttentionHeads attend_heads(const AttentionCall& call,
+                            const std::vector<std::vector<at::Tensor>>& qkv, HeadForm form,
+                            const c10::optional<at::Tensor>& mask,
+                            const c10::optional<at::Tensor>& positions) {
+  const Group& group = call.group;
+  const Layout L = call.layout;
+  const bool ring = call.ring.size() > 1;
+  TORCH_CHECK_VALUE(qkv.size() == 3, "attend: need q, k and v");
+  TORCH_CHECK_VALUE(call.step == nullptr || call.step->group().size() == group.size(),
+                    "DistributedAttention: the StepContext's group has ",
+                    call.step ? call.step->group().size() : 0, " ranks but this attention's has ",
+                    group.size());
+  const int64_t hq = call.q_heads > 0           ? call.q_heads
+                     : form == HeadForm::kParts ? 0
+                                                : heads_of(qkv[0][0], L);
+  const int64_t hkv = call.kv_heads > 0          ? call.kv_heads
+                      : form == HeadForm::kParts ? 0
+                                                 : heads_of(qkv[1][0], L);
+  const at::Tensor& q0 = qkv[0].empty() ? at::Tensor() : qkv[0][0];
+  CallOptions options;
+  options.attention = true;
+  options.mask = mask;
+  options.positions = q0.defined() ? positions_for_call(positions, q0, L) : positions;
+  options.rules() = call.rules();
+  options.sinks = call.sinks;
+  options.step_context = call.step != nullptr;
+  // A ring's mask, and one already rebuilt, have other shapes than the agreement checks.
+  if (ring || call.mask_rebuilt) options.mask_check = CallOptions::MaskCheck::kCaller;
+
+  c10::optional<Sharding> plan;
+  c10::optional<RingLayout> ring_layout;
+  std::vector<at::Tensor> heads;
+  if (call.seq && !ring && call.fuse_qkv) {
+    // Every collective inside an op: the scatter agrees on the call before data moves.
+    heads = detail::call_scatter_agreed(qkv, form, kQKV, hq, hkv, *call.seq, L, group, options);
+    plan = Sharding{HeadPartition::make(hq, hkv, group.size()), *call.seq, L};
+  } else {
+    heads =
+        agree_and_exchange(call, qkv, form, hq, hkv, options, mask, positions, plan, ring_layout);
+  }
+  AttentionHeads out{LocalAttentionArgs{}, *plan, ring_layout, at::Tensor()};
+  LocalAttentionArgs& args = out.args;
+  const auto perm = to_bhsd(L);
+  args.q = heads[0].permute(perm);
+  args.k = heads[1].permute(perm);
+  args.v = heads[2].permute(perm);
+  args.kv_map = out.plan.heads.kv_map(group.rank());
+  args.set_rules(call.rules());
+  if (call.sinks) {  // This rank's query heads' entries (Note [Attention sinks], ops.cpp).
+    const Range r = out.plan.heads.q_range(group.rank());
+    args.sinks = call.sinks->slice(0, r.begin, r.end);
+  }
+  StepContext* step = call.step;
+  if (mask && call.mask_rebuilt) {
+    args.mask = mask;
+  } else if (mask && ring) {  // Rows of this ring rank's queries, every key in global order.
+    const int64_t sp_rank = call.ring.rank() * group.size() + group.rank();
+    args.mask = step ? step->rebuilt_mask(*mask, out.plan, &*out.ring, sp_rank)
+                     : rebuild_ring_mask(*mask, out.plan, *out.ring, sp_rank, group);
+  } else if (mask) {
+    args.mask = step ? step->rebuilt_mask(*mask, out.plan) : rebuild_mask(*mask, out.plan, group);
+  }
+  if (options.positions) {
+    const at::Tensor& p = *options.positions;
+    args.positions = step ? step->gathered_positions(p, out.plan.seq)
+                          : all_gather_sequence(p, -1, out.plan.seq, group);
+  }
+  if (ring && args.positions) {
+    out.ring_documents = step ? step->ring_documents(*args.positions, *out.ring, call.ring)
+                              : ring_document_ids(*args.positions, *out.ring, call.ring);
+    args.positions.reset();
+  }
+  return out;
+}
+
+std::vector<at::Tensor> attend(const AttentionCall& call,
+                               const std::vector<std::vector<at::Tensor>>& qkv, HeadForm form,
+                               const c10::optional<at::Tensor>& mask,
+                               const c10::optional<at::Tensor>& positions) {
+  const AttentionHeads h = attend_heads(call, qkv, form, mask, positions);
+  at::Tensor o;
+  if (h.ring) {
+    o = ring_attention(h.args, *h.ring, h.ring_documents, call.ring);
+  } else {
+    o = call.local ? (*call.local)(h.args) : local_attention(h.args, call.kernel);
+  }
+  o = o.permute(from_bhsd(call.layout));
+  if (form == HeadForm::kParts) return gather_head_parts(o, Heads::kQuery, h.plan, call.group);
+  return {gather_heads(o, Heads::kQuery, h.plan, call.group)};
+}
+
+void check_attention_options(int64_t q_heads, int64_t kv_heads, const AttentionRules& rules) {
+  for (auto [name, heads] : {std::pair<const char*, int64_t>{"q_heads", q_heads},
+                             std::pair<const char*, int64_t>{"kv_heads", kv_heads}}) {
+    TORCH_CHECK_VALUE(heads >= 0, "DistributedAttention: ", name,
+                      " must be >= 1, or 0 (None in Python) to take it from the first call; got ",
+                      heads);
+  }
+  rules.check();
+}
+
+void check_ring_kernel(LocalKernel kernel, bool callable) {
+  TORCH_CHECK_VALUE(!callable && (kernel == LocalKernel::kAuto || kernel == LocalKernel::kFused),
+                    "DistributedAttention: hybrid Ulysses x ring attention runs the fused "
+                    "kernel; give local=\"auto\" or \"fused\"",
+                    callable ? " (not a callable)" : ", not \"" + to_string(kernel) + "\"");
+}
+
+DistributedAttention::DistributedAttention(Group group, AttentionOptions options)
+    : group_(std::move(group)), options_(std::move(options)) {
+  check_attention_options(options_.q_heads, options_.kv_heads, options_.rules());
+  if (options_.q_heads > 0 && options_.kv_heads > 0) {
+    partition_ = HeadPartition::make(options_.q_heads, options_.kv_heads, group_.size());
+  }
+}
+
+DistributedAttention::DistributedAttention(Group ulysses, Group ring, AttentionOptions options)
+    : DistributedAttention(std::move(ulysses), std::move(options)) {
+  ring_ = std::move(ring);
+}
+
+namespace {
+
+// A module's call: its options and head counts, with this call's inputs.
+AttentionCall call_of(const DistributedAttention& module, const AttentionInputs& in) {
+  const AttentionOptions& options = module.options();
+  const c10::optional<HeadPartition>& partition = module.partition();
+  AttentionCall c(module.group());
+  c.ring = module.ring();
+  c.q_heads = partition ? partition->q_heads() : options.q_heads;
+  c.kv_heads = partition ? partition->kv_heads() : options.kv_heads;
+  c.seq = in.seq;
+  c.layout = options.layout;
+  c.rules() = options.rules();
+  c.sinks = in.sinks;
+  c.fuse_qkv = options.fuse_qkv;
+  c.kernel = options.kernel;
+  c.local = options.local ? &options.local : nullptr;
+  c.step = in.context;
+  return c;
+}
+
+}  // namespace
+
+at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v, const AttentionInputs& in) {
+  AttentionCall c = call_of(*this, in);
+  // Head counts not in the options are this instance's from the first call on (every rank's
+  // are checked in the call's agreement).
+  if (c.q_heads == 0) c.q_heads = heads_of(q, options_.layout);
+  if (c.kv_heads == 0) c.kv_heads = heads_of(k, options_.layout);
+  at::Tensor o = attend(c, {{q}, {k}, {v}}, HeadForm::kWhole, in.mask, in.positions)[0];
+  if (!partition_) partition_ = HeadPartition::make(c.q_heads, c.kv_heads, group_.size());
+  return o;
+}
+
+std::vector<at::Tensor> DistributedAttention::forward_parts(const std::vector<at::Tensor>& q,
+                                                            const std::vector<at::Tensor>& k,
+                                                            const std::vector<at::Tensor>& v,
+                                                            const AttentionInputs& in) {
+  if (!partition_) {
+    group_.fail_together(std::make_exception_ptr(c10::ValueError(
+        {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+        "DistributedAttention::forward_parts: give q_heads and kv_heads in the options (parts "
+        "do not show the totals)")));
+  }
+  return attend(call_of(*this, in), {q, k, v}, HeadForm::kParts, in.mask, in.positions);
+}
+
+}  // namespace ulysses

@@ -1,0 +1,103 @@
+// torch.ops.ulysses, the training floor (sharding.h): batch sharding, the exact global
+// loss and gradient reduction.
+//
+// Each op takes its process group as the torch.distributed group name (a string, as torch's
+// functional collectives do) and the group handle's options as integers
+// (transport/op_options.h), so torch.compile can trace calls to it. Kernels run without
+// autograd and return outputs that never alias their inputs (a dispatcher op contract); the
+// autograd kernels run the kernel below autograd and record the adjoint op as the backward
+// (Note [One autograd], transport/ops.h). Fake kernels live in python/ulysses/ops.py.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+#include "dispatch/op_util.h"
+#include "ulysses/group.h"
+#include "ulysses/ring_attention.h"
+#include "ulysses/sharding.h"
+
+namespace ulysses {
+namespace {
+
+using detail::OptTensor;
+
+// [input ids, targets, position ids] and the padding mask when given, of SP rank `rank` of
+// `world` (ring > 1: the hybrid layout's zigzag tokens).
+std::vector<at::Tensor> shard_batch_op(const at::Tensor& input_ids, const OptTensor& labels,
+                                       const OptTensor& attention_mask,
+                                       const OptTensor& position_ids, int64_t rank, int64_t world,
+                                       int64_t ring, int64_t ignore_index) {
+  TORCH_CHECK_VALUE(world >= 1 && ring >= 1 && world % ring == 0 && rank >= 0 && rank < world,
+                    "shard_batch: need 0 <= rank < world and ring dividing world; got rank ", rank,
+                    ", world ", world, ", ring ", ring);
+  TORCH_CHECK_VALUE(input_ids.dim() == 2, "shard_batch: input_ids must be [B, S]; got ",
+                    input_ids.sizes());
+  const TokenBatch global{input_ids, labels.value_or(at::Tensor()),
+                          position_ids.value_or(at::Tensor()),
+                          attention_mask.value_or(at::Tensor())};
+  const int64_t S = input_ids.size(1);
+  const TokenBatch shard =
+      ring == 1 ? shard_batch(global, SequencePartition::even(S, world), rank, ignore_index)
+                : shard_batch(global, RingLayout::make(S, world / ring, ring), rank, ignore_index);
+  std::vector<at::Tensor> out{shard.input_ids, shard.labels, shard.position_ids};
+  if (shard.attention_mask.defined()) out.push_back(shard.attention_mask);
+  return out;
+}
+
+// (this rank's loss to backpropagate, the global mean as a detached 0-dim tensor).
+std::tuple<at::Tensor, at::Tensor> sharded_cross_entropy_op(const at::Tensor& logits,
+                                                            const at::Tensor& targets,
+                                                            const std::string& group_name,
+                                                            c10::IntArrayRef group_options,
+                                                            int64_t ignore_index) {
+  const ShardedLoss loss = sharded_cross_entropy(
+      logits, targets, Group::from_op(group_name, group_options), ignore_index);
+  return {loss.loss, at::scalar_tensor(loss.global_loss, loss.loss.options())};
+}
+
+std::tuple<at::Tensor, at::Tensor> token_mean_op(const at::Tensor& token_sum,
+                                                 const at::Tensor& targets,
+                                                 const std::string& group_name,
+                                                 c10::IntArrayRef group_options,
+                                                 int64_t ignore_index) {
+  const ShardedLoss loss =
+      token_mean(token_sum, targets, Group::from_op(group_name, group_options), ignore_index);
+  return {loss.loss, at::scalar_tensor(loss.global_loss, loss.loss.options())};
+}
+
+void all_reduce_gradients_op(at::TensorList grads, const std::string& group_name,
+                             c10::IntArrayRef group_options) {
+  all_reduce_gradients(grads.vec(), Group::from_op(group_name, group_options));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ulysses, m) {
+  // Training (sharding.h): a global causal-LM batch's shard for SP rank `rank` of `world`,
+  // the exact global mean loss, and gradients summed in place.
+  m.def(
+      "shard_batch(Tensor input_ids, Tensor? labels, Tensor? attention_mask, "
+      "Tensor? position_ids, int rank, int world, int ring=1, int ignore_index=-100) "
+      "-> Tensor[]");
+  m.def(
+      "sharded_cross_entropy(Tensor logits, Tensor targets, str group, int[] group_options, "
+      "int ignore_index=-100) -> (Tensor, Tensor)");
+  m.def(
+      "token_mean(Tensor token_sum, Tensor targets, str group, int[] group_options, "
+      "int ignore_index=-100) -> (Tensor, Tensor)");
+  m.def("all_reduce_gradients(Tensor(a!)[] grads, str group, int[] group_options) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ulysses, CompositeExplicitAutograd, m) {
+  m.impl("all_reduce_gradients", &all_reduce_gradients_op);
+}
+
+TORCH_LIBRARY_IMPL(ulysses, CompositeImplicitAutograd, m) {
+  m.impl("shard_batch", &shard_batch_op);
+  m.impl("sharded_cross_entropy", &sharded_cross_entropy_op);
+  m.impl("token_mean", &token_mean_op);
+}
+
+}  // namespace ulysses
