@@ -1,6 +1,16 @@
 """Ulysses sequence parallelism for transformer attention (C++ core, PyTorch front end).
 
-Loading the package registers the ``torch.ops.ulysses`` operators.
+Loading the package registers the ``torch.ops.ulysses`` operators. Its names, by module:
+
+- ``ulysses.attention``: DistributedAttention, StepContext (the module and its per-step cache).
+- ``ulysses.ops``: all_gather_sequence, flash_attention, gather_head_parts, gather_heads,
+  gather_projected, local_attention, project_from_head_parts, project_head_parts, rebuild_mask,
+  reduce_scatter_sequence, scatter_head_parts, scatter_heads, scatter_projected,
+  sequence_lengths, sum_over_group (the functional ops).
+- ``ulysses.plans``: plan, plan_sp_mesh (the pure planners).
+- ``ulysses.training``: all_reduce_gradients, shard_sequence (the training helpers; also
+  shard_batch, sequence_parallel_loss and token_mean, which ``ulysses.hf`` re-exports).
+- ``ulysses.auto``: autosp, mark_sequence (AutoSP, loaded on first use).
 """
 
 from __future__ import annotations
@@ -16,7 +26,6 @@ from . import _C
 from .attention import DistributedAttention, StepContext
 from .ops import (
     all_gather_sequence,
-    all_reduce_gradients,
     flash_attention,
     gather_head_parts,
     gather_heads,
@@ -30,9 +39,10 @@ from .ops import (
     scatter_heads,
     scatter_projected,
     sequence_lengths,
-    shard_sequence,
     sum_over_group,
 )
+from .plans import plan, plan_sp_mesh
+from .training import all_reduce_gradients, shard_sequence
 
 __version__ = _metadata.version(_environment.DISTRIBUTION)  # One home: pyproject.toml.
 
@@ -53,48 +63,18 @@ def __getattr__(name: str):
 #: (the library this package loads), with torch.utils.cmake_prefix_path for Torch.
 cmake_prefix_path = _os.path.join(_os.path.dirname(_C.__file__), "share", "cmake")
 
-
-def plan(q_heads: int, kv_heads: int | None = None, sp: int = 1, seq_len: int | None = None) -> dict:
-    """Each rank's heads (and tokens) for one attention over an SP group of ``sp`` ranks.
-
-    Returns plain values: ``q_heads``/``kv_heads`` (per-rank counts), ``q_ranges``/``kv_ranges``
-    (per-rank ``(start, end)`` global head indices), ``kv_map`` (per rank, the local kv head of
-    each local query head) and, with ``seq_len``, ``seq_lens``. Raises ``ValueError`` for an
-    invalid setup (e.g. fewer query heads than ranks).
-    """
-    return _C.plan(q_heads, q_heads if kv_heads is None else kv_heads, sp, seq_len)
-
-
-def plan_sp_mesh(sp: int, q_heads: int, kv_heads: int, seq_len: int, head_dim: int = 128,
-                 batch: int = 1, elem_bytes: int = 2) -> list[dict]:
-    """Every Ulysses x ring split ``U x R = sp`` with its per-rank cost of one attention layer
-    (forward + backward): ``a2a_bytes``, ``ring_bytes``, ``ring_messages``, ``peak_bytes``,
-    ``kv_replicas``. The first entry is the recommendation (fewest bytes moved)."""
-    return _C.plan_sp_mesh(sp, q_heads, kv_heads, seq_len, head_dim, batch, elem_bytes)
-
-
 __all__ = [
-    "DistributedAttention",
-    "StepContext",
-    "local_attention",
-    "all_gather_sequence",
-    "all_reduce_gradients",
-    "autosp",
-    "flash_attention",
-    "gather_head_parts",
-    "gather_heads",
-    "gather_projected",
-    "mark_sequence",
-    "plan",
-    "plan_sp_mesh",
-    "project_from_head_parts",
-    "project_head_parts",
-    "rebuild_mask",
-    "reduce_scatter_sequence",
-    "scatter_head_parts",
-    "scatter_heads",
-    "scatter_projected",
-    "sequence_lengths",
-    "shard_sequence",
+    # ulysses.attention
+    "DistributedAttention", "StepContext",
+    # ulysses.ops
+    "all_gather_sequence", "flash_attention", "gather_head_parts", "gather_heads", "gather_projected",
+    "local_attention", "project_from_head_parts", "project_head_parts", "rebuild_mask",
+    "reduce_scatter_sequence", "scatter_head_parts", "scatter_heads", "scatter_projected", "sequence_lengths",
     "sum_over_group",
+    # ulysses.plans
+    "plan", "plan_sp_mesh",
+    # ulysses.training
+    "all_reduce_gradients", "shard_sequence",
+    # ulysses.auto
+    "autosp", "mark_sequence",
 ]

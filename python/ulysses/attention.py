@@ -23,7 +23,7 @@ from . import _C
 from . import ops as O
 
 LocalAttention = Callable[..., torch.Tensor]
-_KERNELS = ("auto", "fused", "sdpa", "math")
+_KERNELS = tuple(_C.local_kernels())  # The C++ names (attention.h LocalKernel).
 
 
 class StepContext:
@@ -96,14 +96,10 @@ class DistributedAttention(nn.Module):
                  window: int | None = None, softcap: float | None = None, timeout: O.Timeout = None,
                  ring_group: O.GroupLike = None, local: str | LocalAttention = "auto") -> None:
         super().__init__()
-        for name, value in (("q_heads", q_heads), ("kv_heads", kv_heads)):
-            if value is not None and value < 1:
-                raise ValueError(f"DistributedAttention: {name} must be >= 1 (or None: taken from "
-                                 f"the first call); got {value}")
         window = int(window or 0)
         softcap = float(softcap or 0.0)
-        _C.check_window(window, causal)  # Fail fast (the call's agreement checks them too).
-        _C.check_softcap(softcap)
+        # The C++ module's rules (fail fast; the call's agreement checks them too).
+        _C.check_attention_options(q_heads or 0, kv_heads or 0, causal, float(scale or 0.0), window, softcap)
         for name, given in (("window", window), ("softcap", softcap)):
             if given and callable(local):
                 raise ValueError(f"DistributedAttention: a callable local attention takes no {name}; give "
@@ -116,9 +112,8 @@ class DistributedAttention(nn.Module):
         self.ring_name = O.group_name(ring_group) if ring_group is not None else None
         ring_pg = O.process_group(self.ring_name) if self.ring_name is not None else None
         self.ring_rank, self.ring_size = (ring_pg.rank(), ring_pg.size()) if ring_pg is not None else (0, 1)
-        if self.ring_size > 1 and local not in ("auto", "fused"):
-            raise ValueError("DistributedAttention: hybrid Ulysses x ring attention runs the fused kernel; "
-                             f"give local='auto' or 'fused', not {local!r}")
+        if self.ring_size > 1:
+            _C.check_ring_kernel("" if callable(local) else local)
         self.rank, self.sp_size = O._rank_size(self.group_name)
         self.layout = layout.upper()
         try:

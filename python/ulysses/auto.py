@@ -506,7 +506,7 @@ class _Rewriter:
         if reduction == "sum":
             out = self._insert(torch.ops.ulysses.sum_over_group, (local_sum, self.owner.group, [self.owner.timeout_ms]))
         else:
-            kept = self._insert(operator.ne, (call["target"], call.get("ignore_index", -100)))
+            kept = self._insert(operator.ne, (call["target"], call.get("ignore_index", _C.IGNORE_INDEX)))
             count = self._insert(torch.sum, (kept,), {"dtype": full.dtype})
             stats = self._insert(torch.stack, ([local_sum, count],))
             total = self._insert(torch.ops.ulysses.sum_over_group, (stats, self.owner.group, [self.owner.timeout_ms]))

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import sys
 import types
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +35,15 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from . import _C, tiled
 from . import ops as O
 from .attention import DistributedAttention
-from .ops import all_reduce_gradients  # noqa: F401  (part of this module's API)
+from .training import (  # noqa: F401  (part of this module's API, as before)
+    IGNORE_INDEX,
+    all_reduce_gradients,
+    sequence_parallel_loss,
+    shard_batch,
+    token_mean,
+)
 
 IMPLEMENTATION = "ulysses"
-IGNORE_INDEX = -100
 
 
 def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
@@ -184,7 +188,7 @@ def sequence_parallel(model: PreTrainedModel, group: O.GroupLike = None, *,
       rows (default: the hidden size), so its intermediate never exists whole;
     - ``tiled_loss``: ``model(..., ulysses_shift_labels=labels)`` returns ``loss`` = this rank's
       *summed* token loss (:func:`token_mean` divides it by the group's token count) and no
-      logits: they are made and scored tile by tile. ``ulysses_ignore_index=`` (default -100)
+      logits: they are made and scored tile by tile. ``ulysses_ignore_index=`` (default ``IGNORE_INDEX``)
       names the ignored label; a rank's bad labels fail every rank alike, before the loss;
     - ``checkpoint="recompute"``: decoder layers keep only their input and recompute in
       backward; ``"offload"``: that input also moves to host memory by a background copy and is
@@ -313,55 +317,6 @@ def _long_sequence_forward(model: PreTrainedModel, *args, ulysses_shift_labels: 
                                                    tiles=tiles, ignore_index=ulysses_ignore_index, scale=scale,
                                                    softcap=softcap)
         return CausalLMOutputWithPast(loss=loss)
-
-
-def shard_batch(batch: Mapping[str, torch.Tensor], group: O.GroupLike = None, *,
-                ignore_index: int = IGNORE_INDEX) -> dict:
-    """This rank's shard of an unsharded causal-LM batch ``{"input_ids": [B, S], "labels":
-    [B, S] (optional: input_ids), "attention_mask": [B, S] (optional), "position_ids": [B, S]
-    (optional: 0..S-1)}``.
-
-    Labels are shifted on the full sequence first (token t predicts label t+1; the last token
-    and every position whose input or target is padding predict ``ignore_index``), so no label
-    is lost at a shard boundary. S need not
-    divide by the group size (the first S % P ranks take one token more). Returns the sharded
-    ``input_ids``, ``attention_mask`` (if given), global ``position_ids``, ``shift_labels`` (pass
-    them to :func:`sequence_parallel_loss`, not to the model) and ``seq_lens`` (pass them to the
-    model as ``ulysses_seq_lens=``: the forward then skips the small collective that learns
-    every rank's token count).
-    """
-    pg = O.process_group(O.group_name(group))
-    rank, P = pg.rank(), pg.size()
-    mask = batch.get("attention_mask")
-    # The rule (targets before the cut, padding, the split) has one home: C++ sharding.h.
-    parts = torch.ops.ulysses.shard_batch(batch["input_ids"], batch.get("labels"), mask,
-                                          batch.get("position_ids"), rank, P, 1, ignore_index)
-    out = {"input_ids": parts[0], "position_ids": parts[2], "shift_labels": parts[1],
-           "seq_lens": _C.sequence_split(batch["input_ids"].shape[1], P)}
-    if mask is not None:
-        out["attention_mask"] = parts[3]
-    return out
-
-
-def sequence_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group: O.GroupLike = None, *,
-                           ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy of this rank's ``logits [B, S_r, V]`` against its (already shifted)
-    labels, normalised by the token count of the whole ``group``: the sum over ranks of the
-    returned loss is the exact global token mean (ignored labels excluded). Returns ``(loss to
-    backpropagate on this rank, the global mean, detached)``; sum gradients over the group with
-    :func:`all_reduce_gradients`."""
-    return torch.ops.ulysses.sharded_cross_entropy(logits, shift_labels, O.group_name(group),
-                                                   O.group_options(None), ignore_index)
-
-
-def token_mean(token_sum: torch.Tensor, shift_labels: torch.Tensor, group: O.GroupLike = None, *,
-               ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`sequence_parallel_loss` for a summed token loss (``model(...,
-    ulysses_shift_labels=...).loss`` under ``tiled_loss``): ``(token_sum / the group's token
-    count, the global mean, detached)``, in one small agreement round (a rank whose loss failed
-    fails every rank with its error)."""
-    return torch.ops.ulysses.token_mean(token_sum, shift_labels, O.group_name(group), O.group_options(None),
-                                        ignore_index)
 
 
 PreTrainedModel.get_correct_attn_implementation = _refuse_incompatible(  # type: ignore[method-assign]

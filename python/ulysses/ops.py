@@ -1,6 +1,6 @@
 """Functional ops over ``torch.ops.ulysses`` and their fake kernels.
 
-The ops, their kernels and their autograd are C++ (src/ops.cpp: one registration serves C++
+The ops, their kernels and their autograd are C++ (src/<floor>/ops.cpp: one registration serves C++
 and Python); this file registers, for each op, the fake kernel torch.compile traces with
 (output shapes from the C++ planners). A process group is passed to the ops by its name, as
 torch's functional collectives do, with the handle's options as integers (``[timeout ms]``);
@@ -26,8 +26,7 @@ from . import _C
 GroupLike = str | dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int | str] | None
 # A collective's longest wait: a timedelta or seconds (None: DEFAULT_TIMEOUT).
 Timeout = datetime.timedelta | float | None
-DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
-_DEFAULT_TIMEOUT_MS = 120_000
+DEFAULT_TIMEOUT = datetime.timedelta(milliseconds=_C.DEFAULT_TIMEOUT_MS)  # GroupOptions::timeout.
 _ops = torch.ops.ulysses
 
 
@@ -53,7 +52,7 @@ def group_name(group: GroupLike) -> str:
 def timeout_ms(timeout: Timeout) -> int:
     """Milliseconds of a timedelta or of seconds (None: the default, 120 s)."""
     if timeout is None:  # Without timedelta arithmetic, which torch.compile cannot trace.
-        return _DEFAULT_TIMEOUT_MS
+        return _C.DEFAULT_TIMEOUT_MS
     seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
     if not seconds > 0:
         raise ValueError(f"ulysses: timeout must be > 0 seconds; got {seconds}")
@@ -427,24 +426,10 @@ def sum_over_group(x: torch.Tensor, group: GroupLike = None) -> torch.Tensor:
     return _ops.sum_over_group(x, group_name(group), group_options(None))
 
 
-def all_reduce_gradients(model: torch.nn.Module, group: GroupLike = None) -> None:
-    """Sums every parameter gradient over ``group`` (the SP x DP ranks whose losses were
-    normalised together: ``ulysses.hf.sequence_parallel_loss``, ``ulysses.autosp``), in one flat
-    collective."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if grads:  # One flat all-reduce per dtype (C++ sharding.h).
-        _ops.all_reduce_gradients(grads, group_name(group), group_options(None))
+def __getattr__(name: str):
+    # The training helpers moved to ulysses.training; reachable here as before.
+    if name in ("all_reduce_gradients", "shard_sequence"):
+        from . import training
 
-
-# ---- ring attention ----------------------------------------------------------------------------
-
-
-def shard_sequence(x: torch.Tensor, dim: int, sp_rank: int, sp_size: int, ring: int = 1) -> torch.Tensor:
-    """SP rank ``sp_rank``'s tokens of the full ``x`` along ``dim`` in the hybrid layout of
-    ``sp_size`` = Ulysses x ``ring`` ranks: the sequence is cut into 2R even chunks, ring rank r
-    holds chunks r and 2R-1-r (zigzag: equal causal work), split evenly over its Ulysses ranks
-    (SP rank = r * U + u). ``ring=1`` is Ulysses' contiguous even split."""
-    if ring < 1 or sp_size % ring:
-        raise ValueError(f"shard_sequence: ring ({ring}) must divide the SP size ({sp_size})")
-    index = _C.ring_shard_index(x.shape[dim], sp_size // ring, ring, sp_rank)
-    return x.index_select(dim, torch.tensor(index, dtype=torch.long, device=x.device))
+        return getattr(training, name)
+    raise AttributeError(f"module 'ulysses.ops' has no attribute {name!r}")

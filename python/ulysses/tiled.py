@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -33,16 +32,16 @@ from typing import Any
 
 import torch
 
-IGNORE_INDEX = -100
+from . import _C
+
+IGNORE_INDEX: int = _C.IGNORE_INDEX  # The C++ rule (sharding.h kIgnoreIndex); ulysses.training's.
 
 
 def tile_count(rows: Sequence[int] | int, tile_rows: int) -> int:
     """Tiles for a sequence split ``rows`` (every rank's row count, or the largest): enough for
     the largest rank's rows at ``tile_rows`` each. Ranks that share ``rows`` agree on it."""
-    if tile_rows < 1:
-        raise ValueError(f"tile_rows must be >= 1; got {tile_rows}")
     largest = rows if isinstance(rows, int) else max(rows, default=0)
-    return max(1, math.ceil(largest / tile_rows))
+    return _C.tile_count(largest, tile_rows)  # The C++ rule (tiled.h).
 
 
 _context = threading.local()
@@ -66,14 +65,9 @@ def current_rows() -> int | None:
 
 
 def _tile_bounds(n: int, tiles: int) -> list[tuple[int, int]]:
-    """``tiles`` contiguous near-equal pieces of ``range(n)`` (some empty when n < tiles)."""
-    base, extra = divmod(n, tiles)
-    bounds, start = [], 0
-    for i in range(tiles):
-        end = start + base + (i < extra)
-        bounds.append((start, end))
-        start = end
-    return bounds
+    """``tiles`` contiguous near-equal pieces of ``range(n)`` (some empty when n < tiles): the
+    even split of every head, token and tile split (C++ ``even_split``)."""
+    return _C.even_split(n, tiles)
 
 
 # ---- tiled MLP --------------------------------------------------------------------------------
@@ -225,12 +219,7 @@ def label_problem(hidden: torch.Tensor, vocab: int, labels: torch.Tensor, ignore
     if hidden.shape[:-1] != labels.shape:
         return (f"linear_cross_entropy: hidden {list(hidden.shape)} and labels {list(labels.shape)} must agree on "
                 "every dim but the last")
-    if labels.dtype != torch.long:
-        return f"linear_cross_entropy: labels must be int64; got {labels.dtype}"
-    scored = labels[labels != ignore_index]
-    if scored.numel() and (scored.min().item() < 0 or scored.max().item() >= vocab):
-        return f"linear_cross_entropy: labels must be in [0, {vocab}) or ignore_index ({ignore_index})"
-    return ""
+    return _C.target_problem(labels, vocab, ignore_index, "linear_cross_entropy", "labels")  # The C++ rule.
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,

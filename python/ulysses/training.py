@@ -1,0 +1,91 @@
+"""The training helpers of sequence parallelism, in one place: this rank's shard of a batch
+(:func:`shard_batch`, :func:`shard_sequence`), the exact global loss (:func:`sequence_parallel_loss`,
+:func:`token_mean`) and gradients summed over the group (:func:`all_reduce_gradients`). Each is
+the C++ rule (sharding.h) through ``torch.ops.ulysses``; ``ulysses.hf`` and the package's top
+level re-export them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from . import _C
+from . import ops as O
+
+#: The label that adds no loss (transformers' spelling; C++ ``kIgnoreIndex``).
+IGNORE_INDEX: int = _C.IGNORE_INDEX
+
+
+def shard_batch(batch: Mapping[str, torch.Tensor], group: O.GroupLike = None, *,
+                ignore_index: int = IGNORE_INDEX) -> dict:
+    """This rank's shard of an unsharded causal-LM batch ``{"input_ids": [B, S], "labels":
+    [B, S] (optional: input_ids), "attention_mask": [B, S] (optional), "position_ids": [B, S]
+    (optional: 0..S-1)}``.
+
+    Labels are shifted on the full sequence first (token t predicts label t+1; the last token
+    and every position whose input or target is padding predict ``ignore_index``), so no label
+    is lost at a shard boundary. S need not
+    divide by the group size (the first S % P ranks take one token more). Returns the sharded
+    ``input_ids``, ``attention_mask`` (if given), global ``position_ids``, ``shift_labels`` (pass
+    them to :func:`sequence_parallel_loss`, not to the model) and ``seq_lens`` (pass them to the
+    model as ``ulysses_seq_lens=``: the forward then skips the small collective that learns
+    every rank's token count).
+    """
+    pg = O.process_group(O.group_name(group))
+    rank, P = pg.rank(), pg.size()
+    mask = batch.get("attention_mask")
+    # The rule (targets before the cut, padding, the split) has one home: C++ sharding.h.
+    parts = torch.ops.ulysses.shard_batch(batch["input_ids"], batch.get("labels"), mask,
+                                          batch.get("position_ids"), rank, P, 1, ignore_index)
+    out = {"input_ids": parts[0], "position_ids": parts[2], "shift_labels": parts[1],
+           "seq_lens": _C.sequence_split(batch["input_ids"].shape[1], P)}
+    if mask is not None:
+        out["attention_mask"] = parts[3]
+    return out
+
+
+def sequence_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group: O.GroupLike = None, *,
+                           ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of this rank's ``logits [B, S_r, V]`` against its (already shifted)
+    labels, normalised by the token count of the whole ``group``: the sum over ranks of the
+    returned loss is the exact global token mean (ignored labels excluded). Returns ``(loss to
+    backpropagate on this rank, the global mean, detached)``; sum gradients over the group with
+    :func:`all_reduce_gradients`."""
+    return torch.ops.ulysses.sharded_cross_entropy(logits, shift_labels, O.group_name(group),
+                                                   O.group_options(None), ignore_index)
+
+
+def token_mean(token_sum: torch.Tensor, shift_labels: torch.Tensor, group: O.GroupLike = None, *,
+               ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sequence_parallel_loss` for a summed token loss (``model(...,
+    ulysses_shift_labels=...).loss`` under ``tiled_loss``): ``(token_sum / the group's token
+    count, the global mean, detached)``, in one small agreement round (a rank whose loss failed
+    fails every rank with its error)."""
+    return torch.ops.ulysses.token_mean(token_sum, shift_labels, O.group_name(group), O.group_options(None),
+                                        ignore_index)
+
+
+def all_reduce_gradients(model: torch.nn.Module, group: O.GroupLike = None) -> None:
+    """Sums every parameter gradient over ``group`` (the SP x DP ranks whose losses were
+    normalised together: ``ulysses.hf.sequence_parallel_loss``, ``ulysses.autosp``), in one flat
+    collective."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if grads:  # One flat all-reduce per dtype (C++ sharding.h).
+        torch.ops.ulysses.all_reduce_gradients(grads, O.group_name(group), O.group_options(None))
+
+
+def shard_sequence(x: torch.Tensor, dim: int, sp_rank: int, sp_size: int, ring: int = 1) -> torch.Tensor:
+    """SP rank ``sp_rank``'s tokens of the full ``x`` along ``dim`` in the hybrid layout of
+    ``sp_size`` = Ulysses x ``ring`` ranks: the sequence is cut into 2R even chunks, ring rank r
+    holds chunks r and 2R-1-r (zigzag: equal causal work), split evenly over its Ulysses ranks
+    (SP rank = r * U + u). ``ring=1`` is Ulysses' contiguous even split."""
+    if ring < 1 or sp_size % ring:
+        raise ValueError(f"shard_sequence: ring ({ring}) must divide the SP size ({sp_size})")
+    index = _C.ring_shard_index(x.shape[dim], sp_size // ring, ring, sp_rank)
+    return x.index_select(dim, torch.tensor(index, dtype=torch.long, device=x.device))
+
+
+__all__ = ["IGNORE_INDEX", "all_reduce_gradients", "sequence_parallel_loss", "shard_batch", "shard_sequence",
+           "token_mean"]

@@ -1,0 +1,102 @@
+"""The house rules the tree itself must keep (docs/architecture.md): every include runs down
+the floors, the plan floor compiles against c10 alone, each floor registers its own ops in files
+of at most ~500 lines, and Python keeps no copy of a rule that lives in C++."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The floors, bottom up, and the public headers on each (include/ulysses/). src/dispatch/ holds
+# what every floor's op registration shares and sits just above the plan.
+FLOORS = ["plan", "dispatch", "kernels", "transport", "attention", "training"]
+PUBLIC = {
+    "plan": ["partition.h", "exchange_plan.h", "mask_decision.h", "attention_rules.h", "mesh_plan.h"],
+    "kernels": ["attention.h", "flash_attention.h"],
+    "transport": ["group.h", "all_to_all.h"],
+    "attention": ["mask.h", "ring_attention.h", "distributed_attention.h"],
+    "training": ["sharding.h", "tiled.h"],
+}
+_INCLUDE = re.compile(r'^#include "([^"]+)"', re.M)
+_SYSTEM = re.compile(r"^#include <([^>]+)>", re.M)
+
+
+def _floor_of_include(path: str) -> str | None:
+    """The floor of a quoted include (None: not the library's, e.g. a test helper)."""
+    if path.startswith("ulysses/"):
+        name = path.split("/", 1)[1]
+        return next(f for f, headers in PUBLIC.items() if name in headers)
+    first = path.split("/", 1)[0]
+    return first if first in FLOORS else None
+
+
+def _library_files() -> list[tuple[Path, str]]:
+    """Every file of the library with its floor."""
+    files = []
+    for floor, headers in PUBLIC.items():
+        files += [(ROOT / "include" / "ulysses" / h, floor) for h in headers]
+    for floor in FLOORS:
+        files += [(p, floor) for p in sorted((ROOT / "src" / floor).glob("*.*"))]
+    return files
+
+
+def test_every_public_header_has_a_floor():
+    on_disk = sorted(p.name for p in (ROOT / "include" / "ulysses").glob("*.h"))
+    assert on_disk == sorted(h for headers in PUBLIC.values() for h in headers)
+    assert sorted(p.name for p in (ROOT / "src").iterdir() if p.is_dir()) == sorted(FLOORS)
+
+
+def test_no_include_runs_upward():
+    upward = []
+    for path, floor in _library_files():
+        for target in _INCLUDE.findall(path.read_text()):
+            target_floor = _floor_of_include(target)
+            assert target_floor is not None or target == "pch.h", f"{path}: unknown include {target}"
+            if target_floor is not None and FLOORS.index(target_floor) > FLOORS.index(floor):
+                upward.append(f"{path.relative_to(ROOT)} ({floor}) includes {target} ({target_floor})")
+    assert not upward, "\n".join(upward)
+
+
+def test_public_headers_include_no_private_header():
+    for headers in PUBLIC.values():
+        for h in headers:
+            for target in _INCLUDE.findall((ROOT / "include" / "ulysses" / h).read_text()):
+                assert target.startswith("ulysses/"), f"include/ulysses/{h} includes the private {target}"
+
+
+def test_the_plan_floor_needs_no_tensor_library():
+    plan = [p for p, floor in _library_files() if floor == "plan"]
+    for path in plan:
+        for target in _SYSTEM.findall(path.read_text()):
+            assert not target.startswith(("ATen/", "torch/")), f"{path.relative_to(ROOT)} includes <{target}>"
+
+
+@pytest.mark.parametrize("floor", ["kernels", "transport", "attention", "training"])
+def test_each_floor_registers_its_own_ops(floor):
+    registrations = sorted((ROOT / "src" / floor).glob("*ops.cpp"))
+    assert registrations, f"src/{floor} registers no ops"
+    for path in registrations:
+        text = path.read_text()
+        assert "TORCH_LIBRARY_FRAGMENT(ulysses" in text
+        assert len(text.splitlines()) <= 500, f"{path.relative_to(ROOT)}: over 500 lines"
+    others = [p for p in (ROOT / "src").rglob("*.cpp") if "TORCH_LIBRARY" in p.read_text()]
+    assert all(p.name.endswith("ops.cpp") for p in others), others
+
+
+def test_python_reads_the_rules_from_cpp():
+    """The rules with a home in C++ are read through _C: no copy of their values in Python."""
+    import ulysses
+    from ulysses import _C, attention, ops, tiled
+
+    assert tiled.IGNORE_INDEX == _C.IGNORE_INDEX == -100
+    assert ops.DEFAULT_TIMEOUT.total_seconds() * 1000 == _C.DEFAULT_TIMEOUT_MS
+    assert attention._KERNELS == tuple(_C.local_kernels())
+    assert tiled._tile_bounds(7, 3) == _C.even_split(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert ulysses.plan(5, 5, 3, seq_len=7)["seq_lens"] == [3, 2, 2]  # The same rule for tokens.
+    sources = "\n".join(p.read_text() for p in (ROOT / "python" / "ulysses").glob("*.py"))
+    for copy in ("-100", "120_000", "seconds=120", '"fused", "sdpa"'):
+        assert copy not in sources, f"python/ulysses repeats the C++ rule {copy!r}"
