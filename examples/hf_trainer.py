@@ -124,7 +124,7 @@ def main() -> None:
                                 eval_dataset=Dataset.from_list(held_out), processing_class=word_tokenizer(vocab),
                                 **extra)
     else:
-        args = TrainingArguments(**common, remove_unused_columns=False)
+        args = TrainingArguments(**common)  # Defaults: remove_unused_columns=True reads the forward's signature.
         if sequence_parallel:
             trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
                                               data_collator=collator, sp_size=a.sp, **long)  # ulysses

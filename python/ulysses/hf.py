@@ -22,8 +22,10 @@ ids (RoPE and packed documents need them). Masks are honoured, not dropped:
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -127,21 +129,78 @@ def _chunked_refusal(model_class: type) -> str:
             "sequence parallelism")
 
 
+# Layer types (config.layer_types, or layers_block_type) whose only token mixing is attention
+# that goes through the interface, or that mix no tokens at all. Any other type (linear
+# attention, Mamba, short convolutions, hybrids, ...) mixes tokens outside attention.
+_ATTENTION_ONLY_LAYERS = frozenset({"full_attention", "sliding_attention", "attention", "global", "local",
+                                    "mlp", "moe", "dense"})
+
+
+def _layer_types(config) -> set[str]:
+    sources = [config]
+    try:
+        sources.append(config.get_text_config())
+    except ValueError:  # Several text configs (an encoder-decoder): each sub-model checks its own.
+        pass
+    types: set[str] = set()
+    for source in sources:
+        for name in ("layer_types", "layers_block_type"):
+            types.update(str(t) for t in (getattr(source, name, None) or ()))
+    return types
+
+
+def _mixing_refusal(model_class: type, what: str) -> str:
+    return (f"ulysses.hf: {model_class.__name__} mixes tokens outside attention ({what}): a rank holding "
+            "one shard of the sequence cannot compute those layers alone, so sequence parallelism would "
+            "train it wrong without an error. Not supported: train it without sequence parallelism, or "
+            "use a model whose decoder layers mix tokens only in attention (Llama, Qwen2/3, Mistral, "
+            "Gemma, Phi3, ...)")
+
+
+def _token_mixers(model: torch.nn.Module) -> list[str]:
+    """The classes of modules inside decoder layers that mix tokens outside attention: a
+    convolution wider than one position (Mamba's, LFM2's short convolution, gated delta nets')."""
+    found = []
+    for layer in _layers(model):
+        for name, module in layer.named_modules():
+            convolution = isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d))
+            if convolution and any(k > 1 for k in module.kernel_size):
+                owner = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
+                found.append(type(owner).__name__)
+    return sorted(set(found))
+
+
 def _refusal_of(module: PreTrainedModel) -> str | None:
     """Why ``module`` cannot run the "ulysses" implementation exactly, or None."""
     if not _uses_attention_interface(type(module)):
         return _refusal(type(module))
-    if "chunked_attention" in (getattr(module.config, "layer_types", None) or ()):
+    types = _layer_types(module.config)
+    if "chunked_attention" in types:
         return _chunked_refusal(type(module))
+    if mixing := sorted(types - _ATTENTION_ONLY_LAYERS - {"chunked_attention"}):
+        return _mixing_refusal(type(module), f"its {', '.join(repr(t) for t in mixing)} layers")
+    return None
+
+
+def _model_refusal(model: torch.nn.Module) -> str | None:
+    """Why a built ``model`` (or any sub-model) cannot run the "ulysses" implementation exactly:
+    its classes and configs (:func:`_refusal_of`), then its modules (a token mixer a config does
+    not name)."""
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and (why := _refusal_of(module)) is not None:
+            return why
+    if mixers := _token_mixers(model):
+        return _mixing_refusal(type(model), f"{', '.join(mixers)} in its decoder layers")
     return None
 
 
 def _check_backend(model: torch.nn.Module) -> None:
-    """Raises for a model (or any sub-model) that would silently keep its own attention, or
-    attend by rules the implementation does not see."""
-    for module in model.modules():
-        if isinstance(module, PreTrainedModel) and (why := _refusal_of(module)) is not None:
-            raise ValueError(why)
+    """Raises for a model (or any sub-model) that would silently keep its own attention, attend
+    by rules the implementation does not see, or mix tokens outside attention. The decision
+    reads only the model's classes, configs and modules, which every rank holds alike, so every
+    rank raises the same error before any collective."""
+    if (why := _model_refusal(model)) is not None:
+        raise ValueError(why)
 
 
 def _refuse_incompatible(get_correct_attn_implementation):
@@ -251,7 +310,27 @@ def _install_long_sequence(model: PreTrainedModel, settings: LongSequence) -> No
                 mlp.forward = types.MethodType(_tiled_mlp_forward, mlp)
     if settings.checkpoint is not None:
         model.activation_checkpointing_enable()  # its layers then call the function set per forward
-    model.forward = types.MethodType(_long_sequence_forward, model)
+    model.forward = types.MethodType(_forward_with_signature(type(model)), model)
+
+
+def _forward_with_signature(model_class: type) -> Callable:
+    """_long_sequence_forward under the signature of ``model_class.forward`` plus its own keyword
+    arguments: callers that read the signature (the Trainer keeps the dataset columns it names,
+    with remove_unused_columns=True by default) see the model's inputs, not ``*args, **kwargs``."""
+    original = inspect.signature(model_class.forward)
+    params = [p for p in original.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    names = {p.name for p in params}
+    ours = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+            for name, default in (("ulysses_shift_labels", None), ("ulysses_ignore_index", IGNORE_INDEX))
+            if name not in names]
+    rest = [p for p in original.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+
+    def forward(self, *args, **kwargs):
+        return _long_sequence_forward(self, *args, **kwargs)
+
+    forward.__signature__ = original.replace(parameters=params + ours + rest)  # type: ignore[attr-defined]
+    forward.__doc__ = _long_sequence_forward.__doc__
+    return forward
 
 
 def _use_our_checkpoint(model: torch.nn.Module, settings: LongSequence) -> None:

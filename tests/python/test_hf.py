@@ -330,3 +330,83 @@ def test_chunked_attention_is_refused_on_every_rank():
     cfg.attention_chunk_size = None
     cfg.layer_types = ["full_attention"] * cfg.num_hidden_layers
     AutoModelForCausalLM.from_config(cfg, attn_implementation="ulysses")
+
+
+# Models whose decoder layers mix tokens outside attention (convolutions, state-space and
+# linear-attention mixers): a rank holding one shard cannot compute those layers alone.
+def lfm2_config():
+    from transformers import Lfm2Config
+
+    return Lfm2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, full_attn_idxs=[1])
+
+
+def qwen3_next_config():
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=4, linear_num_value_heads=2,
+                           linear_num_key_heads=2, linear_key_head_dim=4, linear_value_head_dim=4, num_experts=2,
+                           num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                           layer_types=["linear_attention", "full_attention"])
+
+
+def bamba_config():
+    from transformers import BambaConfig
+
+    return BambaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=8,
+                       mamba_d_state=8, mamba_n_groups=1, attn_layer_indices=[1])
+
+
+HYBRIDS = {"Lfm2ForCausalLM": (lfm2_config, "'conv'"),
+           "Qwen3NextForCausalLM": (qwen3_next_config, "'linear_attention'"),
+           "BambaForCausalLM": (bamba_config, "'linear_attention'")}
+
+
+@pytest.mark.parametrize("name", list(HYBRIDS))
+def test_a_model_that_mixes_tokens_outside_attention_is_refused_on_every_rank(name):
+    config, layers = HYBRIDS[name]
+    refused = f"ulysses.hf: {name} mixes tokens outside attention (its {layers} layers)"
+    with pytest.raises(ValueError, match=refused.replace("(", r"\(").replace(")", r"\)")):
+        AutoModelForCausalLM.from_config(config(), attn_implementation="ulysses")
+
+    def body(rank, group):
+        uhf.sequence_parallel(AutoModelForCausalLM.from_config(config()), group)
+
+    errors = run_ranks_errors(2, body)
+    assert errors[0] == errors[1] and refused in errors[0], errors
+
+
+def test_a_token_mixer_the_config_does_not_name_is_found_in_the_modules():
+    # LFM2's config relabelled as attention only: its short convolution is still in the layer.
+    model = AutoModelForCausalLM.from_config(lfm2_config())
+    model.config.layer_types = ["full_attention", "full_attention"]
+    with pytest.raises(ValueError, match=r"Lfm2ForCausalLM mixes tokens outside attention \(Lfm2ShortConv in its "
+                                         r"decoder layers\)"):
+        uhf.sequence_parallel(model, "")
+
+
+def test_every_hybrid_family_of_transformers_is_refused():
+    """Walks every config transformers registers: each family with layers that mix tokens
+    outside attention (Mamba-style hybrids, linear attention, short convolutions, sparse
+    attention the interface does not see) is refused; attention-only families are not."""
+    import warnings
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
+
+    refused = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model_type in CONFIG_MAPPING_NAMES:
+            try:
+                config = CONFIG_MAPPING[model_type]()
+            except Exception:  # noqa: BLE001 - a config that needs arguments: not walked
+                continue
+            if uhf._layer_types(config) - uhf._ATTENTION_ONLY_LAYERS - {"chunked_attention"}:
+                refused.add(model_type)
+    hybrids = {"qwen3_next", "jamba", "bamba", "falcon_h1", "nemotron_h", "granitemoehybrid", "minimax", "zamba2",
+               "mamba", "mamba2", "recurrent_gemma"}
+    assert hybrids <= refused, hybrids - refused
+    attention_only = {"llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gpt_oss", "phi3", "deepseek_v3"}
+    assert not attention_only & refused, attention_only & refused
