@@ -11,6 +11,7 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <chrono>
 #include <string>
 #include <vector>
@@ -227,6 +228,37 @@ void bind_groups_and_hooks(py::module_& m) {
       "One agreement round over `group` on a check made in Python: `error` is this rank's "
       "problem, empty when none. If any rank has one, every rank raises the lowest such rank's "
       "(ValueError, naming it).");
+  m.def(
+      "agree_values",
+      [](const std::vector<int64_t>& values, const std::vector<std::string>& names,
+         const std::string& group, int64_t timeout_ms, const std::string& who) {
+        TORCH_CHECK_VALUE(names.size() == values.size(), who, ": one name per value");
+        GroupOptions options;
+        options.timeout = std::chrono::milliseconds(timeout_ms);
+        const Group g = Group::resolve(group, options);
+        std::vector<std::vector<int64_t>> all;
+        {
+          py::gil_scoped_release release;
+          all = g.agree([&] { return values; }, who);
+        }
+        for (size_t r = 1; r < all.size(); ++r) {
+          const size_t n = std::min(all[r].size(), all[0].size());
+          size_t i = 0;
+          while (i < n && all[r][i] == all[0][i]) ++i;
+          if (i == n && all[r].size() == all[0].size()) continue;
+          const auto value = [](const std::vector<int64_t>& v, size_t j) {
+            return j < v.size() ? std::to_string(v[j]) : std::string("none");
+          };
+          TORCH_CHECK_VALUE(false, who, ": ranks disagree on ",
+                            i < names.size() ? names[i] : std::string("the number of values"),
+                            ": rank 0 has ", value(all[0], i), ", rank ", r, " has ",
+                            value(all[r], i));
+        }
+      },
+      py::arg("values"), py::arg("names"), py::arg("group"), py::arg("timeout_ms"), py::arg("who"),
+      "One agreement round over `group` on values every rank must hold alike (at most 96): "
+      "where any differ, every rank raises the same ValueError naming the first (`names`) with "
+      "rank 0's value and the differing rank's.");
   m.def(
       "cpp_distributed_attention",
       [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

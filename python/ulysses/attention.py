@@ -48,7 +48,11 @@ def _under_autocast(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Under autocast, attention runs in its lower precision, as torch's SDPA does: a model's
     q (fp32 after RoPE) and v (bf16 from its projection) then meet in one dtype."""
     device = xs[0].device.type
-    if not torch.is_autocast_enabled(device):
+    try:
+        enabled = torch.is_autocast_enabled(device)
+    except RuntimeError:  # A device type autocast does not know (meta): never raise before the
+        return xs  # call's agreement, which names the device on every rank.
+    if not enabled:
         return xs
     dtype = torch.get_autocast_dtype(device)
     return tuple(x.to(dtype) if x.is_floating_point() else x for x in xs)
@@ -162,9 +166,10 @@ class DistributedAttention(nn.Module):
         hq, hkv = self._heads(q, k)
         seq_lens = self._seq_lens(seq_lens)
         if callable(self.local):
-            if sinks is not None:
-                raise ValueError("DistributedAttention: a callable local attention takes no sinks; "
-                                 "use a kernel name (\"auto\", \"fused\", \"math\")")
+            if sinks is not None:  # Given on some ranks only, a local raise would hang the others.
+                _C.fail_together("DistributedAttention: a callable local attention takes no sinks; "
+                                 "use a kernel name (\"auto\", \"fused\", \"math\")", self.group_name,
+                                 self.timeout_ms)
             return self._forward_with(self.local, q, k, v, mask, position_ids, hq, hkv, seq_lens, step)
         o = torch.ops.ulysses.attention(q, k, v, mask, position_ids, hq, hkv, seq_lens, self.layout, self.causal,
                              self._scale(), self.local, self.group_name, [self.timeout_ms], self.ring_name,

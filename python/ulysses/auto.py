@@ -39,6 +39,7 @@ import inspect
 import logging
 import math
 import operator
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -144,10 +145,29 @@ class AutoSP:
         def run(*args):
             key = tuple(_signature(a) for a in args)
             if key not in compiled:
+                self._agree_inputs(key)
                 compiled[key] = self._compile(self.rewrite(gm, args), args)
             return compiled[key](*args)
 
         return run
+
+    def _agree_inputs(self, key: tuple) -> None:
+        """Every rank passes the same full batch: one agreement round on the marked inputs'
+        shapes (named in the error) and a digest of every input's signature, before any rank
+        rewrites the graph, so inputs that differ on one rank fail every rank with one message."""
+        values, names = [zlib.crc32(repr(key).encode())], ["the graph inputs' shapes, dtypes and marks"]
+        marked = [a for a in key if isinstance(a, tuple) and len(a) == 5 and a[3] is not None]
+        for k, (shape, _dtype, _grad, mark, _value) in enumerate(marked[:8]):
+            values.append(len(shape))
+            names.append(f"the dims of marked input {k}")
+            for d, n in enumerate(shape[:8]):
+                values.append(int(n))
+                sequence = d == mark % len(shape)
+                names.append(f"the given sequence split (marked input {k}'s sequence dim {d})" if sequence
+                             else f"dim {d} of marked input {k}")
+        # The digest goes last: a marked input's shape, when that is what differs, is named first.
+        _C.agree_values(values[1:] + values[:1], names[1:] + names[:1], self.group, self.timeout_ms,
+                        "ulysses.autosp")
 
     def _compile(self, gm, args):
         if self.inner is None:

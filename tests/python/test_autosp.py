@@ -224,6 +224,11 @@ def errors_alike(group, rank):
         sp_step(model, ulysses.autosp(group, timeout=20), ulysses.mark_sequence(ids2), labels2)
     except ValueError as e:
         out["one rank's sequence shorter"] = str(e)
+    try:  # The same with a padding mask: the mask's rebuild must not fail first, differently.
+        ids2, labels2, mask2 = batch(length=S - (rank == 1))
+        sp_step(model, ulysses.autosp(group, timeout=20), ulysses.mark_sequence(ids2), labels2, mask2)
+    except ValueError as e:
+        out["one rank's masked sequence shorter"] = str(e)
     for case, fn in (("shift along the sharded dim", lambda x: x.roll(1, 1).float().mean()),
                      ("pad along the sharded dim", lambda x: F.pad(x, (0, 1)).float().mean()),
                      ("one token picked", lambda x: x[:, -1].float().mean())):
@@ -349,6 +354,7 @@ def test_refusals_raise_the_same_error_on_every_rank(world):
     P, results = world
     expected = {"key-sharded mask": "sharded along its key dim",
                 "one rank's sequence shorter": "ranks disagree on the given sequence split",
+                "one rank's masked sequence shorter": "ranks disagree on the given sequence split",
                 "shift along the sharded dim": "mixes tokens along the sharded sequence dim 1",
                 "pad along the sharded dim": "changes the length of the sharded sequence dim 1",
                 "one token picked": "reduces over or indexes into the sharded sequence dim",

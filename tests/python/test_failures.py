@@ -163,3 +163,37 @@ if __name__ == "__main__":  # Prints the catalogue as a table: case, error (ever
         errors = run_case(case)
         alike = "" if errors[0] == errors[1] else " (RANKS DIFFER)"
         print(f"| {case} | {errors[0].splitlines()[0]}{alike} | {time.perf_counter() - t0:.2f} |")
+
+
+@pytest.mark.parametrize("which", ["qkv", "q", "k", "v"])
+def test_a_tensor_on_another_device_type_on_one_rank_fails_alike(which):
+    """One rank's q, k and/or v on the meta device (the other rank's on CPU): the autocast cast
+    that runs before the agreement must not raise there alone; the agreement names the device."""
+
+    def body(rank, group):
+        attn = ulysses.DistributedAttention(group, q_heads=H, kv_heads=H, timeout=5)
+        tensors = dict(zip("qkv", qkv()))
+        if rank == 0:
+            for name in which:
+                tensors[name] = torch.empty_like(tensors[name], device="meta")
+        attn(tensors["q"], tensors["k"], tensors["v"])
+
+    errors = run_ranks_errors(2, body)
+    assert errors[0] == errors[1], errors
+    if which == "qkv":  # Every rank's tensors on one device: the ranks' devices differ.
+        assert "ranks disagree on q's device type: rank 0 has meta, rank 1 has cpu" in errors[0], errors
+    else:  # Rank 0's own tensors differ: its local check's error, raised on every rank.
+        other = "q" if which != "q" else "k"
+        assert "meta" in errors[0] and f"{other} is on" in errors[0] and "[raised on rank 0 of 2]" in errors[0], errors
+
+
+def test_sinks_given_to_a_callable_on_one_rank_fail_alike():
+    def local(q, k, v, kv_map, mask, positions, causal, scale):
+        return torch.ops.ulysses.local_attention(q, k, v, kv_map, mask, positions, causal, scale)
+
+    def body(rank, group):
+        attn = ulysses.DistributedAttention(group, q_heads=H, kv_heads=H, local=local, timeout=5)
+        attn(*qkv(), sinks=torch.zeros(H) if rank == 0 else None)
+
+    errors = run_ranks_errors(2, body)
+    assert errors[0] == errors[1] and "a callable local attention takes no sinks" in errors[0], errors
