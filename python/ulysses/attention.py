@@ -86,8 +86,10 @@ class DistributedAttention(nn.Module):
             ranks. Inputs follow the zigzag layout (``ulysses.shard_sequence`` with
             ``ring=R``); a mask's rows are this shard's (or all S, or 1), its keys all S in
             global order (or 1). Eager mode, CPU tensors.
-        local: the local attention: ``"auto"`` (the library's rule: the fused CPU kernel, math
-            for fp64, SDPA on other devices), ``"fused"``, ``"sdpa"``, ``"math"``, or a callable
+        local: the local attention: ``"auto"`` (the library's rule, Note [Local attention by
+            case] in attention.h: on CPU the fused kernel, math for fp64, SDPA for plain bf16
+            where the CPU has no AVX512-BF16; SDPA on other devices, math there for a softcap or
+            sinks), ``"fused"``, ``"sdpa"``, ``"math"``, or a callable
             ``local(q, k, v, kv_map, mask, positions, causal, scale) -> o`` taking this rank's
             heads over the whole sequence in BHSD (q ``[B, Hq_r, S, D]``, k/v ``[B, Hkv_r, S,
             D]``; query head h uses kv head ``kv_map[h]``; ``mask`` rebuilt, broadcastable to

@@ -403,8 +403,9 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: S
     """Local attention (BHSD, as ``flash_attention``) on the exact kernel ``kernel`` names:
     ``"fused"`` (the CPU kernel), ``"sdpa"`` (torch's SDPA, any device), ``"math"`` (any dtype,
     fp64 exact) or ``"auto"``, the library's rule (Note [Local attention by case] in
-    include/ulysses/attention.h): on CPU the fused kernel, but SDPA for bf16 with no mask or rule
-    other than causal, and math for fp64; SDPA elsewhere."""
+    include/ulysses/attention.h): on CPU the fused kernel, but math for fp64 and SDPA for bf16
+    with no rule but causal where the CPU has no AVX512-BF16; elsewhere SDPA, or math for a
+    softcap or sinks."""
     return _ops.local_attention(q, k, v, list(kv_map), mask, positions, causal,
                                 0.0 if scale is None else float(scale), kernel, window,
                                 float(softcap or 0.0), sinks)
