@@ -142,7 +142,8 @@ def main() -> None:
               f"step {first} loss {losses[first]:.4f}, step {last} loss {losses[last]:.4f}{evaluated}", flush=True)
         if a.report:
             with open(a.report + ".json", "w") as f:
-                json.dump({"losses": losses, "eval_loss": metrics.get("eval_loss")}, f)
+                json.dump({"losses": losses, "eval_loss": metrics.get("eval_loss"),
+                           "total_train_batch_size": trainer.get_total_train_batch_size(trainer.args)}, f)
             torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, a.report + ".pt")
 
 

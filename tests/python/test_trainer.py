@@ -77,13 +77,17 @@ def test_sp2_matches_one_process_and_evaluates(runs):
     want = runs("plain", 1, "--sp", "1", "--eval")
     got = runs("sp2", 2, "--sp", "2", "--eval", "--save-steps", "4")
     _assert_same_run(got, want)
+    # The Trainer counts sequences per step over data-parallel groups, not SP ranks.
+    assert got["total_train_batch_size"] == want["total_train_batch_size"] == 8
     # A guard: the test can fail (a run with another learning rate does not pass it).
     with pytest.raises(AssertionError):
         _assert_same_run(runs("plain_other_lr", 1, "--sp", "1", "--lr", "2e-3"), want)
 
 
 def test_dp2_sp2_matches_one_process(runs):
-    _assert_same_run(runs("dp2sp2", 4, "--sp", "2"), runs("plain", 1, "--sp", "1", "--eval") | {"eval_loss": None})
+    got = runs("dp2sp2", 4, "--sp", "2")
+    _assert_same_run(got, runs("plain", 1, "--sp", "1", "--eval") | {"eval_loss": None})
+    assert got["total_train_batch_size"] == 8  # two DP groups of 4 sequences, not four ranks'
 
 
 def test_dp2_sp2_packed_with_gradient_accumulation(runs):
