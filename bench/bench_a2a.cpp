@@ -200,19 +200,19 @@ const std::vector<std::string> kColumns{"seq_len",
 
 const Options& bench_a2a_options() {
   static const Options options =
-      with({value("--nproc", "2"), value("--seq-lens", "2048,16384"), value("--head-dim", "64"),
-            choice("--layout", "BSHD|SBHD|BHSD", "BSHD"), value("--repeats", "5"),
-            placeholder("--json", "FILE")},
+      with({value("--nproc", "2").in(1, kMaxRanks), value("--seq-lens", "2048,16384").each_in(1),
+            value("--head-dim", "64").in(1), choice("--layout", "BSHD|SBHD|BHSD", "BSHD"),
+            value("--repeats", "5").in(1, 100000), placeholder("--json", "FILE")},
            group_option_table());
   return options;
 }
 
 int bench_a2a_main(const Argv& argv, const Runtime& runtime) {
   const Args args(argv, bench_a2a_options());
-  const int nproc = static_cast<int>(args.integer("--nproc", 1, kMaxRanks));
-  const auto seq_lens = args.integers("--seq-lens", 1);
-  const int64_t D = args.integer("--head-dim", 1);
-  const int repeats = static_cast<int>(args.integer("--repeats", 1, 100000));
+  const int nproc = static_cast<int>(args.integer("--nproc"));
+  const auto seq_lens = args.integers("--seq-lens");
+  const int64_t D = args.integer("--head-dim");
+  const int repeats = static_cast<int>(args.integer("--repeats"));
   const std::string layout_name = args.str("--layout");
   const std::string json = args.str("--json");
   const GroupOptions options = group_options(args);

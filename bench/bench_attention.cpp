@@ -122,24 +122,25 @@ struct AttentionBench {
 const Options& bench_attention_options() {
   static const Options options = [] {
     const FlashOptions tiles;
-    return Options{value("--seq-lens", "1024,4096"),
-                   value("--batch", "1"),
-                   value("--q-heads", "8"),
-                   value("--kv-heads", "2"),
-                   value("--head-dim", "64"),
+    return Options{value("--seq-lens", "1024,4096").each_in(1),
+                   value("--batch", "1").in(1),
+                   value("--q-heads", "8").in(1, kMaxHeads),
+                   value("--kv-heads", "2").in(1, kMaxHeads),
+                   value("--head-dim", "64").in(1),
                    choice("--dtype", "float32|bfloat16", "float32"),
                    placeholder("--causal", "0|1|both"),  // Default: both (1 with a window).
-                   value("--threads", "2"),
-                   value("--repeats", "3"),
-                   value("--documents", "1"),
-                   value("--window", "0"),
-                   value("--softcap", "0"),
+                   value("--threads", "2").in(1, 1024),
+                   value("--repeats", "3").in(1, 100000),
+                   value("--documents", "1").in(1),
+                   value("--window", "0").in(0),
+                   value("--softcap", "0").real_in(0.0),
                    flag("--sinks"),
                    flag("--memory"),
                    flag("--no-math"),
-                   placeholder("--math-limit-gb", "G"),  // Default: 60 % of this machine's memory.
-                   value("--block-q", std::to_string(tiles.block_q)),
-                   value("--block-k", std::to_string(tiles.block_k)),
+                   placeholder("--math-limit-gb", "G")
+                       .real_in(0.0),  // Default: 60 % of this machine's memory.
+                   value("--block-q", std::to_string(tiles.block_q)).in(0),
+                   value("--block-k", std::to_string(tiles.block_k)).in(0),
                    placeholder("--json", "FILE"),
                    hidden("--measure-peak")};
   }();
@@ -151,29 +152,29 @@ namespace {
 AttentionBench parse(const Argv& argv) {
   const Args args(argv, bench_attention_options());
   AttentionBench o;
-  o.seq_lens = args.integers("--seq-lens", 1);
-  o.B = args.integer("--batch", 1);
-  o.Hq = args.integer("--q-heads", 1, kMaxHeads);
-  o.Hkv = args.integer("--kv-heads", 1, kMaxHeads);
-  o.D = args.integer("--head-dim", 1);
+  o.seq_lens = args.integers("--seq-lens");
+  o.B = args.integer("--batch");
+  o.Hq = args.integer("--q-heads");
+  o.Hkv = args.integer("--kv-heads");
+  o.D = args.integer("--head-dim");
   o.dtype_name = args.str("--dtype");
-  o.window = args.integer("--window", 0);
-  o.softcap = args.real("--softcap", 0.0);
+  o.window = args.integer("--window");
+  o.softcap = args.real("--softcap");
   o.sinks = args.has("--sinks");
   const std::string causal = args.has("--causal") ? args.str("--causal")
                              : o.window > 0       ? "1"
                                                   : "both";
-  o.threads = static_cast<int>(args.integer("--threads", 1, 1024));
-  o.documents = args.integer("--documents", 1);
-  o.repeats = static_cast<int>(args.integer("--repeats", 1, 100000));
+  o.threads = static_cast<int>(args.integer("--threads"));
+  o.documents = args.integer("--documents");
+  o.repeats = static_cast<int>(args.integer("--repeats"));
   o.memory = args.has("--memory");
   o.no_math = args.has("--no-math");
   o.math_limit_gb = args.has("--math-limit-gb")
-                        ? args.real("--math-limit-gb", 0.0)
+                        ? args.real("--math-limit-gb")
                         : 0.6 * sysconf(_SC_PHYS_PAGES) * sysconf(_SC_PAGE_SIZE) / 1e9;
   o.json = args.str("--json");
-  o.blocks.block_q = args.integer("--block-q", 0);
-  o.blocks.block_k = args.integer("--block-k", 0);
+  o.blocks.block_q = args.integer("--block-q");
+  o.blocks.block_k = args.integer("--block-k");
   o.measure_peak = args.str("--measure-peak");
   if (o.dtype_name != "float32" && o.dtype_name != "bfloat16")
     throw UsageError("--dtype must be float32 or bfloat16");

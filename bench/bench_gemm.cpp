@@ -19,16 +19,16 @@ const Options& bench_gemm_options() {
   // M x N x K triples: the kernel's tiles (s = q k^T: 64 x 128 x 64; o += p v: 64 x 64 x 128)
   // and a large square product.
   static const Options options{
-      choice("--shapes", "M,N,K,...", "64,128,64,64,64,128,1024,1024,1024"),
-      value("--threads", "1"), value("--repeats", "20")};
+      choice("--shapes", "M,N,K,...", "64,128,64,64,64,128,1024,1024,1024").each_in(1, 1 << 20),
+      value("--threads", "1").in(1, 1024), value("--repeats", "20").in(1, 100000)};
   return options;
 }
 
 int bench_gemm_main(const Argv& argv) {
   const Args args(argv, bench_gemm_options());
-  const auto dims = args.integers("--shapes", 1, 1 << 20);
-  const int threads = static_cast<int>(args.integer("--threads", 1, 1024));
-  const int repeats = static_cast<int>(args.integer("--repeats", 1, 100000));
+  const auto dims = args.integers("--shapes");
+  const int threads = static_cast<int>(args.integer("--threads"));
+  const int repeats = static_cast<int>(args.integer("--repeats"));
   if (dims.size() % 3 != 0) throw UsageError("option --shapes takes M,N,K triples");
   at::set_num_threads(threads);
   std::cout << "kernel GEMM: sgemm_ from " << bench::gemm_library() << "; " << threads

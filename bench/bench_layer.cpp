@@ -18,11 +18,12 @@ namespace ulysses::cli {
 
 const Options& bench_layer_options() {
   // --ring: ring sizes R to compare side by side (SP = U x R with U = P / R).
-  static const Options options =
-      with({value("--nproc", "2"), value("--seq-lens", "2048,4096,8192"), value("--q-heads", "8"),
-            value("--kv-heads", "2"), value("--head-dim", "64"), value("--ring", "1"),
-            value("--repeats", "3"), flag("--projections"), placeholder("--json", "FILE")},
-           group_option_table());
+  static const Options options = with(
+      {value("--nproc", "2").in(1, kMaxRanks), value("--seq-lens", "2048,4096,8192").each_in(1),
+       value("--q-heads", "8").in(1, kMaxHeads), value("--kv-heads", "2").in(1, kMaxHeads),
+       value("--head-dim", "64").in(1), value("--ring", "1").each_in(1, kMaxRanks),
+       value("--repeats", "3").in(1, 100000), flag("--projections"), placeholder("--json", "FILE")},
+      group_option_table());
   return options;
 }
 
@@ -139,12 +140,12 @@ bench::Record projected_layer(const Group& g, int64_t S, int64_t Hq, int64_t Hkv
 
 int bench_layer_main(const Argv& argv, const Runtime& runtime) {
   const Args args(argv, bench_layer_options());
-  const int nproc = static_cast<int>(args.integer("--nproc", 1, kMaxRanks));
-  const auto seq_lens = args.integers("--seq-lens", 1);
-  const int64_t Hq = args.integer("--q-heads", 1, kMaxHeads),
-                Hkv = args.integer("--kv-heads", 1, kMaxHeads), D = args.integer("--head-dim", 1);
-  const int repeats = static_cast<int>(args.integer("--repeats", 1, 100000));
-  const auto rings = args.integers("--ring", 1, kMaxRanks);
+  const int nproc = static_cast<int>(args.integer("--nproc"));
+  const auto seq_lens = args.integers("--seq-lens");
+  const int64_t Hq = args.integer("--q-heads"), Hkv = args.integer("--kv-heads"),
+                D = args.integer("--head-dim");
+  const int repeats = static_cast<int>(args.integer("--repeats"));
+  const auto rings = args.integers("--ring");
   const std::string json = args.str("--json");
   const bool projections = args.has("--projections");
   const GroupOptions group_opts = group_options(args);

@@ -46,6 +46,26 @@ int run_cli(const std::vector<std::string>& argv, const std::vector<std::string>
   return cli::run_program(argv, commands, runtime, ULYSSES_VERSION);
 }
 
+// Every command's options with their ranges: {command: [(option, kind, lo, hi, default)]}, kind
+// "integer", "integers", "real", or "" for a flag or text (the tests walk them).
+py::dict option_ranges() {
+  std::vector<cli::Command> commands = cli::cli_commands();
+  for (cli::Command& c : cli::bench_commands()) commands.push_back(std::move(c));
+  py::dict out;
+  for (const cli::Command& c : commands) {
+    py::list options;
+    for (const cli::Option& o : c.options) {
+      const char* kind = o.number == cli::Option::Number::kInteger    ? "integer"
+                         : o.number == cli::Option::Number::kIntegers ? "integers"
+                         : o.number == cli::Option::Number::kReal     ? "real"
+                                                                      : "";
+      options.append(py::make_tuple(o.name, kind, o.lo, o.hi, o.fallback.value_or("")));
+    }
+    out[py::str(c.name)] = options;
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace ulysses
 
@@ -53,4 +73,5 @@ PYBIND11_MODULE(_cli, m) {
   m.doc() = "the ulysses command-line tool (train, plan, demo, bench, launch)";
   m.def("run_cli", &ulysses::run_cli, py::arg("argv"), py::arg("self"), py::arg("join_world"),
         py::arg("split"));
+  m.def("option_ranges", &ulysses::option_ranges);
 }

@@ -38,12 +38,39 @@ inline std::string shown(const std::string& text) {
 // One option of a command. A command's table of them makes both its help's synopsis and its
 // parser, so the two cannot drift: what the help shows is what the parser takes, with the same
 // default.
+//
+// A numeric option carries its range in the table (in(), each_in(), real_in()): the parser
+// checks every given value against it before the command runs, and the help's tests walk the
+// tables, so no command reads a number nobody bounded.
 struct Option {
+  // What a numeric option's value is.
+  enum class Number { kNone, kInteger, kIntegers, kReal };
+
   std::string name;                     // "--seq-len" (or "-n").
   std::string shown;                    // Its value in the help: "256", "FILE"; "" for a flag.
   std::optional<std::string> fallback;  // The value when not given; none: simply absent.
   bool required = false;                // Shown without brackets; absent is a usage error.
   bool hidden = false;                  // Accepted, not shown (internal plumbing).
+  Number number = Number::kNone;        // kNone: not a number (a flag, a path, a choice).
+  double lo = 0, hi = 0;                // The number's range, both ends included.
+
+  // This option as an integer in [lo, hi].
+  Option in(int64_t low, int64_t high = INT64_MAX) const {
+    return ranged(Number::kInteger, static_cast<double>(low), static_cast<double>(high));
+  }
+  // This option as a comma-separated list of integers, each in [lo, hi].
+  Option each_in(int64_t low, int64_t high = INT64_MAX) const {
+    return ranged(Number::kIntegers, static_cast<double>(low), static_cast<double>(high));
+  }
+  // This option as a real number in [lo, hi].
+  Option real_in(double low, double high = 1e300) const { return ranged(Number::kReal, low, high); }
+
+ private:
+  Option ranged(Number kind, double low, double high) const {
+    Option o = *this;
+    o.number = kind, o.lo = low, o.hi = high;
+    return o;
+  }
 };
 using Options = std::vector<Option>;
 
@@ -113,6 +140,8 @@ class Args {
         throw UsageError("option " + shown(name) + " needs a value");
       }
     }
+    // Every given number within its range, before the command runs.
+    for (const auto& [name, text] : values_) check_number(*find(name));
   }
   // Whether `name` was given.
   bool has(const std::string& name) const {
@@ -126,9 +155,47 @@ class Args {
     if (o.required) throw UsageError("option " + name + " is required");
     return o.fallback.value_or("");
   }
-  // The integer value (given, else the default), which must lie in [lo, hi].
-  int64_t integer(const std::string& name, int64_t lo = kMin, int64_t hi = kMax) const {
-    const std::string text = value_of(name);
+  // The integer value (given, else the default), within the table's range.
+  int64_t integer(const std::string& name) const {
+    const Option& o = numeric(name, Option::Number::kInteger);
+    return parse_integer(name, value_of(name), bound(o.lo), bound(o.hi));
+  }
+  // The number value (given, else the default), within the table's range.
+  double real(const std::string& name) const {
+    const Option& o = numeric(name, Option::Number::kReal);
+    return parse_real(name, value_of(name), o.lo, o.hi);
+  }
+  // A comma-separated list of integers (given, else the default), each within the table's range.
+  std::vector<int64_t> integers(const std::string& name) const {
+    const Option& o = numeric(name, Option::Number::kIntegers);
+    return parse_integers(name, value_of(name), bound(o.lo), bound(o.hi));
+  }
+
+ private:
+  static constexpr int64_t kMin = INT64_MIN, kMax = INT64_MAX;
+  static constexpr double kMaxReal = 1e300;
+  // A range end as an integer (INT64_MAX's double rounds up past it).
+  static int64_t bound(double v) {
+    return v >= 9.2e18 ? kMax : v <= -9.2e18 ? kMin : static_cast<int64_t>(v);
+  }
+  // The option `name` as the command reads it: a number of this kind with a range.
+  const Option& numeric(const std::string& name, Option::Number kind) const {
+    const Option& o = known(name);
+    if (o.number != kind) {
+      throw std::logic_error("option " + name +
+                             " is read as a number of another kind than its table's");
+    }
+    return o;
+  }
+  void check_number(const Option& o) const {
+    const std::string& text = values_.at(o.name);
+    if (o.number == Option::Number::kInteger) parse_integer(o.name, text, bound(o.lo), bound(o.hi));
+    if (o.number == Option::Number::kIntegers)
+      parse_integers(o.name, text, bound(o.lo), bound(o.hi));
+    if (o.number == Option::Number::kReal) parse_real(o.name, text, o.lo, o.hi);
+  }
+  static int64_t parse_integer(const std::string& name, const std::string& text, int64_t lo,
+                               int64_t hi) {
     int64_t v = 0;
     try {
       size_t end = 0;
@@ -140,9 +207,7 @@ class Args {
     check_range(name, v, lo, hi);
     return v;
   }
-  // The number value (given, else the default), which must lie in [lo, hi].
-  double real(const std::string& name, double lo = -kMaxReal, double hi = kMaxReal) const {
-    const std::string text = value_of(name);
+  static double parse_real(const std::string& name, const std::string& text, double lo, double hi) {
     double v = 0;
     try {
       size_t end = 0;
@@ -162,10 +227,8 @@ class Args {
     }
     return v;
   }
-  // A comma-separated list of integers (given, else the default), each in [lo, hi].
-  std::vector<int64_t> integers(const std::string& name, int64_t lo = kMin,
-                                int64_t hi = kMax) const {
-    const std::string text = value_of(name);
+  static std::vector<int64_t> parse_integers(const std::string& name, const std::string& text,
+                                             int64_t lo, int64_t hi) {
     std::vector<int64_t> out;
     size_t start = 0;
     while (start <= text.size()) {
@@ -184,10 +247,6 @@ class Args {
     }
     return out;
   }
-
- private:
-  static constexpr int64_t kMin = INT64_MIN, kMax = INT64_MAX;
-  static constexpr double kMaxReal = 1e300;
   const Option* find(const std::string& name) const {
     for (const Option& o : options_)
       if (o.name == name) return &o;

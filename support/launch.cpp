@@ -297,8 +297,8 @@ int relaunch_as_ranks(int nproc, const Argv& self, const Argv& subcommand, const
 }
 
 const Options& launch_options() {
-  static const Options options{required("-n", "N"), value("--port", "0"),
-                               value("--addr", "127.0.0.1")};
+  static const Options options{required("-n", "N").in(1, kMaxRanks),
+                               value("--port", "0").in(0, 65535), value("--addr", "127.0.0.1")};
   return options;
 }
 
@@ -310,8 +310,8 @@ int launch_main(const Argv& args) {
   const Args parsed(before, launch_options());
   LaunchOptions options;
   if (!parsed.has("-n")) throw UsageError("-n N (the number of ranks) is required");
-  options.nproc = static_cast<int>(parsed.integer("-n", 1, kMaxRanks));
-  options.master_port = static_cast<int>(parsed.integer("--port", 0, 65535));
+  options.nproc = static_cast<int>(parsed.integer("-n"));
+  options.master_port = static_cast<int>(parsed.integer("--port"));
   options.master_addr = parsed.str("--addr");
   check_address(options.master_addr);
   if (sep == args.end()) throw UsageError("expected -- <command> after the options");

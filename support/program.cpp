@@ -68,21 +68,22 @@ std::string members_of(const std::vector<Command>& commands, const std::string& 
 }  // namespace
 
 constexpr int64_t kKiB = 1024;
+constexpr int64_t kMostKiB = int64_t{1} << 40;
 
 Options group_option_table() {
   const GroupOptions defaults;
-  return {value("--timeout", "120"),
-          value("--pipeline-min-kib", std::to_string(defaults.pipeline_min_bytes / kKiB)),
-          value("--message-kib", std::to_string(defaults.message_bytes / kKiB)),
+  return {value("--timeout", "120").in(1, 86400),
+          value("--pipeline-min-kib", std::to_string(defaults.pipeline_min_bytes / kKiB))
+              .in(0, kMostKiB),
+          value("--message-kib", std::to_string(defaults.message_bytes / kKiB)).in(1, kMostKiB),
           flag("--shared-memory")};
 }
 
 GroupOptions group_options(const Args& args) {
   GroupOptions options;
-  options.timeout = std::chrono::seconds(args.integer("--timeout", 1, 86400));
-  constexpr int64_t kMostKiB = int64_t{1} << 40;
-  options.pipeline_min_bytes = kKiB * args.integer("--pipeline-min-kib", 0, kMostKiB);
-  options.message_bytes = kKiB * args.integer("--message-kib", 1, kMostKiB);
+  options.timeout = std::chrono::seconds(args.integer("--timeout"));
+  options.pipeline_min_bytes = kKiB * args.integer("--pipeline-min-kib");
+  options.message_bytes = kKiB * args.integer("--message-kib");
   if (args.has("--shared-memory")) options.shared_memory = true;  // Else the environment's.
   return options;
 }

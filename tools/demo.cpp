@@ -12,19 +12,20 @@ namespace ulysses::cli {
 
 const Options& demo_options() {
   static const Options options =
-      with({value("--nproc", "4"), value("--q-heads", "8"), value("--kv-heads", "2"),
-            value("--seq-len", "1024"), value("--head-dim", "64")},
+      with({value("--nproc", "4").in(1, kMaxRanks), value("--q-heads", "8").in(1, kMaxHeads),
+            value("--kv-heads", "2").in(1, kMaxHeads), value("--seq-len", "1024").in(1),
+            value("--head-dim", "64").in(1)},
            group_option_table());
   return options;
 }
 
 int demo_main(const Argv& argv, const Runtime& runtime) {
   const Args args(argv, demo_options());
-  const int nproc = static_cast<int>(args.integer("--nproc", 1, kMaxRanks));
-  const int64_t hq = args.integer("--q-heads", 1, kMaxHeads);
-  const int64_t hkv = args.integer("--kv-heads", 1, kMaxHeads);
-  const int64_t S = args.integer("--seq-len", 1);
-  const int64_t D = args.integer("--head-dim", 1);
+  const int nproc = static_cast<int>(args.integer("--nproc"));
+  const int64_t hq = args.integer("--q-heads");
+  const int64_t hkv = args.integer("--kv-heads");
+  const int64_t S = args.integer("--seq-len");
+  const int64_t D = args.integer("--head-dim");
   const GroupOptions options = group_options(args);
   const int code = relaunch_as_ranks(nproc, runtime.self, {"demo"}, argv);
   if (code >= 0) return code;

@@ -84,25 +84,29 @@ void print_meshes(const std::vector<MeshCost>& meshes, const LayerShape& s, int6
 }  // namespace
 
 const Options& plan_options() {
-  static const Options options{required("--q-heads", "N"), placeholder("--kv-heads", "N"),
-                               required("--sp", "P"),      placeholder("--seq-len", "S"),
-                               value("--head-dim", "128"), value("--batch", "1"),
-                               value("--elem-bytes", "2"), flag("--json")};
+  static const Options options{required("--q-heads", "N").in(1, kMaxHeads),
+                               placeholder("--kv-heads", "N").in(1, kMaxHeads),
+                               required("--sp", "P").in(1, kMaxRanks),
+                               placeholder("--seq-len", "S").in(1),
+                               value("--head-dim", "128").in(1, int64_t{1} << 16),
+                               value("--batch", "1").in(1, int64_t{1} << 20),
+                               value("--elem-bytes", "2").in(1, 8),
+                               flag("--json")};
   return options;
 }
 
 int plan_main(const Argv& argv) {
   const Args args(argv, plan_options());
-  const int64_t hq = args.integer("--q-heads", 1, kMaxHeads);
-  const int64_t hkv = args.has("--kv-heads") ? args.integer("--kv-heads", 1, kMaxHeads) : hq;
-  const int64_t sp = args.integer("--sp", 1, kMaxRanks);
-  const int64_t seq_len = args.has("--seq-len") ? args.integer("--seq-len", 1) : -1;
+  const int64_t hq = args.integer("--q-heads");
+  const int64_t hkv = args.has("--kv-heads") ? args.integer("--kv-heads") : hq;
+  const int64_t sp = args.integer("--sp");
+  const int64_t seq_len = args.has("--seq-len") ? args.integer("--seq-len") : -1;
   LayerShape shape;
   shape.q_heads = hq, shape.kv_heads = hkv;
   shape.seq_len = seq_len >= 0 ? seq_len : 32768;
-  shape.head_dim = args.integer("--head-dim", 1, int64_t{1} << 16);
-  shape.batch = args.integer("--batch", 1, int64_t{1} << 20);
-  shape.elem_bytes = args.integer("--elem-bytes", 1, 8);
+  shape.head_dim = args.integer("--head-dim");
+  shape.batch = args.integer("--batch");
+  shape.elem_bytes = args.integer("--elem-bytes");
   const bool json = args.has("--json");
 
   const std::vector<MeshCost> meshes = plan_sp_mesh(sp, shape);

@@ -322,33 +322,33 @@ const Options& train_options() {
   static const Options options = [] {
     const TrainOptions d;
     using std::to_string;
-    return with({value("--nproc", to_string(d.nproc)),
-                 placeholder("--sp", "P"),
-                 placeholder("--dp", "D"),
-                 value("--ring", to_string(d.ring)),
-                 value("--seq-len", to_string(d.seq_len)),
-                 value("--batch", to_string(d.batch)),
-                 value("--steps", to_string(d.steps)),
-                 value("--dim", "128"),
-                 value("--layers", to_string(d.model.layers)),
-                 value("--q-heads", "8"),
-                 value("--kv-heads", "2"),
-                 value("--ffn-dim", "0"),
+    return with({value("--nproc", to_string(d.nproc)).in(1, kMaxRanks),
+                 placeholder("--sp", "P").in(1, kMaxRanks),
+                 placeholder("--dp", "D").in(1, kMaxRanks),
+                 value("--ring", to_string(d.ring)).in(1, kMaxRanks),
+                 value("--seq-len", to_string(d.seq_len)).in(1),
+                 value("--batch", to_string(d.batch)).in(1),
+                 value("--steps", to_string(d.steps)).in(1),
+                 value("--dim", "128").in(2),
+                 value("--layers", to_string(d.model.layers)).in(1),
+                 value("--q-heads", "8").in(1, kMaxHeads),
+                 value("--kv-heads", "2").in(1, kMaxHeads),
+                 value("--ffn-dim", "0").in(0),
                  flag("--tiled"),
                  choice("--checkpoint", "none|recompute|offload", "none"),
                  choice("--local", "auto|fused|sdpa|math", "auto"),
-                 value("--lr", number(d.lr)),
-                 value("--warmup", to_string(d.warmup)),
-                 placeholder("--lr-decay-steps", "STEPS"),
-                 value("--weight-decay", number(d.weight_decay)),
-                 value("--clip", number(d.clip)),
-                 value("--pairs", to_string(d.pairs)),
+                 value("--lr", number(d.lr)).real_in(0.0, 10.0),
+                 value("--warmup", to_string(d.warmup)).in(0),
+                 placeholder("--lr-decay-steps", "STEPS").in(1),
+                 value("--weight-decay", number(d.weight_decay)).real_in(0.0),
+                 value("--clip", number(d.clip)).real_in(0.0),
+                 value("--pairs", to_string(d.pairs)).in(1),
                  flag("--shuffle"),
                  placeholder("--data", "FILE"),
-                 value("--eval-every", to_string(d.eval_every)),
-                 value("--eval-sequences", to_string(d.eval_sequences)),
-                 value("--log-every", to_string(d.log_every)),
-                 value("--seed", to_string(d.seed)),
+                 value("--eval-every", to_string(d.eval_every)).in(0),
+                 value("--eval-sequences", to_string(d.eval_sequences)).in(1),
+                 value("--log-every", to_string(d.log_every)).in(1),
+                 value("--seed", to_string(d.seed)).in(0),
                  flag("--check"),
                  placeholder("--save", "DIR"),
                  placeholder("--resume", "DIR")},
@@ -362,33 +362,33 @@ namespace {
 TrainOptions parse(const Argv& argv) {
   const Args args(argv, train_options());
   TrainOptions o;
-  o.nproc = static_cast<int>(args.integer("--nproc", 1, kMaxRanks));
-  o.sp = args.has("--sp") ? static_cast<int>(args.integer("--sp", 1, kMaxRanks)) : 0;
-  o.dp = args.has("--dp") ? static_cast<int>(args.integer("--dp", 1, kMaxRanks)) : 0;
-  o.ring = static_cast<int>(args.integer("--ring", 1, kMaxRanks));
-  o.seq_len = args.integer("--seq-len", 1);
-  o.batch = args.integer("--batch", 1);
-  o.steps = args.integer("--steps", 1);
-  o.pairs = args.integer("--pairs", 1);
-  o.lr = args.real("--lr", 0.0, 10.0);
-  o.clip = args.real("--clip", 0.0);
-  o.weight_decay = args.real("--weight-decay", 0.0);
-  o.warmup = args.integer("--warmup", 0);
-  o.eval_every = args.integer("--eval-every", 0);
-  o.log_every = args.integer("--log-every", 1);
-  o.decay_steps = args.has("--lr-decay-steps") ? args.integer("--lr-decay-steps", 1) : 0;
-  o.eval_sequences = args.integer("--eval-sequences", 1);
-  o.seed = static_cast<uint64_t>(args.integer("--seed", 0));
+  o.nproc = static_cast<int>(args.integer("--nproc"));
+  o.sp = args.has("--sp") ? static_cast<int>(args.integer("--sp")) : 0;
+  o.dp = args.has("--dp") ? static_cast<int>(args.integer("--dp")) : 0;
+  o.ring = static_cast<int>(args.integer("--ring"));
+  o.seq_len = args.integer("--seq-len");
+  o.batch = args.integer("--batch");
+  o.steps = args.integer("--steps");
+  o.pairs = args.integer("--pairs");
+  o.lr = args.real("--lr");
+  o.clip = args.real("--clip");
+  o.weight_decay = args.real("--weight-decay");
+  o.warmup = args.integer("--warmup");
+  o.eval_every = args.integer("--eval-every");
+  o.log_every = args.integer("--log-every");
+  o.decay_steps = args.has("--lr-decay-steps") ? args.integer("--lr-decay-steps") : 0;
+  o.eval_sequences = args.integer("--eval-sequences");
+  o.seed = static_cast<uint64_t>(args.integer("--seed"));
   o.data = args.str("--data");
   o.save = args.str("--save");
   o.resume = args.str("--resume");
   o.check = args.has("--check");
   o.shuffle = args.has("--shuffle");
-  o.model.dim = args.integer("--dim", 2);
-  o.model.layers = args.integer("--layers", 1);
-  o.model.q_heads = args.integer("--q-heads", 1, kMaxHeads);
-  o.model.kv_heads = args.integer("--kv-heads", 1, kMaxHeads);
-  o.model.ffn_dim = args.integer("--ffn-dim", 0);
+  o.model.dim = args.integer("--dim");
+  o.model.layers = args.integer("--layers");
+  o.model.q_heads = args.integer("--q-heads");
+  o.model.kv_heads = args.integer("--kv-heads");
+  o.model.ffn_dim = args.integer("--ffn-dim");
   o.model.tiled = args.has("--tiled");
   try {
     o.model.local = parse_local_kernel(args.str("--local"));

@@ -41,13 +41,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::vector<std::string> argv = words(data, size);
   try {
     using namespace ulysses::cli;
-    const Args args(argv, {flag("--json"), flag("--flag"), value("--n", "3"), value("--x", "0.5"),
-                           value("--list", "1,2"), placeholder("--name", "NAME")});
-    const int64_t n = args.integer("--n", -5, 70);
+    const Args args(argv, {flag("--json"), flag("--flag"), value("--n", "3").in(-5, 70),
+                           value("--x", "0.5").real_in(0.0, 1.0),
+                           value("--list", "1,2").each_in(0, 1000), placeholder("--name", "NAME")});
+    const int64_t n = args.integer("--n");
     FUZZ_CHECK(n >= -5 && n <= 70);
-    const double x = args.real("--x", 0.0, 1.0);
+    const double x = args.real("--x");
     FUZZ_CHECK(x >= 0.0 && x <= 1.0);
-    for (int64_t v : args.integers("--list", 0, 1000)) FUZZ_CHECK(v >= 0 && v <= 1000);
+    for (int64_t v : args.integers("--list")) FUZZ_CHECK(v >= 0 && v <= 1000);
     args.str("--name");
     args.has("--json");
   } catch (const UsageError& e) {

@@ -414,3 +414,34 @@ def test_full_dev_shm_fails_every_rank_alike():
     assert ("rank 0 cannot make a 1572864-byte shared-memory outbox in /dev/shm (No space left on "
             "device): enlarge /dev/shm") in out
     assert "rank 1 printed the same as rank 0" in out
+
+
+def test_every_numeric_option_has_its_range_in_the_table(capfd):
+    """Walks every command's option table: each option whose default is a number is numeric
+    with a range, and a value just below the range (0 or a negative where those mean nothing)
+    exits 2 before any work, naming the option and its range."""
+    from ulysses import _cli
+
+    def no_groups(*_):
+        raise AssertionError("a usage error needs no process group")
+
+    checked = 0
+    for command, options in _cli.option_ranges().items():
+        for name, kind, lo, hi, default in options:
+            try:
+                float(default.split(",")[0])
+                numeric_default = True
+            except ValueError:
+                numeric_default = False
+            assert kind or not numeric_default, f"{command} {name} (default {default}) has no range"
+            if not kind:
+                continue
+            assert lo > -1e18, f"{command} {name}: no lower bound"
+            below = str(int(lo) - 1) if kind != "real" else repr(lo - 1.0)
+            code = _cli.run_cli([*command.split(), name, below], [sys.executable, "-m", "ulysses"], no_groups,
+                                no_groups)
+            _, err = capfd.readouterr()
+            assert code == 2 and f"option {name} must be" in err and ("in [" in err or ">= " in err), (
+                command, name, below, err)
+            checked += 1
+    assert checked >= 50, checked
