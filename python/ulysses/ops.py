@@ -15,7 +15,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import GroupName
 
@@ -266,34 +265,26 @@ def gather_projected(y: torch.Tensor, weight: torch.Tensor, q_heads: int, kv_hea
                                  group_options(timeout))[0]
 
 
+def _flat(ranges: Sequence[tuple[int, int]]) -> list[int]:
+    return [int(v) for r in ranges for v in r]
+
+
 def project_head_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        ranges: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
     """The input projection per rank: part ``j`` is ``F.linear(x, weight[rows of heads
     ranges[j]], bias[same])`` viewed ``[B, S_r, heads, D]``, for ``x [B, S_r, E]`` and
     ``weight [H * D, E]`` with head-major rows (an ``nn.Linear``'s). ``ranges``: the
-    ``(start, end)`` head ranges by rank (``ulysses.plan(...)["q_ranges"]``)."""
-    if not torch.compiler.is_compiling():  # The C++ rule (a compiled graph was checked eagerly or not at all).
-        _C.check_head_projection(list(x.shape), list(weight.shape), None if bias is None else list(bias.shape),
-                                 [tuple(r) for r in ranges])
-    D = weight.shape[0] // ranges[-1][1]
-    return [F.linear(x, weight[a * D:b * D], None if bias is None else bias[a * D:b * D])
-            .unflatten(-1, (b - a, D)) for a, b in ranges]
+    ``(start, end)`` head ranges by rank (``ulysses.plan(...)["q_ranges"]``). The C++ op (a
+    composite of aten ops, so autograd and torch.compile go through it)."""
+    return list(_ops.project_head_parts(x, weight, bias, _flat(ranges)))
 
 
 def project_from_head_parts(parts: Sequence[torch.Tensor], weight: torch.Tensor,
                             ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
     """The output projection of head parts: ``sum_j F.linear(parts[j].flatten(-2),
     weight[:, columns of heads ranges[j]])`` for ``weight [E, H * D]``: an ``nn.Linear`` of the
-    whole gathered tensor without assembling it."""
-    if not torch.compiler.is_compiling():
-        _C.check_projection_from_parts([list(p.shape) for p in parts], list(weight.shape), [tuple(r) for r in ranges])
-    D = parts[0].shape[-1]
-    # Accumulated part by part: one partial output alive at a time, not one per rank.
-    (a, b), *rest = ranges
-    out = F.linear(parts[0].flatten(-2), weight[:, a * D:b * D])
-    for p, (a, b) in zip(parts[1:], rest):
-        out = out + F.linear(p.flatten(-2), weight[:, a * D:b * D])
-    return out
+    whole gathered tensor without assembling it (accumulated part by part). The C++ op."""
+    return _ops.project_from_head_parts(list(parts), weight, _flat(ranges))
 
 
 # ---- all_gather_sequence / reduce_scatter_sequence -------------------------------------------

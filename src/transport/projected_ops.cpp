@@ -162,6 +162,27 @@ std::vector<at::Tensor> gather_projected_autograd(const at::Tensor& y, const at:
   return outs;
 }
 
+// ---- project_head_parts / project_from_head_parts (composite: traced through) ----------------
+
+// Head ranges as the ops carry them: [begin_0, end_0, begin_1, end_1, ...].
+std::vector<Range> ranges_of(c10::IntArrayRef flat) {
+  TORCH_CHECK_VALUE(flat.size() % 2 == 0, "ulysses: head ranges come as [begin, end] pairs; got ",
+                    flat.size(), " values");
+  std::vector<Range> ranges;
+  for (size_t i = 0; i < flat.size(); i += 2) ranges.push_back({flat[i], flat[i + 1]});
+  return ranges;
+}
+
+std::vector<at::Tensor> project_head_parts_op(const at::Tensor& x, const at::Tensor& weight,
+                                              const OptTensor& bias, c10::IntArrayRef ranges) {
+  return project_head_parts(x, weight, bias, ranges_of(ranges));
+}
+
+at::Tensor project_from_head_parts_op(at::TensorList parts, const at::Tensor& weight,
+                                      c10::IntArrayRef ranges) {
+  return project_from_head_parts(parts.vec(), weight, ranges_of(ranges));
+}
+
 }  // namespace
 
 namespace detail {
@@ -222,6 +243,19 @@ TORCH_LIBRARY_IMPL(ulysses, CompositeExplicitAutograd, m) {
   m.impl("scatter_projected_backward", &scatter_projected_backward_op);
   m.impl("gather_projected", &gather_projected_op);
   m.impl("gather_projected_backward", &gather_projected_backward_op);
+}
+
+// The projections that make and take head parts (all_to_all.h): composite, so autograd and
+// torch.compile go through their aten ops. ranges: [begin, end] per rank, flattened.
+TORCH_LIBRARY_FRAGMENT(ulysses, m) {
+  const std::vector<at::Tag> pt2{at::Tag::pt2_compliant_tag};
+  m.def("project_head_parts(Tensor x, Tensor weight, Tensor? bias, int[] ranges) -> Tensor[]", pt2);
+  m.def("project_from_head_parts(Tensor[] parts, Tensor weight, int[] ranges) -> Tensor", pt2);
+}
+
+TORCH_LIBRARY_IMPL(ulysses, CompositeImplicitAutograd, m) {
+  m.impl("project_head_parts", &project_head_parts_op);
+  m.impl("project_from_head_parts", &project_from_head_parts_op);
 }
 
 TORCH_LIBRARY_IMPL(ulysses, Autograd, m) {
