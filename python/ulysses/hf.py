@@ -313,7 +313,7 @@ def _install_long_sequence(model: PreTrainedModel, settings: LongSequence) -> No
     model.forward = types.MethodType(_forward_with_signature(type(model)), model)
 
 
-def _forward_with_signature(model_class: type) -> Callable:
+def _forward_with_signature(model_class: type[PreTrainedModel]) -> Callable:
     """_long_sequence_forward under the signature of ``model_class.forward`` plus its own keyword
     arguments: callers that read the signature (the Trainer keeps the dataset columns it names,
     with remove_unused_columns=True by default) see the model's inputs, not ``*args, **kwargs``."""

@@ -437,11 +437,14 @@ def test_every_numeric_option_has_its_range_in_the_table(capfd):
             if not kind:
                 continue
             assert lo > -1e18, f"{command} {name}: no lower bound"
-            below = str(int(lo) - 1) if kind != "real" else repr(lo - 1.0)
-            code = _cli.run_cli([*command.split(), name, below], [sys.executable, "-m", "ulysses"], no_groups,
-                                no_groups)
-            _, err = capfd.readouterr()
-            assert code == 2 and f"option {name} must be" in err and ("in [" in err or ">= " in err), (
-                command, name, below, err)
+            outside = [str(int(lo) - 1) if kind != "real" else repr(lo - 1.0)]
+            if hi < 1e18:  # And just above a finite upper bound.
+                outside.append(str(int(hi) + 1) if kind != "real" else repr(hi + 1.0))
+            for value in outside:
+                code = _cli.run_cli([*command.split(), name, value], [sys.executable, "-m", "ulysses"], no_groups,
+                                    no_groups)
+                _, err = capfd.readouterr()
+                assert code == 2 and f"option {name} must be" in err and ("in [" in err or ">= " in err), (
+                    command, name, value, err)
             checked += 1
     assert checked >= 50, checked
