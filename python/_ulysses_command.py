@@ -2,9 +2,10 @@
 
 ``--version`` and every ``--help`` are answered from the C++ command table without importing
 torch (about 0.4 s instead of 2-3 s): the table's module, ``ulysses._cli``, is loaded on its own
-after torch's shared libraries, so the package, which imports torch, is not. Every other command
-line goes to ``ulysses.__main__``. (A top-level module: any module inside the package would run
-the package's ``__init__`` first.)"""
+after torch's shared libraries, so the package, which imports torch, is not. ``plan`` is
+answered by ``ulysses._plan``, the pure planner built against c10 alone: it loads neither torch
+nor libtorch. Every other command line goes to ``ulysses.__main__``. (A top-level module: any
+module inside the package would run the package's ``__init__`` first.)"""
 
 from __future__ import annotations
 
@@ -25,21 +26,27 @@ def answers_without_torch(argv: list[str]) -> bool:
     return not argv or argv[0] == "--version" or "--help" in own or "-h" in own
 
 
-def load_cli_without_torch() -> ModuleType | None:
-    """ulysses._cli, loaded without importing torch or the ulysses package; None where that
-    cannot be done (an unusual layout): the caller then takes the usual path."""
+def plans_without_torch(argv: list[str]) -> bool:
+    """`ulysses plan ...` (not its --help, which the command table answers)."""
+    return bool(argv) and argv[0] == "plan" and not answers_without_torch(argv)
+
+
+def load_without_torch(module: str, libraries: tuple[str, ...]) -> ModuleType | None:
+    """``ulysses.<module>``, loaded after torch's shared ``libraries`` without importing torch or
+    the ulysses package; None where that cannot be done (an unusual layout): the caller then
+    takes the usual path."""
     torch_spec, package_spec = importlib.util.find_spec("torch"), importlib.util.find_spec("ulysses")
     if torch_spec is None or torch_spec.origin is None or package_spec is None:
         return None
     try:
-        for name in TORCH_LIBRARIES:
+        for name in libraries:
             ctypes.CDLL(os.path.join(os.path.dirname(torch_spec.origin), "lib", name), mode=ctypes.RTLD_GLOBAL)
-        spec = importlib.machinery.PathFinder.find_spec("ulysses._cli", package_spec.submodule_search_locations)
+        spec = importlib.machinery.PathFinder.find_spec(f"ulysses.{module}", package_spec.submodule_search_locations)
         if spec is None or spec.loader is None:
             return None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+        loaded = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded)
+        return loaded
     except (OSError, ImportError):
         return None
 
@@ -48,8 +55,17 @@ def no_world(*_: object) -> str:
     raise RuntimeError("ulysses: this command line needs no process group")
 
 
+def load_cli_without_torch() -> ModuleType | None:
+    """ulysses._cli (the command table), without importing torch or the package."""
+    return load_without_torch("_cli", TORCH_LIBRARIES)
+
+
 def main() -> int:
     argv = sys.argv[1:]
+    if plans_without_torch(argv):
+        planner = load_without_torch("_plan", ("libc10.so",))
+        if planner is not None:
+            return planner.run_plan(argv[1:])
     if answers_without_torch(argv):
         cli = load_cli_without_torch()
         if cli is not None:

@@ -13,7 +13,7 @@ ensure_debian_packages clang libclang-rt-dev
 torch_dir="$(.venv/bin/python -c 'import os, torch; print(os.path.dirname(torch.__file__))')"
 mkdir -p build-fuzz
 flags=(-std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
-  -I include -I src -I tools -I bench -isystem "$torch_dir/include"
+  -I include -I src -I support -I tools -I bench -isystem "$torch_dir/include"
   -isystem "$torch_dir/include/torch/csrc/api/include" -D_GLIBCXX_USE_CXX11_ABI=1)
 libs=(-L "$torch_dir/lib" -Wl,-rpath,"$torch_dir/lib" -lc10)
 # Only the pure plan floor is linked (and instrumented): no tensors, no process groups.

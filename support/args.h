@@ -14,6 +14,13 @@
 
 namespace ulysses::cli {
 
+using Argv = std::vector<std::string>;
+
+// Most local ranks a subcommand starts (--nproc) or plans for (--sp).
+constexpr int64_t kMaxRanks = 4096;
+// Most attention heads an option accepts (--q-heads, --kv-heads): plans list every head.
+constexpr int64_t kMaxHeads = 65536;
+
 // Thrown for bad command lines: run_cli prints it on one line with where to find help, exit 2.
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;

@@ -5,6 +5,8 @@
 
 #include <iostream>
 
+#include "report.h"
+
 namespace ulysses::cli {
 namespace {
 
@@ -114,28 +116,14 @@ int run_program(const Argv& argv, const std::vector<Command>& commands, const Ru
     print_usage(std::cout, commands, name);
     return 0;
   }
-  try {
+  return report_failures(name, [&] {
     if (command == nullptr) {
       if (args.empty() || starts_with(args[0], "-"))
         throw UsageError("say which " + name + ": " + members);
       throw UsageError("unknown " + name + " '" + shown(args[0]) + "'; choose " + members);
     }
     return command->run(args, runtime);
-  } catch (const UsageError& e) {
-    std::cerr << "ulysses " << name << ": " << e.what() << " (see 'ulysses " << name
-              << " --help')\n";
-    return 2;
-  } catch (const c10::Error& e) {
-    // Library messages start with their op ("train: ..."); do not say the command twice.
-    std::string what = e.what_without_backtrace();
-    const std::string op = name.substr(0, name.find(' ')) + ": ";
-    if (starts_with(what, op)) what.erase(0, op.size());
-    std::cerr << "ulysses " << name << ": error: " << what << "\n";
-    return 1;
-  } catch (const std::exception& e) {
-    std::cerr << "ulysses " << name << ": error: " << e.what() << "\n";
-    return 1;
-  }
+  });
 }
 
 }  // namespace ulysses::cli

@@ -4,6 +4,7 @@
 
 #include <vector>
 
+#include "plan.h"
 #include "program.h"
 
 namespace ulysses::cli {
@@ -13,10 +14,8 @@ std::vector<Command> cli_commands();
 
 // Each subcommand's option table (its help and its parser).
 const Options& train_options();
-const Options& plan_options();
 const Options& demo_options();
 
-int plan_main(const Argv& args);
 int demo_main(const Argv& args, const Runtime& runtime);
 int train_main(const Argv& args, const Runtime& runtime);
 

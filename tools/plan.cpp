@@ -1,10 +1,11 @@
 // `ulysses plan`: prints the head (and sequence) partition of every rank.
+#include "plan.h"
+
 #include <algorithm>
 #include <iostream>
 #include <sstream>
 
 #include "args.h"
-#include "commands.h"
 #include "ulysses/mesh_plan.h"
 #include "ulysses/partition.h"
 

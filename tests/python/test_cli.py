@@ -169,9 +169,27 @@ def test_version_and_help_do_not_import_torch():
     # They print from the C++ command table, loaded without the package (about 0.4 s, not 2-3 s).
     for args in (["--version"], ["--help"], ["train", "--help"], ["bench", "a2a", "-h"], []):
         assert "torch" not in imported_modules(*args), args
-    # A command line that runs something does import it, and `launch`'s command owns its --help.
-    assert "torch" in imported_modules("plan", "--q-heads", "2", "--sp", "2")
+    # A command line that runs something does import it (but plan: the next test), and
+    # `launch`'s command owns its --help.
     assert "torch" in imported_modules("launch", "-n", "1", "--", sys.executable, "-c", "pass", "--help")
+
+
+def test_plan_loads_neither_torch_nor_libtorch():
+    # The pure planner answers from ulysses._plan (c10 and the plan floor): no torch module, no
+    # libtorch mapped, and the same answer as the package's planner.
+    code = ("import json, sys, _ulysses_command as c; sys.argv = ['ulysses'] + sys.argv[1:]; "
+            "status = c.main(); maps = open('/proc/self/maps').read(); "
+            "print(json.dumps([status, 'torch' in sys.modules, 'libtorch_cpu' in maps]), file=sys.stderr)")
+    r = subprocess.run([sys.executable, "-c", code, "plan", "--q-heads", "6", "--kv-heads", "3", "--sp", "2",
+                        "--json"], capture_output=True, text=True, timeout=240)
+    assert json.loads(r.stderr.strip().splitlines()[-1]) == [0, False, False], r.stderr
+    import ulysses
+
+    assert json.loads(r.stdout)["q_ranges"] == [list(q) for q in ulysses.plan(6, 3, 2)["q_ranges"]]
+    assert "torch" not in imported_modules("plan", "--q-heads", "2", "--sp", "2")
+    bad = run(ULYSSES, "plan", "--q-heads", "0", "--sp", "2")  # Errors read as every command's.
+    assert bad.returncode == 2 and bad.stderr == ("ulysses plan: option --q-heads must be in [1, 65536]; got 0 "
+                                                  "(see 'ulysses plan --help')\n"), bad.stderr
 
 
 def test_import_ulysses_does_not_load_dynamo():
