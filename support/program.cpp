@@ -22,7 +22,9 @@ void print_usage(std::ostream& os, const std::vector<Command>& commands,
           "commands (--timeout SECONDS bounds every collective of those that communicate;\n"
           "--pipeline-min-kib K and --message-kib M: CPU all-to-alls sending >= K KiB per rank\n"
           "go as pipelined messages of M KiB; defaults 4096 and 4096; --shared-memory: their\n"
-          "blocks for ranks on this host go through /dev/shm, as ULYSSES_SHARED_MEMORY=1 does):\n";
+          "blocks for ranks on this host go through /dev/shm, as ULYSSES_SHARED_MEMORY=1 does;\n"
+          "--transport batched posts each step's point-to-point transfers together, the way\n"
+          "NCCL needs them, as ULYSSES_TRANSPORT=batched does; auto picks per backend):\n";
   }
   for (const Command& c : commands) {
     if (!starts_with(c.name, prefix)) continue;
@@ -78,7 +80,7 @@ Options group_option_table() {
           value("--pipeline-min-kib", std::to_string(defaults.pipeline_min_bytes / kKiB))
               .in(0, kMostKiB),
           value("--message-kib", std::to_string(defaults.message_bytes / kKiB)).in(1, kMostKiB),
-          flag("--shared-memory")};
+          flag("--shared-memory"), placeholder("--transport", "auto|messages|batched")};
 }
 
 GroupOptions group_options(const Args& args) {
@@ -87,6 +89,15 @@ GroupOptions group_options(const Args& args) {
   options.pipeline_min_bytes = kKiB * args.integer("--pipeline-min-kib");
   options.message_bytes = kKiB * args.integer("--message-kib");
   if (args.has("--shared-memory")) options.shared_memory = true;  // Else the environment's.
+  if (args.has("--transport")) {
+    const std::string transport = args.str("--transport");
+    try {
+      options.transport = parse_transport(transport);
+    } catch (const c10::ValueError&) {
+      throw UsageError("option --transport must be auto, messages or batched; got '" +
+                       shown(transport) + "'");
+    }
+  }
   return options;
 }
 

@@ -51,7 +51,8 @@ int run_program(const Argv& argv, const std::vector<Command>& commands, const Ru
 // group_option_table()): --timeout SECONDS (default 120, in [1, 86400]) bounds every
 // collective, so a dead or frozen peer is an error, not a hang; --pipeline-min-kib and
 // --message-kib choose how large CPU all-to-alls are cut; --shared-memory sends their blocks for
-// ranks on this host through /dev/shm (GroupOptions::shared_memory).
+// ranks on this host through /dev/shm (GroupOptions::shared_memory); --transport posts
+// point-to-point transfers as messages or batched (GroupOptions::transport).
 Options group_option_table();
 GroupOptions group_options(const Args& args);
 

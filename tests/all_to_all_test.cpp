@@ -463,6 +463,7 @@ void expect_options_disagreement(const std::function<void(GroupOptions&)>& diffe
   auto errors = run_ranks(2, [&](Group& world) {
     GroupOptions options = world.options();
     options.shared_memory = false;  // Whatever the environment says.
+    options.transport = GroupOptions::Transport::kMessages;
     if (world.rank() == 1) differ(options);
     const Group g = world.with_options(options);
     at::Tensor x = at::zeros({1, 3, 4, 8});
@@ -478,6 +479,10 @@ TEST(AllToAllErrors, RanksDisagreeOnExchangeOptions) {
   expect_options_disagreement(
       [](GroupOptions& o) { o.shared_memory = true; },
       "ranks disagree on GroupOptions::shared_memory: rank 0 has no, rank 1 has yes");
+  expect_options_disagreement(
+      [](GroupOptions& o) { o.transport = GroupOptions::Transport::kBatched; },
+      "ranks disagree on whether transfers are batched (GroupOptions::transport): rank 0 has "
+      "no, rank 1 has yes");
 }
 
 TEST(AllToAllErrors, RanksDisagreeOnDtype) {
@@ -504,7 +509,8 @@ TEST(AllToAllDtypes, Bfloat16RoundTrip) {
 
 // Large exchanges take pipelined messages by default, smaller ones one collective; the choice
 // follows the whole exchange's size, which every rank sees alike even when its own share
-// differs (uneven heads and tokens), and a group's options can turn pipelining off.
+// differs (uneven heads and tokens), and a group's options can turn pipelining off. The
+// batched transport never pipelines: one collective whatever the size.
 TEST(AllToAllPipeline, ChosenBySizeAlikeOnEveryRank) {
   expect_ranks_succeed(3, [](Group& g) {
     const auto part = HeadPartition::make(7, 7, 3);
@@ -514,20 +520,22 @@ TEST(AllToAllPipeline, ChosenBySizeAlikeOnEveryRank) {
     at::Tensor x = X.narrow(1, mine.begin, mine.size()).contiguous();
     const Sharding plan{part, seq, Layout::kBSHD};
     // 10 x 7 x 8 fp32 elements: 2240 bytes in all, 746 per rank.
-    for (int64_t min_bytes : {int64_t{0}, int64_t{746}, int64_t{747}, int64_t{4} << 20}) {
-      GroupOptions options = g.options();
-      options.pipeline_min_bytes = min_bytes;
-      options.message_bytes = 32;
-      const Group h = g.with_options(options);
-      const int64_t collectives = h.collective_count(), messages = h.p2p_messages_sent();
-      at::Tensor y = scatter_heads(x, Heads::kQuery, plan, h);
-      const bool pipelined = min_bytes <= 746;
-      EXPECT_EQ(h.collective_count() - collectives, pipelined ? 0 : 1) << min_bytes;
-      // One message per token to each of the two peers (a token's 2 or 3 heads exceed 32 bytes).
-      EXPECT_EQ(h.p2p_messages_sent() - messages, pipelined ? 2 * mine.size() : 0) << min_bytes;
-      const Range heads = part.q_range(g.rank());
-      EXPECT_TRUE(y.equal(X.narrow(2, heads.begin, heads.size()))) << min_bytes;
-    }
+    for (auto transport : {GroupOptions::Transport::kMessages, GroupOptions::Transport::kBatched})
+      for (int64_t min_bytes : {int64_t{0}, int64_t{746}, int64_t{747}, int64_t{4} << 20}) {
+        GroupOptions options = g.options();
+        options.pipeline_min_bytes = min_bytes;
+        options.message_bytes = 32;
+        options.transport = transport;
+        const Group h = g.with_options(options);
+        const int64_t collectives = h.collective_count(), messages = h.p2p_messages_sent();
+        at::Tensor y = scatter_heads(x, Heads::kQuery, plan, h);
+        const bool pipelined = min_bytes <= 746 && transport == GroupOptions::Transport::kMessages;
+        EXPECT_EQ(h.collective_count() - collectives, pipelined ? 0 : 1) << min_bytes;
+        // One message per token to each of the two peers (a token's 2 or 3 heads exceed 32 bytes).
+        EXPECT_EQ(h.p2p_messages_sent() - messages, pipelined ? 2 * mine.size() : 0) << min_bytes;
+        const Range heads = part.q_range(g.rank());
+        EXPECT_TRUE(y.equal(X.narrow(2, heads.begin, heads.size()))) << min_bytes;
+      }
   });
 }
 
@@ -536,7 +544,9 @@ TEST(AllToAllPipeline, ChosenBySizeAlikeOnEveryRank) {
 TEST(AllToAllSharedMemory, BlocksBypassMessages) {
   expect_ranks_succeed(3, [](Group& world) {
     const Case c{3, 7, 7, 10, Layout::kBSHD, 2, 8, 8, 1 << 20, true};
-    const Group g = with_exchange(world, c),
+    GroupOptions messages = world.options();  // Shared memory serves the messages path.
+    messages.transport = GroupOptions::Transport::kMessages;
+    const Group g = with_exchange(world.with_options(messages), c),
                 plain = with_exchange(world, {3, 7, 7, 10, Layout::kBSHD, 2, 8, 8, 1 << 20, false});
     const auto seq = SequencePartition::even(c.S, c.P);
     at::Tensor X = seeded_randn({c.B, c.S, c.hq, c.D}, 71);

@@ -13,7 +13,7 @@ namespace {
 CallFingerprint sample() {
   CallFingerprint f;
   f.q_heads = 6, f.kv_heads = 2, f.sp_size = 3, f.layout = 0, f.seq_split = 17;
-  f.pipeline_min_bytes = 4096, f.message_bytes = 1024;
+  f.pipeline_min_bytes = 4096, f.message_bytes = 1024, f.batched = 1;
   TensorFacts q;
   q.given = true, q.sizes = {2, 5, 6, 8}, q.dtype = 6, q.device_type = 0, q.requires_grad = true;
   f.tensors = {q, q, q};
@@ -37,6 +37,7 @@ TEST(CallFingerprint, DecodeInvertsEncode) {
   const CallFingerprint g = CallFingerprint::decode(f.encode());
   EXPECT_EQ(g.encode(), f.encode());
   EXPECT_EQ(g.window, 7);
+  EXPECT_EQ(g.batched, 1);
   EXPECT_EQ(g.softcap, 50.0);
   EXPECT_EQ(g.scale, 0.25);
   EXPECT_EQ(g.positions.sizes, (std::vector<int64_t>{2, 5}));

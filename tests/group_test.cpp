@@ -104,6 +104,42 @@ TEST(Group, RoundsOfDifferentPurposesFailAlikeNamingEachRanks) {
                           "round B");
 }
 
+// The transport is chosen in one place (Group::batches): auto follows the backend (Gloo does
+// not coalesce: messages), the options override it; transfers posted either way arrive alike.
+TEST(Group, TransportFollowsTheBackendUnlessTheOptionsSayOtherwise) {
+  expect_ranks_succeed(2, [](Group& world) {
+    using Transport = GroupOptions::Transport;
+    for (Transport t : {Transport::kAuto, Transport::kMessages, Transport::kBatched}) {
+      GroupOptions options = world.options();
+      options.transport = t;
+      const Group g = world.with_options(options);
+      EXPECT_EQ(g.batches(c10::DeviceType::CPU), t == Transport::kBatched) << to_string(t);
+      // Both ranks add a receive before their send: NCCL's order, posted batched or not.
+      at::Tensor got = at::zeros({3});
+      Transfers step(g, c10::DeviceType::CPU);
+      EXPECT_EQ(step.batched(), t == Transport::kBatched);
+      const int peer = 1 - g.rank();
+      const size_t n = step.receive(got, peer, 5);
+      step.send(at::full({3}, 10.0 + g.rank()), peer, 5);
+      step.post();
+      step.wait(n);
+      EXPECT_TRUE(got.equal(at::full({3}, 10.0 + peer))) << to_string(t);
+    }
+  });
+  EXPECT_EQ(parse_transport("batched"), GroupOptions::Transport::kBatched);
+  EXPECT_THROW(
+      {
+        try {
+          parse_transport("nccl");
+        } catch (const c10::ValueError& e) {
+          EXPECT_NE(std::string(e.what()).find("must be auto, messages or batched; got 'nccl'"),
+                    std::string::npos);
+          throw;
+        }
+      },
+      c10::ValueError);
+}
+
 TEST(Group, MeshSpGroupsAreConsecutiveRanks) {
   expect_ranks_succeed(4, [](Group& world) {
     Mesh mesh = Mesh::create(world, 2, testing::thread_split(world));

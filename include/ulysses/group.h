@@ -6,8 +6,15 @@
 //
 // World = DP x SP mesh; SP groups are consecutive ranks:
 //   sp_group(w) = { (w / P) * P + i : 0 <= i < P },   dp_group(w) = { w % P + j * P : j }.
-// Every collective waits at most GroupOptions::timeout: a dead or absent peer is an error, not
-// a hang. `agree` is the fail-fast step: ranks exchange the outcome of their local checks before
+// Note [Waits]: who bounds a wait depends on where the tensors live.
+// - CPU tensors (Gloo): the op waits on the host, at most GroupOptions::timeout, and logs which
+//   collective and peers it waits for after GroupOptions::log_wait_fraction of it: a dead or
+//   absent peer is an error, not a hang.
+// - Device tensors (NCCL): the op enqueues its collectives and returns; Work::wait() with no
+//   timeout orders the current stream after them without holding the host. NCCL's watchdog
+//   bounds them, with the timeout given to init_process_group (a timed wait there would block
+//   the host until the kernel ends and, on expiry, abort the communicator). `agree` is the
+//   fail-fast step: ranks exchange the outcome of their local checks before
 // any data moves, so an invalid setup raises the same error on every rank.
 #pragma once
 
@@ -44,8 +51,8 @@ struct GroupOptions {
   // Ulysses all-to-alls of CPU tensors that send at least this many bytes to other ranks go as
   // point-to-point messages of about `message_bytes` each: packing message i+1 overlaps the
   // transfer of message i, blocks that land contiguously are received in place, and this rank's
-  // own block is copied straight across. Smaller exchanges (and other devices) take one
-  // collective, where a message's fixed cost would dominate. >= 0 and > 0.
+  // own block is copied straight across. Smaller exchanges (and other devices, and the batched
+  // transport) take one collective, where a message's fixed cost would dominate. >= 0 and > 0.
   int64_t pipeline_min_bytes = int64_t{4} << 20;
   int64_t message_bytes = int64_t{4} << 20;
   // Pipelined exchanges with ranks on this host go through shared memory (/dev/shm): the sender
@@ -54,38 +61,32 @@ struct GroupOptions {
   // hosts. The first such exchange sets the links up with two all_gathers (docs/benchmarks.md
   // has its speed). Off by default; on when ULYSSES_SHARED_MEMORY is 1.
   bool shared_memory = shared_memory_from_environment();
+  // How point-to-point transfers are posted (Transfers). NCCL matches sends and receives
+  // between two ranks in the order they are posted, whatever their tags, and runs unbatched
+  // ones one by one on a stream: a receive posted before its peer's send waits forever there.
+  // Batched, the transfers of one step are posted together (one coalesced group where the
+  // backend has them, as torch.distributed.batch_isend_irecv does), and whole-tensor
+  // exchanges always take one collective. kAuto batches where the backend coalesces (NCCL)
+  // and posts messages elsewhere (Gloo); ULYSSES_TRANSPORT=auto|messages|batched sets it.
+  enum class Transport : int64_t { kAuto = 0, kMessages = 1, kBatched = 2 };
+  Transport transport = transport_from_environment();
 
   static bool shared_memory_from_environment();
+  static Transport transport_from_environment();
 };
 
+// "auto", "messages" or "batched"; parse_transport raises c10::ValueError on any other text.
+std::string to_string(GroupOptions::Transport transport);
+GroupOptions::Transport parse_transport(const std::string& text);
+
 class Group;
+class Transfers;
 
 namespace detail {
 struct GroupRuntime;
 class SharedMemoryLinks;
 SharedMemoryLinks& shared_memory_links(const Group& group);
 }  // namespace detail
-
-// Point-to-point transfers in flight, from Group::send_recv. Move-only; wait before reading the
-// receive buffer or reusing the send buffer (a handle that dies unwaited waits in its
-// destructor, so buffers never go while the backend still uses them).
-class Exchange {
- public:
-  Exchange() = default;
-  Exchange(Exchange&&) noexcept = default;
-  Exchange& operator=(Exchange&& other) noexcept;
-  Exchange(const Exchange&) = delete;
-  Exchange& operator=(const Exchange&) = delete;
-  ~Exchange();
-  // Waits for every transfer, each at most the group's timeout; then the handle is empty.
-  void wait();
-
- private:
-  friend class Group;
-  std::shared_ptr<const Group> group_;
-  std::vector<c10::intrusive_ptr<c10d::Work>> work_;
-  int64_t number_ = 0;  // The exchange's number among the group's point-to-point transfers.
-};
 
 // A handle to one process group: cheap to copy (copies share the connection and counters).
 class Group {
@@ -127,12 +128,12 @@ class Group {
   // default (caching) allocator.
   at::Tensor new_buffer(at::IntArrayRef shape, const at::TensorOptions& options) const;
 
-  // Posts, without waiting, a send of `send` (contiguous) to rank `to` and a receive into
-  // `recv` (contiguous) from rank `from`, with message tag `tag` (transfers of one tag between
-  // two ranks arrive in order). Ring attention passes key/value blocks this way, computing on
-  // one block while the next moves. Either tensor may be undefined (no send, or no receive).
-  Exchange send_recv(const at::Tensor& send, int to, const at::Tensor& recv, int from,
-                     int tag) const;
+  // Whether point-to-point transfers of `device` tensors go batched (GroupOptions::transport):
+  // the one place the choice is made.
+  bool batches(c10::DeviceType device) const;
+  // Whether a wait for a collective of `device` tensors is timed and logged here (CPU tensors:
+  // GroupOptions::timeout), or left to the stream and the process group (Note [Waits]).
+  static bool waits_on_host(c10::DeviceType device) { return device == c10::DeviceType::CPU; }
 
   // Every rank's `input` (same shape on every rank), stacked: [P, *input.shape].
   at::Tensor all_gather(const at::Tensor& input) const;
@@ -174,6 +175,7 @@ class Group {
 
  private:
   friend detail::SharedMemoryLinks& detail::shared_memory_links(const Group& group);
+  friend class Transfers;
   Group(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::shared_ptr<detail::GroupRuntime> runtime,
         int rank, int size, GroupOptions options);
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;      // Null only for solo().
@@ -181,6 +183,49 @@ class Group {
   int rank_ = 0;                                   // In [0, size_).
   int size_ = 1;                                   // >= 1.
   GroupOptions options_;
+};
+
+// The point-to-point transfers of one step (a ring step's key/value blocks, a projected
+// exchange's slabs), posted as the group's transport says (GroupOptions::transport): messages
+// go out as they are added, so packing the next overlaps this one's transfer; batched ones
+// wait for post() and go together. Callers add every transfer of the step, call post(), and
+// wait; code written so runs unchanged on both. Transfers of one tag between two ranks arrive
+// in order, and both ranks add their transfers between them in the same order (NCCL ignores
+// tags). A Transfers that dies unwaited waits in its destructor, so buffers never go while
+// the backend still uses them.
+class Transfers {
+ public:
+  Transfers(const Group& group, c10::DeviceType device);
+  Transfers(const Transfers&) = delete;
+  Transfers& operator=(const Transfers&) = delete;
+  ~Transfers();
+  // A send of `t` (contiguous; kept alive until done) to rank `to`.
+  void send(const at::Tensor& t, int to, int tag);
+  // A receive into `t` (contiguous) from rank `from`; returns its number for wait(n).
+  size_t receive(const at::Tensor& t, int from, int tag);
+  // Posts what batching held back. Messages went out already.
+  void post();
+  // Waits for transfer `n` (posting first), each wait at most the group's timeout on CPU.
+  void wait(size_t n);
+  // Waits for every transfer.
+  void wait();
+  bool batched() const { return batched_; }
+
+ private:
+  struct Transfer {
+    at::Tensor tensor;
+    int peer;
+    int tag;
+    bool send;
+    c10::intrusive_ptr<c10d::Work> work;  // Null until posted, and again once waited.
+  };
+  void post(Transfer& t);
+  Group group_;
+  c10::DeviceType device_;
+  bool batched_;
+  size_t posted_ = 0;  // Transfers [0, posted_) are posted.
+  std::vector<Transfer> transfers_;
+  int64_t number_ = 0;  // The first transfer's number among the group's point-to-point sends.
 };
 
 // Runs `prepare` (work that can fail on this rank alone, e.g. parsing its arguments) and

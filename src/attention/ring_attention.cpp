@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <sstream>
 
 #include "attention/ops.h"
@@ -131,12 +132,14 @@ std::pair<at::Tensor, at::Tensor> ring_forward(const Ring& ring) {
   at::Tensor out, lse;
   for (int t = 0; t < R; ++t) {
     const int src = ring.source(t);
-    Exchange moving;
+    std::optional<Transfers> step;
     at::Tensor incoming;
     if (t + 1 < R) {  // The next block moves while this one is computed on.
       incoming = ring.new_block(ring.source(t + 1), block.scalar_type());
-      moving =
-          ring.group.send_recv(block, ring.next(), incoming, ring.prev(), detail::kRingKeyValues);
+      step.emplace(ring.group, block.device().type());
+      step->send(block, ring.next(), detail::kRingKeyValues);
+      step->receive(incoming, ring.prev(), detail::kRingKeyValues);
+      step->post();
     }
     auto [k, v] = ring.unpack(block, src);
     auto [o_t, lse_t] = flash_attention_forward(ring.block_args(k, v, src));
@@ -145,14 +148,16 @@ std::pair<at::Tensor, at::Tensor> ring_forward(const Ring& ring) {
     } else {
       std::tie(out, lse) = merge_attention(out, lse, o_t, lse_t);
     }
-    moving.wait();
+    if (step) step->wait();
     block = incoming;
   }
   return {out, lse};
 }
 
 // Backward: {dq, dk, dv, dmask (if ring.mask_grad)} for grad_out, given the forward's merged
-// out and lse.
+// out and lse. Each step's transfers go as one batch: the next key/value block, then the
+// gradient accumulator of the previous step's block, in that order on every rank (NCCL matches
+// a pair's transfers by order).
 std::vector<at::Tensor> ring_backward(const Ring& ring, const at::Tensor& grad_out,
                                       const at::Tensor& out, const at::Tensor& lse) {
   const int R = ring.group.size();
@@ -161,22 +166,24 @@ std::vector<at::Tensor> ring_backward(const Ring& ring, const at::Tensor& grad_o
   at::Tensor dq = at::zeros(a.q.sizes(), a.q.options().dtype(at::kFloat));
   at::Tensor dmask;
   if (ring.mask_grad) dmask = at::zeros(a.mask->sizes(), a.q.options().dtype(at::kFloat));
-  Exchange sent_grads;  // The accumulator sent on at the previous step.
-  at::Tensor grads;     // Its buffer, alive until that send completes.
+  at::Tensor grads;  // The accumulator of the previous step's block, sent on at this step.
   for (int t = 0; t < R; ++t) {
     const int src = ring.source(t);
-    Exchange moving, arriving;
+    std::optional<Transfers> step;
     at::Tensor incoming, partial;
+    size_t arriving = 0;
+    if (R > 1 && (t + 1 < R || t > 0)) step.emplace(ring.group, block.device().type());
     if (t + 1 < R) {
       incoming = ring.new_block(ring.source(t + 1), block.scalar_type());
-      moving =
-          ring.group.send_recv(block, ring.next(), incoming, ring.prev(), detail::kRingKeyValues);
+      step->send(block, ring.next(), detail::kRingKeyValues);
+      step->receive(incoming, ring.prev(), detail::kRingKeyValues);
     }
     if (t > 0) {  // Block src's accumulator, from the rank that held src's block before us.
       partial = ring.new_block(src, at::kFloat);
-      arriving =
-          ring.group.send_recv({}, ring.next(), partial, ring.prev(), detail::kRingGradients);
+      step->send(grads, ring.next(), detail::kRingGradients);
+      arriving = step->receive(partial, ring.prev(), detail::kRingGradients);
     }
+    if (step) step->post();
     auto [k, v] = ring.unpack(block, src);
     const LocalAttentionArgs block_args = ring.block_args(k, v, src);
     auto g = flash_attention_backward(grad_out, block_args, out, lse, ring.mask_grad);
@@ -187,23 +194,20 @@ std::vector<at::Tensor> ring_backward(const Ring& ring, const at::Tensor& grad_o
     }
     at::Tensor mine = ring.pack(g[1], g[2], src, at::kFloat);
     if (t > 0) {
-      arriving.wait();
+      step->wait(arriving);
       mine.add_(partial);
     }
-    sent_grads.wait();
+    if (step) step->wait();
     grads = mine;
-    if (R > 1)
-      sent_grads =
-          ring.group.send_recv(grads, ring.next(), {}, ring.prev(), detail::kRingGradients);
-    moving.wait();
     if (t + 1 < R) block = incoming;
   }
   at::Tensor own = grads;
   if (R > 1) {  // Our block's accumulator, after every rank's contribution.
     own = ring.new_block(ring.rank(), at::kFloat);
-    Exchange home = ring.group.send_recv({}, ring.next(), own, ring.prev(), detail::kRingGradients);
+    Transfers home(ring.group, own.device().type());
+    home.send(grads, ring.next(), detail::kRingGradients);
+    home.receive(own, ring.prev(), detail::kRingGradients);
     home.wait();
-    sent_grads.wait();
   }
   auto [dk, dv] = ring.unpack(own, ring.rank());
   return {dq.to(a.q.scalar_type()), dk.to(a.k.scalar_type()), dv.to(a.v.scalar_type()),

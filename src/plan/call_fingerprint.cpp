@@ -147,15 +147,18 @@ std::vector<Field> fields(const CallFingerprint& c, const std::vector<std::strin
   f.push_back({"GroupOptions::pipeline_min_bytes", c.pipeline_min_bytes, as_int});
   f.push_back({"GroupOptions::message_bytes", c.message_bytes, as_int});
   f.push_back({"GroupOptions::shared_memory", c.shared_memory, as_bool});
+  f.push_back({"whether transfers are batched (GroupOptions::transport)", c.batched, as_bool});
   return f;
 }
 
 }  // namespace
 
 std::vector<int64_t> CallFingerprint::encode() const {
-  std::vector<int64_t> out{q_heads,       kv_heads,      sp_size,
-                           layout,        seq_split,     pipeline_min_bytes,
-                           message_bytes, shared_memory, static_cast<int64_t>(tensors.size())};
+  std::vector<int64_t> out{q_heads,       kv_heads,
+                           sp_size,       layout,
+                           seq_split,     pipeline_min_bytes,
+                           message_bytes, shared_memory,
+                           batched,       static_cast<int64_t>(tensors.size())};
   for (const TensorFacts& t : tensors) put(out, t);
   put(out, mask);
   put(out, positions);
@@ -179,6 +182,7 @@ CallFingerprint CallFingerprint::decode(const std::vector<int64_t>& values) {
   c.pipeline_min_bytes = r.next();
   c.message_bytes = r.next();
   c.shared_memory = r.next();
+  c.batched = r.next();
   const int64_t n = r.next();
   TORCH_CHECK(n >= 0 && n <= 64, "CallFingerprint::decode: bad tensor count ", n);
   for (int64_t t = 0; t < n; ++t) c.tensors.push_back(r.facts());

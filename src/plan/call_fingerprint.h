@@ -36,6 +36,7 @@ struct CallFingerprint : AttentionRules {  // causal, scale, window, softcap.
   int64_t pipeline_min_bytes = 0;
   int64_t message_bytes = 0;
   int64_t shared_memory = 0;
+  int64_t batched = 0;  // Group::batches for the call's device (GroupOptions::transport).
   // The exchanged tensors, in call order.
   std::vector<TensorFacts> tensors;
   // The attention call's options (their defaults for a bare exchange).

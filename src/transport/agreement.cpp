@@ -147,6 +147,7 @@ CallFingerprint call_fingerprint(const Group& group, const HeadPartition& heads,
   f.pipeline_min_bytes = group.options().pipeline_min_bytes;
   f.message_bytes = group.options().message_bytes;
   f.shared_memory = group.options().shared_memory;
+  f.batched = group.batches(first.device().type());
   for (const TensorSpec& spec : tensors) f.tensors.push_back(facts_of(spec.tensor, first));
   f.mask = facts_of(call.mask, first);
   f.positions = facts_of(call.positions, first);

@@ -204,6 +204,7 @@ class SharedTransfer {
         plan_(plan),
         group_(group),
         links_(detail::shared_memory_links(group)),
+        io_(group, c10::DeviceType::CPU),
         element_(in.tensors[0].element_size()) {
     for (int j = 0; j < group.size(); ++j)
       if (j != group.rank() && links_.colocated(j)) peers_.push_back(j);
@@ -213,9 +214,8 @@ class SharedTransfer {
   void post() {
     for (int j : peers_) {
       notices_.push_back(at::empty({4}, at::kLong));
-      packed_.push_back(group_.send_recv({}, j, notices_.back(), j, detail::kSharedMemoryPacked));
-      reads_.push_back(at::empty({1}, at::kLong));
-      read_.push_back(group_.send_recv({}, j, reads_.back(), j, detail::kSharedMemoryRead));
+      packed_.push_back(io_.receive(notices_.back(), j, detail::kSharedMemoryPacked));
+      io_.receive(at::empty({1}, at::kLong), j, detail::kSharedMemoryRead);
     }
     const auto starts = chunk_starts(plan_.send_splits());
     int64_t need = 0;  // Bytes up to the end of the last co-located peer's chunk.
@@ -231,10 +231,10 @@ class SharedTransfer {
     }
     if (error != 0) fail(group_.rank(), need, error);
     for (int j : peers_) {
-      sent_.push_back(
+      io_.send(
           at::tensor(std::vector<int64_t>{starts[j] * element_, links_.outbox_bytes(), error, need},
-                     at::kLong));
-      sends_.push_back(group_.send_recv(sent_.back(), j, {}, j, detail::kSharedMemoryPacked));
+                     at::kLong),
+          j, detail::kSharedMemoryPacked);
     }
   }
 
@@ -242,15 +242,13 @@ class SharedTransfer {
     const auto starts = chunk_starts(plan_.recv_splits());
     for (size_t i = 0; i < peers_.size(); ++i) {
       const int j = peers_[i];
-      packed_[i].wait();
+      io_.wait(packed_[i]);
       const int64_t* n = notices_[i].data_ptr<int64_t>();  // chunk offset, size, errno, need
       if (n[2] != 0) fail(j, n[3], static_cast<int>(n[2]));
       if (failures_.empty()) copy_from(j, n[0], n[1], starts[j], starts[j + 1]);
-      sent_.push_back(at::zeros({1}, at::kLong));
-      sends_.push_back(group_.send_recv(sent_.back(), j, {}, j, detail::kSharedMemoryRead));
+      io_.send(at::zeros({1}, at::kLong), j, detail::kSharedMemoryRead);
     }
-    for (Exchange& e : read_) e.wait();
-    for (Exchange& e : sends_) e.wait();
+    io_.wait();
     TORCH_CHECK(failures_.empty(), failures_.begin()->second);
   }
 
@@ -290,10 +288,11 @@ class SharedTransfer {
   const ExchangePlan& plan_;
   const Group& group_;
   detail::SharedMemoryLinks& links_;
+  Transfers io_;  // Notices; posted as added (the pipelined path is never batched).
   const int64_t element_;
   std::vector<int> peers_;  // Co-located, in rank order.
-  std::vector<at::Tensor> notices_, reads_, sent_;
-  std::vector<Exchange> packed_, read_, sends_;
+  std::vector<at::Tensor> notices_;
+  std::vector<size_t> packed_;           // The notices' receives.
   std::map<int, std::string> failures_;  // By failing rank.
 };
 
@@ -312,8 +311,9 @@ void exchange_pipelined(const BlockTensors& in, const BlockTensors& out, const E
   const int64_t batches = bdim < seq_dim(in.layout) ? first.size(bdim) : 1;
   struct Arrival {
     at::Tensor dst, staged;  // staged: undefined when received in place.
-    Exchange exchange;
+    size_t transfer;
   };
+  Transfers io(group, c10::DeviceType::CPU);  // Posted as added (never batched here).
   std::unique_ptr<SharedTransfer> shared;
   if (group.options().shared_memory)
     shared = std::make_unique<SharedTransfer>(in, out, plan, group);
@@ -325,17 +325,15 @@ void exchange_pipelined(const BlockTensors& in, const BlockTensors& out, const E
     const auto in_msgs = messages(plan.recv(), from, max_elements, batches);
     for (size_t i = 0; i < in_msgs.size(); ++i) {
       const Message& m = in_msgs[i];
-      Arrival a{out.view(*m.block, m.batch, m.first, m.count), {}, {}};
+      Arrival a{out.view(*m.block, m.batch, m.first, m.count), {}, 0};
       const bool in_place = !out.sums(plan) && a.dst.is_contiguous();
       if (!in_place) a.staged = group.new_buffer(a.dst.sizes(), a.dst.options());
-      a.exchange = group.send_recv({}, from, detail::wire_view(in_place ? a.dst : a.staged), from,
-                                   kFirstMessage + static_cast<int>(i));
+      a.transfer = io.receive(detail::wire_view(in_place ? a.dst : a.staged), from,
+                              kFirstMessage + static_cast<int>(i));
       arrivals.push_back(std::move(a));
     }
   }
   if (shared) shared->post();
-  std::vector<at::Tensor> packed;  // Alive until their sends complete.
-  std::vector<Exchange> departures;
   for (int k = 1; k < P; ++k) {
     const int to = (me + k) % P;
     if (!by_messages(to)) continue;
@@ -343,12 +341,8 @@ void exchange_pipelined(const BlockTensors& in, const BlockTensors& out, const E
     for (size_t i = 0; i < out_msgs.size(); ++i) {
       const Message& m = out_msgs[i];
       at::Tensor src = in.view(*m.block, m.batch, m.first, m.count);
-      if (!src.is_contiguous()) {
-        packed.push_back(group.new_buffer(src.sizes(), src.options()).copy_(src));
-        src = packed.back();
-      }
-      departures.push_back(
-          group.send_recv(detail::wire_view(src), to, {}, to, kFirstMessage + static_cast<int>(i)));
+      if (!src.is_contiguous()) src = group.new_buffer(src.sizes(), src.options()).copy_(src);
+      io.send(detail::wire_view(src), to, kFirstMessage + static_cast<int>(i));
     }
   }
   // This rank's own blocks: its send and receive blocks for itself come in the same order.
@@ -364,10 +358,10 @@ void exchange_pipelined(const BlockTensors& in, const BlockTensors& out, const E
   }
   if (shared) shared->finish();
   for (Arrival& a : arrivals) {
-    a.exchange.wait();
+    io.wait(a.transfer);
     if (a.staged.defined()) put_block(a.dst, a.staged, out, plan);
   }
-  for (Exchange& d : departures) d.wait();
+  io.wait();
 }
 
 // Executes `plan` from `xs` (whole tensors, or parts by peer) into fresh outputs (whole, or
@@ -382,7 +376,9 @@ std::vector<at::Tensor> exchange(const std::vector<at::Tensor>& xs, HeadForm fro
   BlockTensors out = new_outputs(shapes_of(xs, parts_in, group.size()), xs[0].options(), plan,
                                  layout, parts_out, group);
   const int64_t bytes_per_rank = plan.total_elements() * xs[0].element_size() / group.size();
-  if (xs[0].device().is_cpu() && bytes_per_rank >= group.options().pipeline_min_bytes) {
+  // Batched transport: collectives and batched transfers only (GroupOptions::transport).
+  if (xs[0].device().is_cpu() && !group.batches(c10::DeviceType::CPU) &&
+      bytes_per_rank >= group.options().pipeline_min_bytes) {
     exchange_pipelined(in, out, plan, group);
   } else {
     exchange_collective(in, out, plan, group);

@@ -163,6 +163,19 @@ std::shared_ptr<detail::GroupRuntime> runtime_of(const c10::intrusive_ptr<c10d::
   return runtime;
 }
 
+// Whether `pg` has a backend for `device` tensors. Through getDeviceTypes, which every
+// supported torch has (2.11's ProcessGroup lacks hasBackendForDeviceType).
+bool has_backend(const c10d::ProcessGroup& pg, c10::DeviceType device) {
+  for (const c10::Device& d : pg.getDeviceTypes())
+    if (d.type() == device) return true;
+  return false;
+}
+
+// Whether `pg`'s backend for `device` posts point-to-point transfers as coalesced groups.
+bool coalesces(c10d::ProcessGroup& pg, c10::DeviceType device) {
+  return has_backend(pg, device) && pg.getBackend(device)->supportsCoalescing();
+}
+
 void check_options(const GroupOptions& options) {
   TORCH_CHECK_VALUE(options.timeout.count() > 0, "Group: timeout must be > 0 ms; got ",
                     options.timeout.count(), " ms");
@@ -203,8 +216,10 @@ std::string seconds(std::chrono::milliseconds t) {
 // wait longer than GroupOptions::log_wait_fraction of the timeout is logged once, naming the
 // collective, its number on this group and the peers it needs: with a frozen or lagging rank
 // every other rank says what it is stuck in long before the timeout ends the job.
+// Device tensors (Note [Waits] in group.h): the wait orders the current stream after the
+// collective and returns; the process group enforces its own timeout.
 void wait(const Group& g, const char* op, const c10::intrusive_ptr<c10d::Work>& work,
-          int64_t number, const std::vector<int64_t>* out_splits = nullptr,
+          int64_t number, c10::DeviceType device, const std::vector<int64_t>* out_splits = nullptr,
           const std::vector<int64_t>* in_splits = nullptr) {
   using std::chrono::milliseconds;
   const milliseconds timeout = g.options().timeout;
@@ -213,6 +228,16 @@ void wait(const Group& g, const char* op, const c10::intrusive_ptr<c10d::Work>& 
                 " of ", g.size(), " (timeout ", timeout.count(),
                 " ms; a peer may have died or skipped it): ", what);
   };
+  if (!Group::waits_on_host(device)) {
+    try {
+      work->wait();
+    } catch (const c10::Error& e) {
+      fail(e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      fail(e.what());
+    }
+    return;
+  }
   const double fraction = g.options().log_wait_fraction;
   milliseconds first = timeout;
   if (fraction > 0 && fraction < 1) {
@@ -280,17 +305,25 @@ Group Group::solo(const GroupOptions& options) {
 
 std::vector<int64_t> options_to_ints(const GroupOptions& options) {
   return {options.timeout.count(), options.pipeline_min_bytes, options.message_bytes,
-          options.shared_memory ? 1 : 0};
+          options.shared_memory ? 1 : 0, static_cast<int64_t>(options.transport)};
 }
 
 GroupOptions options_from_ints(c10::IntArrayRef values) {
   GroupOptions o;
-  TORCH_CHECK_VALUE(values.size() <= 4, "Group: group_options has at most 4 values ([timeout ms, ",
-                    "pipeline_min_bytes, message_bytes, shared_memory]); got ", values.size());
+  TORCH_CHECK_VALUE(values.size() <= 5, "Group: group_options has at most 5 values ([timeout ms, ",
+                    "pipeline_min_bytes, message_bytes, shared_memory, transport]); got ",
+                    values.size());
   if (values.size() > 0) o.timeout = std::chrono::milliseconds(values[0]);
   if (values.size() > 1) o.pipeline_min_bytes = values[1];
   if (values.size() > 2) o.message_bytes = values[2];
   if (values.size() > 3) o.shared_memory = values[3] != 0;
+  if (values.size() > 4) {
+    TORCH_CHECK_VALUE(values[4] >= 0 && values[4] <= 2,
+                      "Group: group_options' transport must be 0 (auto), 1 (messages) or 2 "
+                      "(batched); got ",
+                      values[4]);
+    o.transport = static_cast<GroupOptions::Transport>(values[4]);
+  }
   return o;
 }
 
@@ -331,61 +364,109 @@ double Group::collective_seconds() const { return runtime_->collective_ns.load()
 int64_t Group::p2p_messages_sent() const { return runtime_->p2p_messages.load(); }
 int64_t Group::p2p_bytes_sent() const { return runtime_->p2p_bytes.load(); }
 
-Exchange Group::send_recv(const at::Tensor& send, int to, const at::Tensor& recv, int from,
-                          int tag) const {
-  TORCH_CHECK_VALUE(
-      pg_ && to >= 0 && to < size_ && from >= 0 && from < size_ && to != rank_ && from != rank_,
-      "Group::send_recv: peers must be other ranks of a multi-rank group; got to=", to,
-      ", from=", from, " on rank ", rank_, " of ", size_);
-  detail::NoPythonObjectsInWork no_python;
-  Exchange ex;
-  ex.group_ = std::make_shared<const Group>(*this);
-  ex.number_ = runtime_->p2p_messages.load() + 1;
-  // Receive first: a peer's send can then land directly.
-  if (recv.defined()) {
-    TORCH_INTERNAL_ASSERT(recv.is_contiguous());
-    std::vector<at::Tensor> r{recv};
-    ex.work_.push_back(pg_->recv(r, from, tag));
+bool Group::batches(c10::DeviceType device) const {
+  switch (options_.transport) {
+    case GroupOptions::Transport::kMessages:
+      return false;
+    case GroupOptions::Transport::kBatched:
+      return true;
+    default:  // Where the backend coalesces, it needs it (NCCL).
+      return pg_ && coalesces(*pg_, device);
   }
-  if (send.defined()) {
-    TORCH_INTERNAL_ASSERT(send.is_contiguous());
-    std::vector<at::Tensor> t{send};
-    ex.work_.push_back(pg_->send(t, to, tag));
-    ++runtime_->p2p_messages;
-    runtime_->p2p_bytes += static_cast<int64_t>(send.nbytes());
-  }
-  return ex;
 }
 
-Exchange& Exchange::operator=(Exchange&& other) noexcept {
-  if (this != &other) {
-    try {
-      wait();
-    } catch (...) {  // Destroying a failed exchange: its error was, or will be, raised elsewhere.
-    }
-    group_ = std::move(other.group_);
-    work_ = std::move(other.work_);
-    number_ = other.number_;
-  }
-  return *this;
+Transfers::Transfers(const Group& group, c10::DeviceType device)
+    : group_(group), device_(device), batched_(group.batches(device)) {
+  TORCH_CHECK_VALUE(group.process_group(), "Transfers: point-to-point needs a multi-rank group");
+  number_ = group.runtime_->p2p_messages.load() + 1;
 }
 
-Exchange::~Exchange() {
+Transfers::~Transfers() {
   try {
     wait();
-  } catch (...) {
+  } catch (...) {  // Its error was, or will be, raised elsewhere.
   }
 }
 
-void Exchange::wait() {
-  std::vector<c10::intrusive_ptr<c10d::Work>> work = std::move(work_);
-  work_.clear();
-  for (const auto& w : work) ulysses::wait(*group_, "send_recv", w, number_);
+void Transfers::send(const at::Tensor& t, int to, int tag) {
+  TORCH_INTERNAL_ASSERT(t.is_contiguous() && to >= 0 && to < group_.size() && to != group_.rank());
+  transfers_.push_back({t, to, tag, true, {}});
+  group_.runtime_->p2p_messages += 1;
+  group_.runtime_->p2p_bytes += static_cast<int64_t>(t.nbytes());
+  if (!batched_) post();
+}
+
+size_t Transfers::receive(const at::Tensor& t, int from, int tag) {
+  TORCH_INTERNAL_ASSERT(t.is_contiguous() && from >= 0 && from < group_.size() &&
+                        from != group_.rank());
+  transfers_.push_back({t, from, tag, false, {}});
+  if (!batched_) post();
+  return transfers_.size() - 1;
+}
+
+void Transfers::post(Transfer& t) {
+  std::vector<at::Tensor> tensors{t.tensor};
+  const auto& pg = group_.pg_;
+  t.work = t.send ? pg->send(tensors, t.peer, t.tag) : pg->recv(tensors, t.peer, t.tag);
+}
+
+void Transfers::post() {
+  if (posted_ == transfers_.size()) return;
+  detail::NoPythonObjectsInWork no_python;
+  const auto& pg = group_.pg_;
+  const bool coalesce = batched_ && coalesces(*pg, device_);
+  if (coalesce) pg->startCoalescing(device_);
+  for (size_t i = posted_; i < transfers_.size(); ++i) post(transfers_[i]);
+  if (coalesce) {
+    // One work for the group: each transfer waits on it (the first wait clears them all).
+    c10::intrusive_ptr<c10d::Work> work = pg->endCoalescing(device_);
+    for (size_t i = posted_; i < transfers_.size(); ++i) transfers_[i].work = work;
+  }
+  posted_ = transfers_.size();
+}
+
+void Transfers::wait(size_t n) {
+  post();
+  const c10::intrusive_ptr<c10d::Work> work = std::move(transfers_.at(n).work);
+  if (!work) return;
+  for (Transfer& t : transfers_)
+    if (t.work == work) t.work.reset();
+  ulysses::wait(group_, "point-to-point", work, number_, device_);
+}
+
+void Transfers::wait() {
+  for (size_t i = 0; i < transfers_.size(); ++i) wait(i);
+  transfers_.clear();
+  posted_ = 0;
 }
 
 bool GroupOptions::shared_memory_from_environment() {
   const char* v = std::getenv("ULYSSES_SHARED_MEMORY");
   return v != nullptr && std::string(v) == "1";
+}
+
+GroupOptions::Transport GroupOptions::transport_from_environment() {
+  const char* v = std::getenv("ULYSSES_TRANSPORT");
+  if (v == nullptr || *v == 0) return Transport::kAuto;
+  try {
+    return parse_transport(v);
+  } catch (const c10::ValueError& e) {
+    TORCH_CHECK_VALUE(false, "ULYSSES_TRANSPORT: ", e.what_without_backtrace());
+  }
+}
+
+namespace {
+constexpr const char* kTransportNames[] = {"auto", "messages", "batched"};
+}
+
+std::string to_string(GroupOptions::Transport transport) {
+  return kTransportNames[static_cast<int>(transport)];
+}
+
+GroupOptions::Transport parse_transport(const std::string& text) {
+  for (int i = 0; i < 3; ++i)
+    if (text == kTransportNames[i]) return static_cast<GroupOptions::Transport>(i);
+  TORCH_CHECK_VALUE(false, "the transport must be auto, messages or batched; got '", text, "'");
 }
 
 detail::SharedMemoryLinks& detail::shared_memory_links(const Group& group) {
@@ -416,7 +497,7 @@ void Group::all_to_all(at::Tensor& output, at::Tensor& input,
   }
   std::vector<int64_t> out_splits = output_splits, in_splits = input_splits;
   wait(*this, "all_to_all", pg_->alltoall_base(output, input, out_splits, in_splits),
-       scope.number(), &output_splits, &input_splits);
+       scope.number(), output.device().type(), &output_splits, &input_splits);
 }
 
 at::Tensor Group::all_gather(const at::Tensor& input) const {
@@ -427,7 +508,7 @@ at::Tensor Group::all_gather(const at::Tensor& input) const {
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int i = 0; i < size(); ++i) outputs[0].push_back(out[i]);
   std::vector<at::Tensor> inputs{in.view({-1})};
-  wait(*this, "all_gather", pg_->allgather(outputs, inputs), scope.number());
+  wait(*this, "all_gather", pg_->allgather(outputs, inputs), scope.number(), in.device().type());
   std::vector<int64_t> shape{size()};
   for (int64_t s : in.sizes()) shape.push_back(s);
   return out.view(shape);
@@ -437,7 +518,7 @@ void Group::all_reduce_sum(at::Tensor& tensor) const {
   detail::CollectiveScope scope(*runtime_);
   if (size() == 1) return;
   std::vector<at::Tensor> tensors{tensor};
-  wait(*this, "all_reduce", pg_->allreduce(tensors), scope.number());
+  wait(*this, "all_reduce", pg_->allreduce(tensors), scope.number(), tensor.device().type());
 }
 
 void Group::broadcast(at::Tensor& tensor, int root) const {
@@ -446,13 +527,14 @@ void Group::broadcast(at::Tensor& tensor, int root) const {
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  wait(*this, "broadcast", pg_->broadcast(tensors, opts), scope.number());
+  wait(*this, "broadcast", pg_->broadcast(tensors, opts), scope.number(), tensor.device().type());
 }
 
 void Group::barrier() const {
   detail::CollectiveScope scope(*runtime_);
   if (size() == 1) return;
-  wait(*this, "barrier", pg_->barrier(), scope.number());
+  // A barrier holds the host on every backend: timed as CPU work.
+  wait(*this, "barrier", pg_->barrier(), scope.number(), c10::DeviceType::CPU);
 }
 
 namespace {
@@ -488,7 +570,7 @@ namespace {
 // the process group has a CPU backend (Gloo, or "cpu:gloo,cuda:nccl"), else on the current
 // device of the group's accelerator (an NCCL-only group takes CUDA tensors alone).
 at::Device metadata_device(c10d::ProcessGroup* pg) {
-  if (pg == nullptr || pg->hasBackendForDeviceType(at::kCPU)) {
+  if (pg == nullptr || has_backend(*pg, at::kCPU)) {
     return at::kCPU;
   }
   const std::vector<c10::Device> types = pg->getDeviceTypes();

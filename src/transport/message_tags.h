@@ -1,5 +1,5 @@
 // Every message tag in use between two ranks of a group, in one place so a new one is picked
-// knowing the others. Transfers of one tag between two ranks arrive in order (Group::send_recv).
+// knowing the others. Transfers of one tag between two ranks arrive in order (Transfers).
 #pragma once
 
 namespace ulysses::detail {

@@ -1,6 +1,6 @@
 // GroupOptions as the dispatcher ops carry them (an `int[] group_options`): [timeout ms,
-// pipeline_min_bytes, message_bytes, shared_memory]; a shorter list leaves the rest at their
-// defaults. Python writes the same list (ulysses.ops.group_options).
+// pipeline_min_bytes, message_bytes, shared_memory, transport]; a shorter list leaves the rest at
+// their defaults. Python writes the same list (ulysses.ops.group_options).
 #pragma once
 
 #include <c10/util/ArrayRef.h>

@@ -1,5 +1,5 @@
 // Projections overlapped with the exchanges: scatter_projected, gather_projected and their
-// backward passes, on Group::send_recv (one message per slab, every receive posted first).
+// backward passes, on Transfers (one message per slab, every receive added first).
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -25,28 +25,29 @@ at::Tensor rows(const at::Tensor& t, const Slab& s, int64_t offset = 0) {
   return t.select(0, s.batch).narrow(0, offset + s.first, s.count).flatten(1);
 }
 
-// Transfers posted by one call: receives first, then sends, waited in posting order.
-struct Transfers {
-  const Group& group;
-  std::vector<Exchange> sends;
-  std::vector<at::Tensor> sent;  // Alive until their sends complete.
+// The call's slabs on the group's transport (Transfers): every receive is added first, then
+// the sends as they are computed; post() before this rank's own part, whose compute then
+// overlaps the transfers. Empty slabs move nothing, alike on both ranks.
+struct SlabTransfers {
+  static constexpr size_t kNothing = SIZE_MAX;
+  Transfers io;
+  SlabTransfers(const Group& group, const at::Tensor& like) : io(group, like.device().type()) {}
   void send(const at::Tensor& t, int to, int tag) {
-    if (t.numel() == 0) return;
-    sent.push_back(t);
-    sends.push_back(group.send_recv(detail::wire_view(t), to, {}, to, tag));
+    if (t.numel() > 0) io.send(detail::wire_view(t), to, tag);
   }
-  Exchange receive(const at::Tensor& t, int from, int tag) const {
-    if (t.numel() == 0) return {};
-    return group.send_recv({}, from, detail::wire_view(t), from, tag);
+  size_t receive(const at::Tensor& t, int from, int tag) {
+    return t.numel() == 0 ? kNothing : io.receive(detail::wire_view(t), from, tag);
   }
-  void finish() {
-    for (Exchange& e : sends) e.wait();
+  void post() { io.post(); }
+  void wait(size_t n) {
+    if (n != kNothing) io.wait(n);
   }
+  void finish() { io.wait(); }
 };
 
 // A received slab of projection `t` from (or for) rank `peer`, and where it belongs.
 struct Arrival {
-  Exchange exchange;
+  size_t transfer;
   at::Tensor data;
   Slab slab;
   size_t t;
@@ -184,14 +185,13 @@ std::vector<at::Tensor> scatter_projected_kernel(const at::Tensor& x,
     ys.push_back(
         at::empty({B, plan.seq.seq_len(), in.range(t, me).size(), in.head_dim(t)}, x.options()));
   }
-  Transfers io{group};
-  std::vector<Exchange> arrivals;
+  SlabTransfers io(group, x);
   for (int k = 1; k < P; ++k) {
     const int from = (me + P - k) % P;
     int tag = kFirstMessage;
     for (const Slab& s : slabs(B, plan.seq.length(from), in.per_token(me), limit)) {
       for (const at::Tensor& y : ys) {
-        arrivals.push_back(io.receive(rows(y, s, plan.seq.range(from).begin), from, tag++));
+        io.receive(rows(y, s, plan.seq.range(from).begin), from, tag++);
       }
     }
   }
@@ -202,6 +202,7 @@ std::vector<at::Tensor> scatter_projected_kernel(const at::Tensor& x,
       for (size_t t = 0; t < ys.size(); ++t) io.send(in.project(rows(x, s), t, to), to, tag++);
     }
   }
+  io.post();
   // This rank's own heads, straight into the outputs, while the slabs travel.
   for (size_t t = 0; t < ys.size(); ++t) {
     for (int64_t b = 0; b < B; ++b) {
@@ -210,7 +211,6 @@ std::vector<at::Tensor> scatter_projected_kernel(const at::Tensor& x,
       in.project(rows(x, s), t, me, dst);
     }
   }
-  for (Exchange& a : arrivals) a.wait();
   io.finish();
   return ys;
 }
@@ -236,7 +236,7 @@ std::vector<at::Tensor> scatter_projected_backward_kernel(
     in.rows_of(dw[t], t, j).addmm_(g.t(), x_rows);
     if (db[t].defined()) in.rows_of(db[t], t, j).add_(g.sum(0));
   };
-  Transfers io{group};
+  SlabTransfers io(group, x);
   std::vector<Arrival> arrivals;
   for (int k = 1; k < P; ++k) {  // The gradients of the slabs this rank sent.
     const int from = (me + k) % P;
@@ -244,8 +244,7 @@ std::vector<at::Tensor> scatter_projected_backward_kernel(
     for (const Slab& s : slabs(B, mine, in.per_token(from), limit)) {
       for (size_t t = 0; t < gys.size(); ++t) {
         at::Tensor g = at::empty({s.count, in.range(t, from).size() * in.head_dim(t)}, x.options());
-        Exchange e = io.receive(g, from, tag++);
-        arrivals.push_back({std::move(e), g, s, t, from});
+        arrivals.push_back({io.receive(g, from, tag++), g, s, t, from});
       }
     }
   }
@@ -256,6 +255,7 @@ std::vector<at::Tensor> scatter_projected_backward_kernel(
       for (const at::Tensor& g : gys) io.send(rows(g, s, plan.seq.range(to).begin), to, tag++);
     }
   }
+  io.post();
   for (size_t t = 0; t < gys.size(); ++t) {
     for (int64_t b = 0; b < B; ++b) {
       const Slab s{b, 0, mine};
@@ -263,7 +263,7 @@ std::vector<at::Tensor> scatter_projected_backward_kernel(
     }
   }
   for (Arrival& a : arrivals) {
-    a.exchange.wait();
+    io.wait(a.transfer);
     if (a.data.numel() > 0) accumulate(rows(dx, a.slab), rows(x, a.slab), a.data, a.t, a.peer);
   }
   io.finish();
@@ -286,7 +286,7 @@ std::vector<at::Tensor> gather_projected_kernel(const at::Tensor& y_in, const at
     std::vector<at::Tensor> parts;
   } g{at::empty({B, mine, weight.size(0)}, y.options()), std::vector<at::Tensor>(P)};
   g.parts[me] = y.narrow(1, plan.seq.range(me).begin, mine);
-  Transfers io{group};
+  SlabTransfers io(group, y);
   std::vector<Arrival> arrivals;
   for (int k = 1; k < P; ++k) {
     const int from = (me + P - k) % P;
@@ -304,13 +304,14 @@ std::vector<at::Tensor> gather_projected_kernel(const at::Tensor& y_in, const at
       io.send(rows(y, s, plan.seq.range(to).begin), to, tag++);
     }
   }
+  io.post();
   for (int64_t b = 0; b < B; ++b) {
     const Slab s{b, 0, mine};
     at::Tensor dst = rows(g.out, s);
     at::mm_out(dst, rows(g.parts[me], s), columns(weight, plan, me, D).t());
   }
   for (Arrival& a : arrivals) {
-    a.exchange.wait();
+    io.wait(a.transfer);
     rows(g.out, a.slab).addmm_(a.data, columns(weight, plan, a.peer, D).t());
   }
   io.finish();
@@ -333,13 +334,12 @@ std::vector<at::Tensor> gather_projected_backward_kernel(const at::Tensor& grad,
   const int64_t B = g.size(0), D = parts[me].size(3), mine = plan.seq.length(me);
   const int64_t limit = max_elements(group, g);
   at::Tensor dy = at::empty({B, plan.seq.seq_len(), ranges[me].size(), D}, g.options());
-  Transfers io{group};
-  std::vector<Exchange> arrivals;
+  SlabTransfers io(group, g);
   for (int k = 1; k < P; ++k) {  // The gradients of the slabs this rank sent.
     const int from = (me + k) % P;
     int tag = kFirstMessage;
     for (const Slab& s : slabs(B, plan.seq.length(from), ranges[me].size() * D, limit)) {
-      arrivals.push_back(io.receive(rows(dy, s, plan.seq.range(from).begin), from, tag++));
+      io.receive(rows(dy, s, plan.seq.range(from).begin), from, tag++);
     }
   }
   for (int k = 1; k < P; ++k) {  // Each peer's, computed slab by slab and sent at once.
@@ -349,6 +349,7 @@ std::vector<at::Tensor> gather_projected_backward_kernel(const at::Tensor& grad,
       io.send(at::mm(rows(g, s), columns(weight, plan, to, D)), to, tag++);
     }
   }
+  io.post();
   at::Tensor dw = at::zeros_like(weight);
   for (int64_t b = 0; b < B; ++b) {
     const Slab s{b, 0, mine};
@@ -358,7 +359,6 @@ std::vector<at::Tensor> gather_projected_backward_kernel(const at::Tensor& grad,
       columns(dw, plan, j, D).addmm_(rows(g, s).t(), rows(parts[j], s));
     }
   }
-  for (Exchange& a : arrivals) a.wait();
   io.finish();
   return {dy, dw};
 }

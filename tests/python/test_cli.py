@@ -242,6 +242,7 @@ def test_version_and_help_per_command():
     (["bench", "a2a", "--message-kib", "0"], "option --message-kib must be in [1, 1099511627776]; got 0"),
     (["train", "--steps", "0"], "option --steps must be >= 1; got 0"),
     (["train", "--checkpoint", "disk"], "option --checkpoint must be none, recompute or offload; got 'disk'"),
+    (["bench", "a2a", "--transport", "nccl"], "option --transport must be auto, messages or batched; got 'nccl'"),
     (["plan", "--q-heads", "4", "--sp", "2", "--seq-len", "0"], "option --seq-len must be >= 1; got 0"),
     (["bench", "attention", "--math-limit-gb", "-1"], "option --math-limit-gb must be >= 0; got -1"),
     (["train", "--lr", "11"], "option --lr must be in [0, 10]; got 11"),
