@@ -206,6 +206,11 @@ AttentionHeads attend_heads(const AttentionCall& call,
   options.rules() = call.rules();
   options.sinks = call.sinks;
   options.step_context = call.step != nullptr;
+  if (ring) {
+    options.cpu_only = "ring attention (its blocks run on the fused CPU kernel)";
+  } else if (!call.local && call.kernel == LocalKernel::kFused) {
+    options.cpu_only = "local attention \"fused\"";
+  }
   // A ring's mask, and one already rebuilt, have other shapes than the agreement checks.
   if (ring || call.mask_rebuilt) options.mask_check = CallOptions::MaskCheck::kCaller;
 

@@ -90,6 +90,19 @@ void check_call_locally(const HeadPartition& heads, Layout layout,
                       x.size(bdim), " but ", tensors[0].name, " has batch ", first.size(bdim),
                       " (shapes ", shape_str(x.sizes()), " and ", shape_str(first.sizes()), ")");
   }
+  // The mask and position ids go to collectives beside q (their rebuild and gather), and
+  // the sinks to q's kernel: on another device they would reach a backend without it (NCCL
+  // has no CPU tensors). Refused here, before any collective, naming the device to use.
+  const std::pair<const char*, const c10::optional<at::Tensor>*> extras[] = {
+      {"mask", &call.mask}, {"position_ids", &call.positions}, {"sinks", &call.sinks}};
+  for (const auto& [name, t] : extras) {
+    TORCH_CHECK_VALUE(!*t || !(*t)->defined() || (*t)->device() == first.device(),
+                      "agree_plan: ", name, " is on ", (*t)->device(), " but ", tensors[0].name,
+                      " is on ", first.device(), "; move it to ", first.device());
+  }
+  TORCH_CHECK_VALUE(call.cpu_only == nullptr || first.is_cpu(), "agree_plan: ", call.cpu_only,
+                    " runs on CPU tensors; ", tensors[0].name, " is on ", first.device(),
+                    ": use local=\"auto\" (SDPA) there");
   if (call.attention) {  // q, k, v: k's head dim is q's (v's may differ).
     TORCH_CHECK_VALUE(tensors.size() == 3 && tensors[1].tensor.size(3) == first.size(3),
                       "agree_plan: q and k must have one head dim; got q ",

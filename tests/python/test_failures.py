@@ -197,3 +197,38 @@ def test_sinks_given_to_a_callable_on_one_rank_fail_alike():
 
     errors = run_ranks_errors(2, body)
     assert errors[0] == errors[1] and "a callable local attention takes no sinks" in errors[0], errors
+
+
+@pytest.mark.parametrize("what", ["mask", "position_ids"])
+def test_a_mask_or_positions_on_another_device_than_q_fail_alike(what):
+    """One rank's mask (or position ids) on another device than its q: a CPU mask beside CUDA q
+    would reach NCCL, which has no CPU tensors. Simulated with the meta device: the agreement
+    refuses it before any collective, on every rank, naming the device to use."""
+
+    def body(rank, group):
+        attn = ulysses.DistributedAttention(group, q_heads=H, kv_heads=H, causal=True, timeout=5)
+        extra = {"mask": bool_mask()} if what == "mask" else {"position_ids": positions()}
+        if rank == 1:
+            extra = {k: v.to("meta") for k, v in extra.items()}
+        attn(*qkv(), **extra)
+
+    errors = run_ranks_errors(2, body)
+    assert errors[0] == errors[1], errors
+    assert f"agree_plan: {what} is on meta but q is on cpu; move it to cpu [raised on rank 1 of 2]" in errors[0]
+
+
+def test_the_cpu_only_kernel_on_another_device_fails_alike_in_the_agreement():
+    """local="fused" (the CPU kernel) with one rank's q, k, v elsewhere (meta standing in for
+    CUDA): refused in the agreement, before the exchange, alike on every rank."""
+
+    def body(rank, group):
+        attn = ulysses.DistributedAttention(group, q_heads=H, kv_heads=H, local="fused", timeout=5)
+        tensors = qkv()
+        if rank == 0:
+            tensors = tuple(t.to("meta") for t in tensors)
+        attn(*tensors)
+
+    errors = run_ranks_errors(2, body)
+    assert errors[0] == errors[1], errors
+    assert ('local attention "fused" runs on CPU tensors; q is on meta: use local="auto" (SDPA) there '
+            "[raised on rank 0 of 2]") in errors[0], errors
