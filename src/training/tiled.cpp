@@ -1,6 +1,10 @@
 #include "ulysses/tiled.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -8,8 +12,10 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "dispatch/autograd.h"
 #include "ulysses/partition.h"
@@ -61,53 +67,74 @@ std::vector<at::Tensor> recompute_gradients(const TensorFunction& f, const at::T
   return grads;
 }
 
-// The CPU generator's state, saved at forward and replayed for the recompute (dropout-like ops
-// draw the same numbers); the generator's own state is put back afterwards.
+// The generators' states, saved at forward and replayed for the recompute (dropout-like ops
+// draw the same numbers): the CPU generator's, and the device's default generator's when the
+// input lives on a device (CUDA dropout draws from it). Their own states are put back after.
 class GeneratorReplay {
  public:
-  GeneratorReplay() {
-    at::Generator gen = generator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    state_ = gen.get_state();
+  explicit GeneratorReplay(const c10::Device& device) {
+    generators_.push_back(at::detail::getDefaultCPUGenerator());
+    if (!device.is_cpu() && !device.is_meta())
+      generators_.push_back(at::globalContext().defaultGenerator(device));
+    for (at::Generator& gen : generators_) states_.push_back(state_of(gen));
   }
   template <typename Fn>
   auto replay(Fn&& fn) const {
-    at::Generator gen = generator();
-    at::Tensor now;
-    {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      now = gen.get_state();
-      gen.set_state(state_);
-    }
     struct Restore {
-      at::Generator gen;
-      at::Tensor state;
+      std::vector<at::Generator> gens;
+      std::vector<at::Tensor> states;
       ~Restore() {
-        std::lock_guard<std::mutex> lock(gen.mutex());
-        gen.set_state(state);
+        for (size_t i = 0; i < gens.size(); ++i) set(gens[i], states[i]);
       }
-    } restore{gen, now};
+    } restore{generators_, {}};
+    for (size_t i = 0; i < generators_.size(); ++i) {
+      at::Generator gen = generators_[i];
+      restore.states.push_back(state_of(gen));
+      set(gen, states_[i]);
+    }
     return fn();
   }
 
  private:
-  static at::Generator generator() { return at::detail::getDefaultCPUGenerator(); }
-  at::Tensor state_;
+  static at::Tensor state_of(at::Generator& gen) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    return gen.get_state();
+  }
+  static void set(at::Generator gen, const at::Tensor& state) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+  }
+  std::vector<at::Generator> generators_;
+  std::vector<at::Tensor> states_;
 };
 
 // x's host copy for an offloaded checkpoint, made in the background. On CPU a worker thread
-// copies (the forward goes on meanwhile); on a device, a non-blocking copy into pinned memory
-// on the current stream. Counted in live_offload_bytes while it lives.
+// copies (the forward goes on meanwhile). On a device, a non-blocking copy into pinned memory
+// on a side stream that waits for x's producer (an event on the current stream); x is
+// recorded on the side stream so its memory is not reused before the copy ends, and restore
+// makes the current stream wait for the copy. Counted in live_offload_bytes while it lives.
 class HostCopy {
  public:
   explicit HostCopy(const at::Tensor& x) : device_(x.device()), bytes_(x.nbytes()) {
     live_offload_bytes += bytes_;
     if (x.is_cpu()) {
       pending_ = std::async(std::launch::async, [x] { return x.clone(); });
-    } else {
-      host_ = at::empty(x.sizes(), x.options().device(at::kCPU).pinned_memory(true));
+      return;
+    }
+    const c10::impl::VirtualGuardImpl impl(device_.type());
+    const c10::Stream compute = impl.getStream(device_);
+    const c10::Stream side = impl.getStreamFromGlobalPool(device_, /*isHighPriority=*/false);
+    c10::Event produced(device_.type());
+    produced.record(compute);
+    produced.block(side);
+    host_ = at::empty(x.sizes(), x.options().device(at::kCPU).pinned_memory(true));
+    {
+      const c10::StreamGuard on_side(side);
       host_.copy_(x, /*non_blocking=*/true);
     }
+    x.record_stream(side);
+    copied_.emplace(device_.type());
+    copied_->record(side);
   }
   // A pending copy is waited for here (std::async's future), so the worker never outlives it.
   ~HostCopy() { live_offload_bytes -= bytes_; }
@@ -117,7 +144,9 @@ class HostCopy {
   // The input back on its device (waits for the copy). Called by backward, once per run.
   at::Tensor restore() {
     if (pending_.valid()) host_ = pending_.get();
-    return device_.is_cpu() ? host_ : host_.to(device_, /*non_blocking=*/true);
+    if (device_.is_cpu()) return host_;
+    copied_->block(c10::impl::VirtualGuardImpl(device_.type()).getStream(device_));
+    return host_.to(device_, /*non_blocking=*/true);
   }
 
  private:
@@ -125,6 +154,7 @@ class HostCopy {
   int64_t bytes_;
   std::future<at::Tensor> pending_;  // The CPU worker's copy, until restore takes it.
   at::Tensor host_;
+  std::optional<c10::Event> copied_;  // Device inputs: the side stream's copy is done.
 };
 
 }  // namespace
@@ -267,7 +297,7 @@ at::Tensor checkpoint(const TensorFunction& f, const at::Tensor& x,
                       const std::vector<at::Tensor>& params, Checkpoint mode) {
   const std::vector<at::Tensor> inputs = with_params(x, params);
   if (mode == Checkpoint::kNone || !needs_backward(inputs)) return f(x);
-  const GeneratorReplay rng;
+  const GeneratorReplay rng(x.device());
   std::shared_ptr<HostCopy> host;
   if (mode == Checkpoint::kOffload) host = std::make_shared<HostCopy>(x);
   std::vector<at::Tensor> result;
