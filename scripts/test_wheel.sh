@@ -23,21 +23,7 @@ torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__.split
 "$venv/bin/pip" install -q --disable-pip-version-check --no-deps "$wheel"
 # Away from the repository, so nothing can import the sources instead of the wheel.
 cd "$work"
-"$venv/bin/python" - <<'PY'
-import os
-import torch
-import ulysses
-assert "site-packages" in ulysses.__file__, ulysses.__file__
-out = torch.ops.ulysses.local_attention(*(torch.randn(1, 2, 4, 8) for _ in range(3)), [0, 1],
-                                        None, None, True, 0.0)
-print(f"wheel: import ulysses {ulysses.__version__} from {os.path.dirname(ulysses.__file__)}; "
-      f"torch.ops.ulysses.local_attention -> {list(out.shape)}")
-PY
-"$venv/bin/ulysses" --version
-export OMP_NUM_THREADS=1
-"$venv/bin/ulysses" launch -n 2 -- "$venv/bin/python" "$root/tests/wheel/smoke_attention.py"
-"$venv/bin/ulysses" train --nproc 2 --check --seq-len 96 --steps 2 --log-every 1 | tail -n 2
-"$venv/bin/torchrun" --nproc_per_node 2 -m ulysses plan --q-heads 4 --kv-heads 2 --sp 2 | tail -n 1
+bash "$root/scripts/smoke_wheel.sh" "$venv"
 prefix=$("$venv/bin/python" -c "import ulysses, torch.utils; print(ulysses.cmake_prefix_path + ';' + torch.utils.cmake_prefix_path)")
 cmake -S "$root/tests/cmake_consumer" -B consumer -G Ninja -DCMAKE_PREFIX_PATH="$prefix" \
   -DCMAKE_BUILD_TYPE=Release >consumer.log 2>&1 || { cat consumer.log; exit 1; }

@@ -108,7 +108,7 @@ TEST_P(TiledMap, EqualsTheWholeMlpWithOneGradientPerParameter) {
   // Counts what a DDP reducer sees: its hooks run after each parameter's AccumulateGrad.
   // A reducer holds the accumulators too: a parameter keeps only a weak pointer to its own.
   int hooks = 0;
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators;
+  std::vector<decltype(torch::autograd::Edge::function)> accumulators;  // Per torch version.
   for (const at::Tensor& p : mlp.params()) {
     accumulators.push_back(torch::autograd::impl::grad_accumulator(p));
     accumulators.back()->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(

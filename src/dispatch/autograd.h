@@ -7,12 +7,29 @@
 #include <torch/csrc/autograd/functions/utils.h>
 
 #include <functional>
+#include <memory>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace ulysses::detail {
 
 using BackwardFn = std::function<std::vector<at::Tensor>(std::vector<at::Tensor>&&)>;
+
+// What torch's autograd graph holds a node by: std::shared_ptr up to torch 2.11,
+// c10::intrusive_ptr later. Edge::function names it on every version.
+using NodePtr = decltype(torch::autograd::Edge::function);
+
+// A new node of type T, held as the graph holds nodes.
+template <typename T, typename... Args>
+auto make_node(Args&&... args) {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>) {
+    return std::make_shared<T>(std::forward<Args>(args)...);
+  } else {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  }
+}
 
 // A node whose backward is `fn`; undefined incoming gradients are replaced by zeros.
 class FunctionNode : public torch::autograd::Node {
@@ -49,7 +66,7 @@ class FunctionNode : public torch::autograd::Node {
 inline void attach_backward(const std::vector<at::Tensor>& inputs, std::vector<at::Tensor>& outputs,
                             std::string name, BackwardFn fn) {
   if (!torch::autograd::compute_requires_grad(inputs)) return;
-  auto node = c10::make_intrusive<FunctionNode>(std::move(name), std::move(fn));
+  auto node = make_node<FunctionNode>(std::move(name), std::move(fn));
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
   for (at::Tensor& out : outputs) {
     node->record_output(out);

@@ -50,7 +50,7 @@ at::Tensor sinks_grad(const at::Tensor& grad_out, const at::Tensor& out, const a
                       const at::Tensor& sinks) {
   at::Tensor p_sink = (sinks.to(at::kFloat).view({1, -1, 1}) - lse).exp();
   at::Tensor delta = (grad_out.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
-  return (p_sink * delta).sum({0, 2}).neg().to(sinks.scalar_type());
+  return (p_sink * delta).sum(at::IntArrayRef{0, 2}).neg().to(sinks.scalar_type());
 }
 
 bool learns_sinks(const OptTensor& sinks) {
