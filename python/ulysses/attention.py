@@ -115,6 +115,7 @@ class DistributedAttention(nn.Module):
             raise ValueError(f"DistributedAttention: local must be one of {', '.join(_KERNELS)} or a "
                              f"callable; got {local!r}")
         self.group_name = O.group_name(group)
+        O.with_cpu_backend(self.group_name)  # The agreement's integers stay on the host.
         self.ring_name = O.group_name(ring_group) if ring_group is not None else None
         ring_pg = O.process_group(self.ring_name) if self.ring_name is not None else None
         self.ring_rank, self.ring_size = (ring_pg.rank(), ring_pg.size()) if ring_pg is not None else (0, 1)

@@ -48,6 +48,25 @@ def group_name(group: GroupLike) -> str:
     return group.group_name
 
 
+def with_cpu_backend(name: str) -> None:
+    """Gives the group ``name`` a Gloo backend for CPU tensors when it has none (a group made
+    NCCL-only), so that each call's agreement moves its few integers host to host instead of
+    through the GPU with a device-to-host copy (Note [Metadata device] in group.cpp). The Gloo
+    backend rendezvouses through the group's own store, under a prefix of ours, among the
+    group's ranks alone: every rank of the group calls this at the same point (the
+    DistributedAttention constructor does). A group made with ``"cpu:gloo,cuda:nccl"`` (and
+    DeviceMesh groups under such a world) already has one."""
+    if not name:
+        return
+    pg = process_group(name)
+    if any(d.type == "cpu" for d in pg._device_types):
+        return
+    store = dist.distributed_c10d._world.pg_map[pg][1]
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("ulysses/cpu/", store), pg.rank(), pg.size(),
+                                 datetime.timedelta(milliseconds=_C.DEFAULT_TIMEOUT_MS))
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+
+
 def timeout_ms(timeout: Timeout) -> int:
     """Milliseconds of a timedelta or of seconds (None: the default, 120 s)."""
     if timeout is None:  # Without timedelta arithmetic, which torch.compile cannot trace.
