@@ -1,212 +1,484 @@
-"""ulysses on CUDA tensors: the GPU check that scripts/gpu_check.sh runs on a machine with an
-NVIDIA GPU (nothing here runs without one).
+"""ulysses on a GPU: the one prepared check that scripts/gpu_check.sh runs on a machine with an
+NVIDIA GPU, and that CI runs on the CPU (``--device cpu --quick``) so that the check itself
+cannot fail on its first GPU run for a reason a CPU would show.
 
-    python bench/gpu_check.py [--nproc 2] [--json FILE]
+    python bench/gpu_check.py [--device cuda|cpu] [--quick] [--out DIR]
 
-1. Correctness, forward and q/k/v gradients against SDPA in float64 on one GPU, fp32 and bf16:
-   GQA with Hkv < P, uneven heads, S not divisible by P, a query-sharded padding mask, causal.
-   With a GPU per rank the ranks talk over NCCL; with one GPU every rank shares it over a Gloo
-   group (Gloo stages CUDA tensors through host memory), which still runs every CUDA code path
-   of ours (packing, masks, SDPA) though not NCCL.
-2. All-to-all (NCCL only): ours (q, k, v in one fused call) against a bare all_to_all_single of
-   the same bytes into preallocated buffers, bus bandwidth at 1M to 256M elements per rank.
-3. The attention layer forward+backward (bf16, causal, Hq 32 / Hkv 8, D 128) at S = 32K, 64K,
-   128K: time (CUDA events, slowest rank) and peak memory per rank.
-Exits 1 if a correctness case misses its tolerance.
+Parts, each guarded (one that fails does not hide the rest); DIR gets gpu_check.json (every
+number) and summary.txt (a line per result):
+
+1. host_sync (CUDA): attention calls at P = 1 over NCCL return while the GPU is still busy
+   with a sleep queued before them: no host synchronisation in the call path.
+2. local: every local-attention case (plain, causal, GQA, padding mask, packed documents,
+   window, softcap, sinks) in fp32 and bf16, forward and q/k/v gradients against float64; then
+   (not --quick) each case at S = 8K and 32K in bf16: the kernel the rule chose, fwd+bwd time,
+   peak memory.
+3. sweep: 2 processes (one GPU: Gloo carries CUDA tensors), under both transports (messages,
+   batched): DistributedAttention against float64 (GQA with Hkv < P, uneven heads, a padding
+   mask with S not divisible, packed documents, a window, a softcap), the projected exchange
+   round trip, and a tiny Llama through ulysses.hf against the unsharded model.
+4. checkpoint: ulysses.tiled.checkpoint(offload=True) over layers with dropout: gradients equal
+   the plain run's under the same seed; on CUDA the peak memory is lower.
+5. layer: DistributedAttention at P = 1, bf16, causal, Hq 32 / Hkv 8,
+   D 128, at S = 32K, 64K, 128K (--quick: 8K; on CPU a small fp32 case): fwd+bwd time and
+   peak, against torch's SDPA (kv heads expanded).
+
+Exits 1 if any part failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import json
 import os
 import sys
 import tempfile
+import time
+import traceback
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-CASES = [  # name, S, Hq, Hkv, causal, padded
-    ("GQA 8/1 (Hkv < P), causal", 1000, 8, 1, True, False),
-    ("uneven heads 15/5", 1003, 15, 5, False, False),
-    ("padding mask, S not divisible", 997, 8, 8, False, True),
-]
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
+from reference import reference_attention  # noqa: E402  (float64, torch primitives only)
+
 TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 3e-2}
 
 
-def reference(q, k, v, mask, causal):
-    """SDPA in float64 on [B, S, H, D] tensors (kv heads repeated for GQA)."""
-    q, k, v = (t.double().detach().requires_grad_() for t in (q, k, v))
-    rep = q.shape[2] // k.shape[2]
-    qt = q.transpose(1, 2)
-    kt, vt = (t.repeat_interleave(rep, 2).transpose(1, 2) for t in (k, v))
-    if causal and mask is not None:
-        mask = mask & torch.ones(q.shape[1], q.shape[1], dtype=torch.bool, device=q.device).tril()
-    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=causal and mask is None)
-    return out.transpose(1, 2), (q, k, v)
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+def guarded(fn: Callable[[], dict]) -> dict:
+    """Runs one part; an exception becomes its result (ok False, the error and where)."""
+    t0 = time.perf_counter()
+    try:
+        out = fn()
+        out.setdefault("ok", all(r.get("ok", True) for r in out.get("rows", [])))
+    except Exception as e:  # noqa: BLE001  (a part's failure is data, not the end of the check)
+        out = {"ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0][:500],
+               "trace": traceback.format_exc(limit=6)}
+    out["seconds"] = round(time.perf_counter() - t0, 2)
+    return out
 
 
-def correctness(rank, P, group, device):
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_reset(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def peak_mib(device: torch.device, base: int) -> float | None:
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None
+
+
+# ---- local attention ---------------------------------------------------------------------------
+
+LOCAL_CASES = ["plain", "causal", "gqa", "padding mask", "packed documents", "window", "softcap", "sinks"]
+
+
+def local_inputs(case: str, B: int, S: int, hq: int, D: int, dtype, device, seed: int = 0) -> tuple:
+    """q, k, v ``[B, S, H, D]`` (BSHD, the reference's) and the call's options for ``case``."""
+    gen = torch.Generator().manual_seed(seed)
+    hkv = hq // 4 if case == "gqa" else hq
+    q, k, v = (torch.randn(B, S, h, D, generator=gen).to(device, dtype) for h in (hq, hkv, hkv))
+    opts: dict = {"causal": case in ("causal", "gqa", "packed documents", "window")}
+    if case == "padding mask":
+        keep = torch.ones(B, 1, 1, S, dtype=torch.bool)
+        keep[0, ..., : S // 5] = False
+        opts["mask"] = keep.to(device)
+    elif case == "packed documents":
+        cut = [S // 3, S // 2, S - S // 3 - S // 2]
+        opts["positions"] = torch.cat([torch.arange(n) for n in cut]).expand(B, S).contiguous().to(device)
+    elif case == "window":
+        opts["window"] = max(2, S // 8)
+    elif case == "softcap":
+        opts["softcap"] = 2.0
+        q, k = q * 3, k * 3  # scores large enough for the cap to matter
+    elif case == "sinks":
+        opts["sinks"] = torch.randn(hq, generator=gen).to(device, torch.float32)
+    return q, k, v, opts
+
+
+def run_local(q, k, v, opts) -> torch.Tensor:
+    """ulysses.local_attention (BHSD) on BSHD inputs, returning BSHD."""
     import ulysses
 
+    hq, hkv = q.shape[2], k.shape[2]
+    kv_map = [h // (hq // hkv) for h in range(hq)]
+    o = ulysses.local_attention(*(t.transpose(1, 2) for t in (q, k, v)), kv_map, mask=opts.get("mask"),
+                                positions=opts.get("positions"), causal=opts["causal"],
+                                window=opts.get("window", 0), softcap=opts.get("softcap"), sinks=opts.get("sinks"))
+    return o.transpose(1, 2)
+
+
+def chosen_kernel(q, opts) -> str:
+    from ulysses import _C
+
+    return _C.chosen_local_kernel(q.transpose(1, 2), opts.get("mask"), opts.get("positions"), opts["causal"],
+                                  opts.get("window", 0), opts.get("softcap", 0.0), opts.get("sinks"))
+
+
+def reference_of(q, k, v, opts, grad):
+    """float64 output and q/k/v gradients on the CPU."""
+    ins = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    cpu = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in opts.items()}
+    out = reference_attention(*ins, mask=cpu.get("mask"), positions=cpu.get("positions"), causal=cpu["causal"],
+                              window=cpu.get("window", 0), softcap=cpu.get("softcap", 0.0), sinks=cpu.get("sinks"))
+    out.backward(grad.detach().cpu().double())
+    return out, [t.grad for t in ins]
+
+
+def local_part(device: torch.device, quick: bool) -> dict:
     rows = []
-    for name, S, hq, hkv, causal, padded in CASES:
-        lens = ulysses.plan(hq, hkv, P, S)["seq_lens"]
-        start = sum(lens[:rank])
+    S = 64 if quick else 256
+    for case in LOCAL_CASES:
         for dtype in (torch.float32, torch.bfloat16):
-            gen = torch.Generator(device=device).manual_seed(7)
-            q, k, v = (torch.randn(2, S, h, 64, generator=gen, device=device, dtype=dtype) for h in (hq, hkv, hkv))
-            mask = None
-            if padded:
-                keep = torch.ones(2, S, dtype=torch.bool, device=device)
-                keep[0, : S // 5] = False
-                mask = keep[:, None, None, :].expand(2, 1, S, S)
-            ref, (rq, rk, rv) = reference(q, k, v, mask, causal)
-            grad = torch.randn(ref.shape, generator=gen, device=device, dtype=ref.dtype)
-            ref.backward(grad)
-            attn = ulysses.DistributedAttention(group, causal=causal)
-            mine = [t.narrow(1, start, lens[rank]).detach().requires_grad_() for t in (q, k, v)]
-            local_mask = None if mask is None else mask.narrow(2, start, lens[rank])
-            out = attn(*mine, mask=local_mask, seq_lens=lens)
-            out.backward(grad.narrow(1, start, lens[rank]).to(dtype))
-            errors = [rel(out, ref.narrow(1, start, lens[rank]))]
-            errors += [rel(m.grad, r.grad.narrow(1, start, lens[rank])) for m, r in zip(mine, (rq, rk, rv))]
-            worst = max(errors)
-            rows.append({"case": name, "dtype": str(dtype).split(".")[1], "worst_rel_error": worst,
-                         "ok": worst <= TOLERANCE[dtype]})
-    return rows
+            q, k, v, opts = local_inputs(case, 2, S, 8, 32, dtype, device)
+            mine = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = run_local(*mine, opts)
+            grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+            out.backward(grad)
+            ref, ref_grads = reference_of(q, k, v, opts, grad)
+            worst = max([rel(out, ref)] + [rel(m.grad, r) for m, r in zip(mine, ref_grads)])
+            rows.append({"case": case, "dtype": str(dtype)[6:], "S": S, "kernel": chosen_kernel(q, opts),
+                         "worst_rel_error": worst, "ok": worst <= TOLERANCE[dtype]})
+    long = [] if quick else [8192, 32768] if device.type == "cuda" else [2048]
+    for S in long:
+        for case in LOCAL_CASES:
+            rows.append(guarded(lambda case=case, S=S: local_at_length(case, S, device)))
+    return {"rows": rows}
 
 
-def bus_bandwidth(rank, P, group, timer, device):
-    """GB/s of ours and of a bare all_to_all_single moving the same bytes (NCCL only)."""
+def local_at_length(case: str, S: int, device: torch.device) -> dict:
+    """fwd+bwd of one case at length S in bf16 (B 1, Hq 16, D 128): kernel, time, peak."""
+    q, k, v, opts = local_inputs(case, 1, S, 16, 128, torch.bfloat16, device)
+    row = {"case": case, "S": S, "kernel": chosen_kernel(q, opts)}
+    ins = [t.requires_grad_() for t in (q, k, v)]
+
+    def step():
+        run_local(*ins, opts).sum().backward()
+
+    step()  # warm-up (and any compile)
+    base = peak_reset(device)
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(2):
+        step()
+    synchronize(device)
+    row["ms"] = (time.perf_counter() - t0) / 2 * 1e3
+    row["peak_MiB"] = peak_mib(device, base)
+    return row
+
+
+# ---- host synchronisation ----------------------------------------------------------------------
+
+def host_sync_part(device: torch.device, tmp: str) -> dict:
+    if device.type != "cuda":
+        return {"skipped": "needs CUDA (streams)"}
+    out = os.path.join(tmp, "host_sync.json")
+    mp.start_processes(_host_sync_worker, args=(os.path.join(tmp, "store_sync"), out), nprocs=1, start_method="spawn")
+    with open(out) as f:
+        return json.load(f)
+
+
+def _host_sync_worker(rank: int, store: str, out: str) -> None:
     import ulysses
 
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
     rows = []
-    for elements in (1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28):
-        H, D = 32, 128
-        S_r = max(1, elements // (H * D))
-        x = torch.randn(1, S_r, H, D, device=device, dtype=torch.bfloat16)
-        lens = [S_r] * P
-        send = x.reshape(-1).clone()
-        recv = torch.empty_like(send)
-
-        def ours(x=x, lens=lens, H=H):
-            qh = ulysses.scatter_heads([x], ["q"], H, H, lens, group=group)[0]
-            return ulysses.gather_heads([qh], ["q"], H, H, lens, group=group)[0]
-
-        def bare(send=send, recv=recv):
-            dist.all_to_all_single(recv, send, group=group)
-            dist.all_to_all_single(send, recv, group=group)
-
-        row = {"elements": S_r * H * D}
-        for label, fn in (("ours", ours), ("bare", bare)):
-            ms = cuda_ms(fn, timer)
-            moved = 2 * x.numel() * x.element_size() * (P - 1) / P  # bytes per rank, both ways
-            row[f"{label}_ms"], row[f"{label}_GBps"] = ms, moved / ms / 1e6
-        rows.append(row)
-    return rows
+    try:
+        for case in ("causal", "gqa", "padding mask", "packed documents"):
+            q, k, v, opts = local_inputs(case, 1, 1024, 8, 64, torch.bfloat16, torch.device("cuda"))
+            attn = ulysses.DistributedAttention(dist.group.WORLD, causal=opts["causal"])
+            extra = {"mask": opts["mask"].expand(1, 1, 1024, 1024)} if "mask" in opts else {}
+            if "positions" in opts:
+                extra["position_ids"] = opts["positions"]
+            attn(q, k, v, **extra)  # warm-up
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(2e8))  # ~0.1-0.2 s of GPU time ahead of the call
+            t0 = time.perf_counter()
+            attn(q, k, v, **extra)
+            host_ms = (time.perf_counter() - t0) * 1e3
+            busy = not torch.cuda.current_stream().query()
+            torch.cuda.synchronize()
+            rows.append({"case": case, "host_ms": host_ms, "returned_before_gpu": busy, "ok": busy})
+    finally:
+        dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump({"rows": rows}, f)
 
 
-def layer(rank, P, group, timer, device):
-    import ulysses
+# ---- two ranks ---------------------------------------------------------------------------------
 
-    rows = []
-    for S in (32768, 65536, 131072):
-        hq, hkv, D = 32, 8, 128
-        S_r = S // P
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        q, k, v = (torch.randn(1, S_r, h, D, device=device, dtype=torch.bfloat16, requires_grad=True)
-                   for h in (hq, hkv, hkv))
-        attn = ulysses.DistributedAttention(group, causal=True)
-        base = torch.cuda.memory_allocated(device)
-
-        def step(attn=attn, qkv=(q, k, v), lens=[S_r] * P):
-            attn(*qkv, seq_lens=lens).sum().backward()
-
-        ms = cuda_ms(step, timer, repeats=3)
-        peak = torch.cuda.max_memory_allocated(device) - base
-        rows.append({"seq_len": S, "ms": ms, "peak_extra_MiB": peak / 2**20})
-    return rows
+SWEEP = [  # name, S, Hq, Hkv, case (local_inputs' options)
+    ("GQA 8/1 (Hkv < P), causal", 100, 8, 1, "causal"),
+    ("uneven heads 6/2", 103, 6, 2, "plain"),
+    ("padding mask, S not divisible", 97, 8, 8, "padding mask"),
+    ("packed documents", 96, 8, 8, "packed documents"),
+    ("window", 96, 8, 8, "window"),
+    ("softcap", 96, 8, 8, "softcap"),
+]
 
 
-def cuda_ms(fn, timer, repeats=5):
-    """Median CUDA-event milliseconds of ``fn``, the slowest rank's (over the Gloo group
-    ``timer``)."""
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        dist.barrier(timer)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        t = torch.tensor([start.elapsed_time(end)], device="cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=timer)
-        samples.append(t.item())
-    return sorted(samples)[len(samples) // 2]
+def sweep_part(device: torch.device, tmp: str) -> dict:
+    out = os.path.join(tmp, "sweep.json")
+    mp.start_processes(_sweep_worker, args=(str(device), os.path.join(tmp, "store_sweep"), out), nprocs=2,
+                       start_method="spawn")
+    with open(out) as f:
+        return json.load(f)
 
 
-def worker(rank, P, nccl, store, out):
-    torch.cuda.set_device(rank if nccl else 0)
-    device = torch.device("cuda", torch.cuda.current_device())
-    backend = "cpu:gloo,cuda:nccl" if nccl else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=P)
+def _sweep_worker(rank: int, device_name: str, store: str, out: str) -> None:
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)  # both ranks on the one GPU: Gloo carries CUDA tensors
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     group = dist.group.WORLD
-    timer = dist.new_group(backend="gloo")  # CPU timings are gathered over Gloo
-    result = {"correctness": correctness(rank, P, group, device)}
-    if nccl:
-        result["a2a"] = bus_bandwidth(rank, P, group, timer, device)
-    result["layer"] = layer(rank, P, group, timer, device) if nccl or P == 1 else []
+    rows = []
+    for transport in ("messages", "batched"):
+        os.environ["ULYSSES_TRANSPORT"] = transport  # read by every call's group options
+        for name, S, hq, hkv, case in SWEEP:
+            for dtype in (torch.float32, torch.bfloat16):
+                run = functools.partial(_attention_row, rank, group, device, S, hq, hkv, case, dtype)
+                rows.append(_guarded_row(run, transport=transport, check=name, dtype=str(dtype)[6:]))
+        rows.append(_guarded_row(lambda: _projected_row(rank, group, device), transport=transport,
+                                 check="projected exchange round trip", dtype="float32"))
+        rows.append(_guarded_row(lambda: _hf_row(rank, group, device), transport=transport,
+                                 check="tiny Llama through ulysses.hf", dtype="float32"))
+    dist.destroy_process_group()
     if rank == 0:
         with open(out, "w") as f:
-            json.dump(result, f)
-    dist.destroy_process_group()
+            json.dump({"rows": rows}, f)
+
+
+def _guarded_row(fn: Callable[[], dict], **labels) -> dict:
+    row = guarded(fn)
+    row.pop("seconds", None)
+    return {**labels, **row}
+
+
+def _attention_row(rank, group, device, S, hq, hkv, case, dtype) -> dict:
+    import ulysses
+
+    lens = ulysses.plan(hq, hkv, 2, S)["seq_lens"]
+    start, n = sum(lens[:rank]), lens[rank]
+    q, k, v, opts = local_inputs(case, 2, S, hq, 16, dtype, device, seed=7)
+    grad = torch.randn(2, S, hq, 16, generator=torch.Generator().manual_seed(8)).to(device, dtype)
+    ref, ref_grads = reference_of(q, k, v, opts, grad)
+    attn = ulysses.DistributedAttention(group, causal=opts["causal"], window=opts.get("window"),
+                                        softcap=opts.get("softcap"), timeout=60)
+    mine = [t.narrow(1, start, n).detach().requires_grad_() for t in (q, k, v)]
+    extra = {}
+    if "mask" in opts:  # query rows sharded: this rank's rows of the [B, 1, S, S] mask
+        extra["mask"] = opts["mask"].expand(2, 1, S, S).narrow(2, start, n)
+    if "positions" in opts:
+        extra["position_ids"] = opts["positions"].narrow(1, start, n)
+    out = attn(*mine, seq_lens=lens, **extra)
+    out.backward(grad.narrow(1, start, n))
+    worst = max([rel(out, ref.narrow(1, start, n))] +
+                [rel(m.grad, r.narrow(1, start, n)) for m, r in zip(mine, ref_grads)])
+    return {"worst_rel_error": worst, "ok": worst <= TOLERANCE[dtype]}
+
+
+def _projected_row(rank, group, device) -> dict:
+    """gather_projected(scatter_projected(x, Wq), Wo) == x Wq^T Wo^T on this rank's tokens, and
+    the gradients of x, Wq and Wo (summed over ranks) equal the single-process ones."""
+    import ulysses
+
+    B, S, E, hq, hkv, D = 2, 37, 24, 6, 2, 8
+    lens = ulysses.plan(hq, hkv, 2, S)["seq_lens"]
+    start, n = sum(lens[:rank]), lens[rank]
+    gen = torch.Generator().manual_seed(11)
+    X, Wq, Wk, Wo, W = (torch.randn(*s, generator=gen).to(device) for s in
+                        ((B, S, E), (hq * D, E), (hkv * D, E), (E, hq * D), (B, S, E)))
+    ref_in = [t.detach().double().requires_grad_() for t in (X, Wq, Wo)]
+    ref = F.linear(F.linear(ref_in[0], ref_in[1]), ref_in[2])
+    (ref * W.double()).sum().backward()
+    x, wq, wk, wo = (t.detach().requires_grad_() for t in (X.narrow(1, start, n), Wq, Wk, Wo))
+    ys = ulysses.scatter_projected(x, [wq, wk], [None, None], ["q", "kv"], hq, hkv, lens, group=group)
+    out = ulysses.gather_projected(ys[0], wo, hq, hkv, lens, group=group)
+    (out * W.narrow(1, start, n)).sum().backward()
+    for g in (wq.grad, wo.grad):
+        dist.all_reduce(g, group=group)
+    errors = [rel(out, ref.narrow(1, start, n)), rel(x.grad, ref_in[0].grad.narrow(1, start, n)),
+              rel(wq.grad, ref_in[1].grad), rel(wo.grad, ref_in[2].grad)]
+    return {"worst_rel_error": max(errors), "ok": max(errors) <= 1e-5}
+
+
+def _hf_row(rank, group, device) -> dict:
+    try:
+        from transformers import AutoModelForCausalLM, LlamaConfig
+    except ImportError:
+        return {"skipped": "transformers is not installed"}
+    import ulysses.hf as uhf
+
+    config = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, attention_dropout=0.0, use_cache=False,
+                         max_position_embeddings=64)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().to(device)
+    ids = torch.randint(0, 61, (2, 13), generator=torch.Generator().manual_seed(1)).to(device)
+    ref_model = copy.deepcopy(base)
+    ref_out = ref_model(input_ids=ids, labels=ids)
+    ref_out.loss.backward()
+    model = uhf.sequence_parallel(copy.deepcopy(base), group)
+    sb = uhf.shard_batch({"input_ids": ids}, group)
+    out = model(input_ids=sb["input_ids"], position_ids=sb["position_ids"], ulysses_seq_lens=sb["seq_lens"])
+    loss, global_loss = uhf.sequence_parallel_loss(out.logits, sb["shift_labels"], group)
+    loss.backward()
+    uhf.all_reduce_gradients(model, group)
+    errors = [abs(global_loss.item() - ref_out.loss.item()) / abs(ref_out.loss.item())]
+    grads = dict(ref_model.named_parameters())
+    errors += [rel(p.grad, grads[name].grad) for name, p in model.named_parameters()]
+    return {"worst_rel_error": max(errors), "ok": max(errors) <= 1e-4}
+
+
+# ---- checkpoint --------------------------------------------------------------------------------
+
+def checkpoint_part(device: torch.device, quick: bool) -> dict:
+    """Four blocks (Linear, Dropout, GELU), each checkpointed with offload, against the plain
+    stack: the same dropout draws (the generators replayed), so the same gradients."""
+    from ulysses import tiled
+
+    width, rows = (64, 256) if quick else (1024, 16384)
+    torch.manual_seed(4)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Dropout(0.3), torch.nn.GELU()).to(device)
+              for _ in range(4)]
+    params = [p for b in blocks for p in b.parameters()]
+    x0 = torch.randn(rows, width, generator=torch.Generator().manual_seed(5)).to(device)
+
+    def run(checkpointed: bool):
+        for p in params:
+            p.grad = None
+        x = x0.clone().requires_grad_()
+        torch.manual_seed(9)  # seeds the CPU and every CUDA generator
+        base = peak_reset(device)
+        with tiled.offload_scope():
+            h = x
+            for b in blocks:
+                h = tiled.checkpoint(b, h, offload=True) if checkpointed else b(h)
+            (h.float() ** 2).mean().backward()
+        synchronize(device)
+        return [x.grad] + [p.grad.clone() for p in params], peak_mib(device, base)
+
+    plain, plain_peak = run(False)
+    ckpt, ckpt_peak = run(True)
+    worst = max(rel(a, b) for a, b in zip(ckpt, plain))
+    row = {"worst_rel_error": worst, "plain_peak_MiB": plain_peak, "offload_peak_MiB": ckpt_peak,
+           "ok": worst <= 1e-6 and (ckpt_peak is None or ckpt_peak < plain_peak)}
+    return {"rows": [row]}
+
+
+# ---- the layer at long S -----------------------------------------------------------------------
+
+def layer_part(device: torch.device, quick: bool, tmp: str) -> dict:
+    """One rank (its own 1-rank group: NCCL on CUDA, Gloo on CPU)."""
+    if device.type != "cuda":
+        lengths, hq, hkv, D, dtype = ([512] if quick else [4096]), 8, 2, 64, torch.float32
+    else:
+        lengths, hq, hkv, D, dtype = ([8192] if quick else [32768, 65536, 131072]), 32, 8, 128, torch.bfloat16
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"file://{os.path.join(tmp, 'store_layer')}", rank=0, world_size=1)
+    try:
+        return {"rows": [guarded(lambda S=S: layer_at_length(S, hq, hkv, D, dtype, device)) for S in lengths]}
+    finally:
+        dist.destroy_process_group()
+
+
+def layer_at_length(S: int, hq: int, hkv: int, D: int, dtype, device: torch.device) -> dict:
+    import ulysses
+
+    q, k, v = (torch.randn(1, S, h, D, device=device, dtype=dtype, requires_grad=True) for h in (hq, hkv, hkv))
+    attn = ulysses.DistributedAttention(dist.group.WORLD, causal=True)
+
+    def sdpa():
+        rep = hq // hkv  # kv heads expanded: SDPA's flash backend then applies
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.repeat_interleave(rep, 2).transpose(1, 2),
+                                           v.repeat_interleave(rep, 2).transpose(1, 2), is_causal=True)
+        return o.transpose(1, 2)
+
+    row = {"S": S}
+    for label, fn in (("ulysses", lambda: attn(q, k, v)), ("sdpa", sdpa)):
+        fn().sum().backward()
+        base = peak_reset(device)
+        synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fn().sum().backward()
+        synchronize(device)
+        row[f"{label}_ms"] = (time.perf_counter() - t0) / 3 * 1e3
+        row[f"{label}_peak_MiB"] = peak_mib(device, base)
+    row["ulysses_over_sdpa"] = row["ulysses_ms"] / row["sdpa_ms"]
+    return row
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+def summary_lines(results: dict) -> list[str]:
+    lines = []
+    for part, r in results.items():
+        head = f"{part}: {'ok' if r.get('ok') else 'FAILED'} ({r.get('seconds', 0):.1f} s)"
+        if "skipped" in r:
+            head = f"{part}: skipped ({r['skipped']})"
+        lines.append(head + (f" {r['error']}" if "error" in r else ""))
+        for row in r.get("rows", []):
+            shown = {k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in row.items() if k not in ("trace",)}
+            lines.append("  " + ", ".join(f"{k} {v}" for k, v in shown.items()))
+    return lines
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--json", default="")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--quick", action="store_true", help="small sizes only (the CI run)")
+    p.add_argument("--out", default=os.environ.get("OUT", "build/gpu_check"))
     args = p.parse_args()
-    gpus = torch.cuda.device_count()
-    if gpus == 0:
-        print("gpu_check: no CUDA device")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device (use --device cpu)")
         return 1
-    nccl = gpus >= args.nproc
-    print(f"gpu_check: {torch.cuda.get_device_name(0)} x{gpus}, torch {torch.__version__}, "
-          f"{args.nproc} ranks over {'NCCL' if nccl else 'Gloo on one GPU'}", flush=True)
-    results = {}
+    os.makedirs(args.out, exist_ok=True)
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU"
+    print(f"gpu_check: {name}, torch {torch.__version__}, device {device}{' (quick)' if args.quick else ''}",
+          flush=True)
+    results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for P, over_nccl in ((args.nproc, nccl), (1, True)):  # then one rank: the layer alone
-            out = os.path.join(tmp, f"result{P}")
-            mp.start_processes(worker, args=(P, over_nccl, os.path.join(tmp, f"store{P}"), out),
-                               nprocs=P, start_method="spawn")
-            with open(out) as f:
-                results[P] = json.load(f)
-    ok = True
-    for P, r in results.items():
-        for c in r["correctness"]:
-            ok &= c["ok"]
-            print(f"  P={P} {c['case']:32s} {c['dtype']:9s} worst rel. error {c['worst_rel_error']:.1e} "
-                  f"{'ok' if c['ok'] else 'FAILED'}")
-        for a in r.get("a2a", []):
-            print(f"  P={P} a2a {a['elements']:>10d} elements/rank: ours {a['ours_GBps']:7.1f} GB/s, bare "
-                  f"{a['bare_GBps']:7.1f} GB/s, ours/bare time {a['ours_ms'] / a['bare_ms']:.2f}")
-        for t in r["layer"]:
-            print(f"  P={P} layer S={t['seq_len']:6d} fwd+bwd {t['ms']:8.1f} ms, peak +{t['peak_extra_MiB']:.0f} MiB")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return 0 if ok else 1
+        parts = {
+            "host_sync": lambda: host_sync_part(device, tmp),
+            "local": lambda: local_part(device, args.quick),
+            "sweep": lambda: sweep_part(device, tmp),
+            "checkpoint": lambda: checkpoint_part(device, args.quick),
+            "layer": lambda: layer_part(device, args.quick, tmp),
+        }
+        for part, fn in parts.items():
+            results[part] = guarded(fn)
+            if "skipped" in results[part]:
+                results[part]["ok"] = True
+            print("\n".join(summary_lines({part: results[part]})), flush=True)
+    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+        json.dump({"device": name, "torch": torch.__version__, "quick": args.quick, "parts": results}, f, indent=1)
+    with open(os.path.join(args.out, "summary.txt"), "w") as f:
+        f.write("\n".join(summary_lines(results)) + "\n")
+    failed = [part for part, r in results.items() if not r.get("ok")]
+    print(f"gpu_check: {'every part passed' if not failed else 'FAILED: ' + ', '.join(failed)} "
+          f"(results in {args.out})")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -312,6 +312,21 @@ void bind_rules(py::module_& m) {
       },
       "The names of the local-attention kernels (\"auto\" first).");
   m.def(
+      "chosen_local_kernel",
+      [](const at::Tensor& q, const c10::optional<at::Tensor>& mask,
+         const c10::optional<at::Tensor>& positions, bool causal, int64_t window, double softcap,
+         const c10::optional<at::Tensor>& sinks, const std::string& kernel) {
+        LocalAttentionArgs a;
+        a.q = a.k = a.v = q;
+        a.mask = mask, a.positions = positions, a.sinks = sinks;
+        a.causal = causal, a.window = window, a.softcap = softcap;
+        return to_string(choose_local_kernel(a, parse_local_kernel(kernel)));
+      },
+      py::arg("q"), py::arg("mask"), py::arg("positions"), py::arg("causal"), py::arg("window"),
+      py::arg("softcap"), py::arg("sinks"), py::arg("kernel") = "auto",
+      "The kernel local attention runs for a call like this one (choose_local_kernel): the "
+      "rule's choice for \"auto\", else the kernel named (raises where it cannot run).");
+  m.def(
       "check_attention_options",
       [](int64_t q_heads, int64_t kv_heads, bool causal, double scale, int64_t window,
          double softcap) {

@@ -19,5 +19,8 @@ done
 .venv/bin/python -m pytest -q tests/python
 ULYSSES_TRANSPORT=batched .venv/bin/python -m pytest -q tests/python/test_ring.py tests/python/test_parts.py \
   tests/python/test_hf.py -k "not test_hf or test_loss_and_every_gradient_equal_the_unsharded_model"
+# The GPU check's own code on the CPU, small sizes: it must not fail on a GPU for a reason a CPU
+# shows (scripts/gpu_check.sh runs it in full on a GPU).
+.venv/bin/python bench/gpu_check.py --device cpu --quick --out build/gpu_check
 # The wheel, installed into a fresh venv that holds only torch, and its smoke set.
 bash scripts/test_wheel.sh
