@@ -13,10 +13,12 @@ number) and summary.txt (a line per result):
    window, softcap, sinks) in fp32 and bf16, forward and q/k/v gradients against float64; then
    (not --quick) each case at S = 8K and 32K in bf16: the kernel the rule chose, fwd+bwd time,
    peak memory.
-3. sweep: 2 processes (one GPU: Gloo carries CUDA tensors), under both transports (messages,
-   batched): DistributedAttention against float64 (GQA with Hkv < P, uneven heads, a padding
-   mask with S not divisible, packed documents, a window, a softcap), the projected exchange
-   round trip, and a tiny Llama through ulysses.hf against the unsharded model.
+3. sweep: 2 processes (one GPU: Gloo carries CUDA tensors in its collectives), under both
+   transports (messages, batched): DistributedAttention against float64 (GQA with Hkv < P,
+   uneven heads, a padding mask with S not divisible, packed documents, a window, a softcap),
+   the projected exchange round trip (point-to-point: on CPU tensors only, since Gloo's
+   send/recv take host memory), and a tiny Llama through ulysses.hf against the unsharded
+   model.
 4. checkpoint: ulysses.tiled.checkpoint(offload=True) over layers with dropout: gradients equal
    the plain run's under the same seed; on CUDA the peak memory is lower.
 5. layer: DistributedAttention at P = 1, bf16, causal, Hq 32 / Hkv 8,
@@ -300,6 +302,9 @@ def _projected_row(rank, group, device) -> dict:
     """gather_projected(scatter_projected(x, Wq), Wo) == x Wq^T Wo^T on this rank's tokens, and
     the gradients of x, Wq and Wo (summed over ranks) equal the single-process ones."""
     import ulysses
+
+    if device.type != "cpu":  # Gloo's send/recv take host memory; the batched path needs NCCL
+        return {"skipped": "point-to-point on CUDA tensors needs NCCL (a GPU per rank)"}
 
     B, S, E, hq, hkv, D = 2, 37, 24, 6, 2, 8
     lens = ulysses.plan(hq, hkv, 2, S)["seq_lens"]
