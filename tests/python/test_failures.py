@@ -102,12 +102,13 @@ CATALOGUE = {
     "mask per head vs shared": (dict(mask=torch.ones(B, H, S_R, 2 * S_R, dtype=torch.bool)),
                                 dict(mask=bool_mask()), "ranks disagree on mask's shape"),
     "mask on another device": (dict(mask=torch.ones(B, 1, S_R, 2 * S_R, dtype=torch.bool, device="meta")),
-                               dict(mask=bool_mask()), "ranks disagree on the "
-                                   "mask's device type: rank 0 has cpu, rank 1 has meta"),
+                               dict(mask=bool_mask()), "agree_plan: mask is on meta but q is on "
+                                   "cpu; move it to cpu [raised on rank 1 of 2]"),
     "positions float vs int64": (dict(pos=positions().float()), dict(pos=positions()),
                                  "position_ids must be integers; got Float"),
     "positions on another device": (dict(pos=positions().to("meta")), dict(pos=positions()),
-                                    "ranks disagree on position_ids's device type: rank 0 has cpu, rank 1 has meta"),
+                                    "agree_plan: position_ids is on meta but q is on cpu; move it to cpu "
+                                    "[raised on rank 1 of 2]"),
     "positions batch 2 vs 1": (dict(pos=positions().expand(2, S_R)), dict(pos=positions()),
                                "position_ids must be [B, S_r] = [1, 4] or [S_r] (this shard's positions); got [2, 4]"),
     "seq_lens given on one rank only": (dict(seq_lens=[4, 4]), {},
