@@ -223,7 +223,8 @@ class Transfers {
   Group group_;
   c10::DeviceType device_;
   bool batched_;
-  size_t posted_ = 0;  // Transfers [0, posted_) are posted.
+  size_t posted_ = 0;       // Transfers [0, posted_) are posted.
+  bool coalesced_ = false;  // Some were posted as one coalesced group (sharing one work).
   std::vector<Transfer> transfers_;
   int64_t number_ = 0;  // The first transfer's number among the group's point-to-point sends.
 };

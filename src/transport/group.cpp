@@ -421,6 +421,7 @@ void Transfers::post() {
     // One work for the group: each transfer waits on it (the first wait clears them all).
     c10::intrusive_ptr<c10d::Work> work = pg->endCoalescing(device_);
     for (size_t i = posted_; i < transfers_.size(); ++i) transfers_[i].work = work;
+    coalesced_ = true;
   }
   posted_ = transfers_.size();
 }
@@ -429,8 +430,10 @@ void Transfers::wait(size_t n) {
   post();
   const c10::intrusive_ptr<c10d::Work> work = std::move(transfers_.at(n).work);
   if (!work) return;
-  for (Transfer& t : transfers_)
-    if (t.work == work) t.work.reset();
+  if (coalesced_) {  // The others of its group share it: waited once.
+    for (Transfer& t : transfers_)
+      if (t.work == work) t.work.reset();
+  }
   ulysses::wait(group_, "point-to-point", work, number_, device_);
 }
 
