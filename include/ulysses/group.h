@@ -224,7 +224,7 @@ class Transfers {
   c10::DeviceType device_;
   bool batched_;
   size_t posted_ = 0;       // Transfers [0, posted_) are posted.
-  bool coalesced_ = false;  // Some were posted as one coalesced group (sharing one work).
+  bool coalesced_ = false;  // Batched, on a backend that coalesces: a post shares one work.
   std::vector<Transfer> transfers_;
   int64_t number_ = 0;  // The first transfer's number among the group's point-to-point sends.
 };

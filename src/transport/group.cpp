@@ -228,16 +228,6 @@ void wait(const Group& g, const char* op, const c10::intrusive_ptr<c10d::Work>& 
                 " of ", g.size(), " (timeout ", timeout.count(),
                 " ms; a peer may have died or skipped it): ", what);
   };
-  if (!Group::waits_on_host(device)) {
-    try {
-      work->wait();
-    } catch (const c10::Error& e) {
-      fail(e.what_without_backtrace());
-    } catch (const std::exception& e) {
-      fail(e.what());
-    }
-    return;
-  }
   const double fraction = g.options().log_wait_fraction;
   milliseconds first = timeout;
   if (fraction > 0 && fraction < 1) {
@@ -245,6 +235,10 @@ void wait(const Group& g, const char* op, const c10::intrusive_ptr<c10d::Work>& 
         std::max(milliseconds(1), milliseconds(static_cast<int64_t>(timeout.count() * fraction)));
   }
   try {
+    if (!Group::waits_on_host(device)) {
+      work->wait();
+      return;
+    }
     try {
       work->wait(first);
       return;
@@ -378,6 +372,7 @@ bool Group::batches(c10::DeviceType device) const {
 Transfers::Transfers(const Group& group, c10::DeviceType device)
     : group_(group), device_(device), batched_(group.batches(device)) {
   TORCH_CHECK_VALUE(group.process_group(), "Transfers: point-to-point needs a multi-rank group");
+  coalesced_ = batched_ && coalesces(*group.pg_, device);
   number_ = group.runtime_->p2p_messages.load() + 1;
 }
 
@@ -414,14 +409,12 @@ void Transfers::post() {
   if (posted_ == transfers_.size()) return;
   detail::NoPythonObjectsInWork no_python;
   const auto& pg = group_.pg_;
-  const bool coalesce = batched_ && coalesces(*pg, device_);
-  if (coalesce) pg->startCoalescing(device_);
+  if (coalesced_) pg->startCoalescing(device_);
   for (size_t i = posted_; i < transfers_.size(); ++i) post(transfers_[i]);
-  if (coalesce) {
+  if (coalesced_) {
     // One work for the group: each transfer waits on it (the first wait clears them all).
     c10::intrusive_ptr<c10d::Work> work = pg->endCoalescing(device_);
     for (size_t i = posted_; i < transfers_.size(); ++i) transfers_[i].work = work;
-    coalesced_ = true;
   }
   posted_ = transfers_.size();
 }
