@@ -326,6 +326,9 @@ void bind_rules(py::module_& m) {
       py::arg("softcap"), py::arg("sinks"), py::arg("kernel") = "auto",
       "The kernel local attention runs for a call like this one (choose_local_kernel): the "
       "rule's choice for \"auto\", else the kernel named (raises where it cannot run).");
+  m.def("splits_documents", &splits_documents, py::arg("positions"),
+        "Whether position ids [B, S] or [S] put tokens of one row in different documents (a 0 "
+        "after the row's first token); ids that do not add no rule to attention.");
   m.def(
       "check_attention_options",
       [](int64_t q_heads, int64_t kv_heads, bool causal, double scale, int64_t window,

@@ -229,6 +229,30 @@ TEST(DistributedAttention, SharedMaskIsGatheredOncePerStep) {
   });
 }
 
+TEST(DistributedAttention, PositionIdsThatSplitNoRowReachNoKernel) {
+  expect_ranks_succeed(2, [](Group& g) {
+    const auto seq = SequencePartition::even(10, 2);
+    const Range mine = seq.range(g.rank());
+    at::Tensor q = seeded_randn({2, 5, 4, 8}, 1), k = seeded_randn({2, 5, 2, 8}, 2);
+    std::vector<bool> seen;
+    AttentionOptions options;
+    options.causal = true;
+    options.local = [&](const LocalAttentionArgs& a) {
+      seen.push_back(a.positions.has_value());
+      return math_attention(a);
+    };
+    DistributedAttention attention(g, options);
+    at::Tensor plain = at::arange(10, at::kLong).expand({2, 10});
+    for (const at::Tensor& full : {plain, packed_positions(2, 10)}) {
+      at::Tensor o = attention(q, k, k, {c10::nullopt, full.narrow(1, mine.begin, mine.size())});
+      at::Tensor none = attention(q, k, k);
+      // Plain ids give what no ids give; packed ones separate the documents.
+      EXPECT_EQ(o.equal(none), full.equal(plain));
+    }
+    EXPECT_EQ(seen, (std::vector<bool>{false, false, true, false}));
+  });
+}
+
 TEST(DistributedAttention, ChangedMaskIsNeverServedStale) {
   expect_ranks_succeed(2, [](Group& g) {
     at::Tensor q = seeded_randn({1, 3, 2, 8}, 1), k = seeded_randn({1, 3, 2, 8}, 2),

@@ -97,6 +97,12 @@ at::Tensor math_attention(const LocalAttentionArgs& args);
 // positions: [B, S] or [S]; returns the same shape.
 at::Tensor document_ids(const at::Tensor& positions);
 
+// Whether `positions` (a whole sequence's, [B, S] or [S]) put two tokens of one row in
+// different documents: a position 0 after a row's first token. Position ids 0..S-1 (what
+// transformers passes for one sequence per row) split nothing, and the attention then runs
+// without them: no document rule, no mask built from it. Reads the tensor on the host.
+bool splits_documents(const at::Tensor& positions);
+
 // The document mask of packed sequences as a bool tensor [B or 1, 1, S, S]: true where query i
 // and key j lie in one document (doc(b,i) == doc(b,j)). For implementations that take a mask;
 // the fused kernel evaluates the same rule per tile instead.

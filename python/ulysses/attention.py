@@ -37,6 +37,18 @@ class StepContext:
 
     def __init__(self) -> None:
         self._handle = torch.classes.ulysses.StepContext()
+        self._built: list[tuple[torch.Tensor, int, object, object]] = []
+
+    def once(self, source: torch.Tensor, key: object, build: Callable[[], object]) -> object:
+        """``build()``, computed once per (``source``, its version counter, ``key``) in this step:
+        for what a caller derives from a tensor every layer shares (ulysses.hf's gathered padding
+        mask). Every rank must make the same calls, as for every collective ``build`` runs."""
+        for held, version, k, result in self._built:
+            if held is source and version == source._version and k == key:
+                return result
+        result = build()
+        self._built.append((source, source._version, key, result))
+        return result
 
     @property
     def reuses(self) -> int:
@@ -247,6 +259,8 @@ class DistributedAttention(nn.Module):
         qh, kh, vh, rest = heads[0], heads[1], heads[2], list(heads[3:])
         m = rest.pop(0) if mask is not None else None
         p = rest.pop(0) if positions is not None else None
+        if p is not None and not torch.compiler.is_compiling() and not _C.splits_documents(p):
+            p = None  # One document per row: no rule, as the library's own kernels see it.
         kv_map = self._kv_map(hq, hkv)
         o = local(qh, kh, vh, kv_map, m, p, self.causal, self.scale).permute(self._from_bhsd)
         self.q_heads, self.kv_heads = hq, hkv

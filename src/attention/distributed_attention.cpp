@@ -264,11 +264,14 @@ std::vector<at::Tensor> attend(const AttentionCall& call,
                                const std::vector<std::vector<at::Tensor>>& qkv, HeadForm form,
                                const c10::optional<at::Tensor>& mask,
                                const c10::optional<at::Tensor>& positions) {
-  const AttentionHeads h = attend_heads(call, qkv, form, mask, positions);
+  AttentionHeads h = attend_heads(call, qkv, form, mask, positions);
   at::Tensor o;
   if (h.ring) {
     o = ring_attention(h.args, *h.ring, h.ring_documents, call.ring);
   } else {
+    // Ids that split no row into documents add no rule: the kernel runs as if none were given
+    // (no document mask on SDPA). Every rank gathered the same ids, so every rank drops them.
+    if (h.args.positions && !splits_documents(*h.args.positions)) h.args.positions.reset();
     o = call.local ? (*call.local)(h.args) : local_attention(h.args, call.kernel);
   }
   o = o.permute(from_bhsd(call.layout));

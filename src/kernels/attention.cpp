@@ -16,6 +16,11 @@ at::Tensor document_ids(const at::Tensor& positions) {
   return positions.eq(0).to(at::kLong).cumsum(-1) - 1;
 }
 
+bool splits_documents(const at::Tensor& positions) {
+  const int64_t S = positions.dim() == 0 ? 0 : positions.size(-1);
+  return S > 1 && positions.narrow(-1, 1, S - 1).eq(0).any().item<bool>();
+}
+
 at::Tensor document_mask(const at::Tensor& positions) {
   at::Tensor doc = document_ids(positions);
   if (doc.dim() == 1) doc = doc.unsqueeze(0);

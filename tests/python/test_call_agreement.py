@@ -24,12 +24,12 @@ def packed_positions(B, S, starts=(0, 2, 5)):
     return pos
 
 
-def run_attention(P, S, hq, hkv, D, dtype, *, causal=True, packed=True, local="auto", mixed_positions=False,
-                  scale_on_rank1=None, window=0, softcap=0.0, softcap_on_rank1=None):
+def run_attention(P, S, hq, hkv, D, dtype, *, causal=True, packed=True, plain=False, local="auto",
+                  mixed_positions=False, scale_on_rank1=None, window=0, softcap=0.0, softcap_on_rank1=None):
     g = torch.Generator().manual_seed(P * 100 + S)
     B = 1 if mixed_positions else 2
     Q, K, V = (torch.randn(B, S, h, D, generator=g, dtype=dtype) for h in (hq, hkv, hkv))
-    pos = packed_positions(B, S) if packed else None
+    pos = torch.arange(S).expand(B, S) if plain else packed_positions(B, S) if packed else None
     ref_q, ref_k, ref_v = (t.detach().clone().double().requires_grad_() for t in (Q, K, V))
     ref = reference_attention(ref_q, ref_k, ref_v, None, pos, causal, window=window, softcap=softcap)
     dO = torch.randn(ref.shape, generator=g, dtype=torch.float64)
@@ -85,6 +85,31 @@ def test_a_callable_local_attention_is_used():
         assert max_rel(a, b) < 1e-5
     # Each rank's local attention saw its 2 query heads over all 9 tokens (BHSD), 1 kv head.
     assert sorted(calls) == [((2, 2, 9, 8), [0, 0], True, True)] * 2
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_position_ids_that_split_no_row_reach_no_kernel(P):
+    seen = []
+
+    def mine(q, k, v, kv_map, mask, positions, causal, scale):
+        seen.append(positions is not None)
+        return ulysses.local_attention(q, k, v, kv_map, mask, positions, causal, scale, kernel="math")
+
+    for plain in (True, False):
+        seen.clear()
+        got, want = run_attention(P, S=11, hq=6, hkv=2, D=8, dtype=torch.float32, local=mine, plain=plain)
+        for a, b in zip(got, want):
+            assert max_rel(a, b) < 1e-5, plain
+        assert seen == [not plain] * P, (plain, seen)
+
+
+def test_splits_documents_reads_a_zero_after_the_first_token():
+    assert not ulysses._C.splits_documents(torch.arange(7).expand(2, 7))
+    assert not ulysses._C.splits_documents(torch.arange(3, 10))  # A row's tail: one document.
+    assert not ulysses._C.splits_documents(torch.zeros(2, 1, dtype=torch.long))
+    rows = torch.arange(7).expand(2, 7).clone()
+    rows[1, 4] = 0  # Only the second row is packed: the rule applies to the batch.
+    assert ulysses._C.splits_documents(rows)
 
 
 def test_the_rule_picks_math_for_fp64_and_fused_for_fp32():
