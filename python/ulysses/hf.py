@@ -36,7 +36,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import _C, tiled
 from . import ops as O
-from .attention import DistributedAttention
+from .attention import DistributedAttention, StepContext
 from .training import (  # noqa: F401  (part of this module's API, as before)
     IGNORE_INDEX,
     all_reduce_gradients,
@@ -86,16 +86,20 @@ def ulysses_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                          f"was built with causal={attention.causal}")
     group, timeout = attention.group_name, attention.timeout_ms / 1000
     seq_lens = kwargs.get("ulysses_seq_lens") or O.sequence_lengths(query, 2, group, timeout)
+    step = None if torch.compiler.is_compiling() else kwargs.get("ulysses_step")
     mask = attention_mask
     if mask is not None and mask.dim() == 2:  # padding [B, S_r] -> key mask [B, 1, 1, S]
-        mask = O.all_gather_sequence(mask.bool(), -1, seq_lens, group, timeout)[:, None, None, :]
+        def gather(padding=mask):
+            return O.all_gather_sequence(padding.bool(), -1, seq_lens, group, timeout)[:, None, None, :]
+
+        mask = gather() if step is None else step.once(mask, tuple(seq_lens), gather)
     attention.scale = scaling
     # transformers' sliding_window W: query i sees keys i - W < j <= i (its mask functions'
     # rule), the kernels' window. Set per call: a layer's kind (sliding or full) is fixed.
     attention.window = int(kwargs.get("sliding_window") or 0)
     attention.softcap = float(kwargs.get("softcap") or 0.0)  # Gemma2's attn_logit_softcapping
     out = attention(query, key, value, mask=mask, position_ids=kwargs.get("position_ids"),
-                    seq_lens=seq_lens, sinks=kwargs.get("s_aux"))  # gpt-oss's attention sinks
+                    seq_lens=seq_lens, sinks=kwargs.get("s_aux"), step=step)  # s_aux: gpt-oss's sinks
     return out.transpose(1, 2), None
 
 
@@ -371,6 +375,9 @@ def _long_sequence_forward(model: PreTrainedModel, *args, ulysses_shift_labels: 
     settings: LongSequence = model.__dict__["_ulysses_long"]
     seq_lens = _sequence_rows(kwargs, model.__dict__["_ulysses_group"], model.__dict__["_ulysses_timeout"])
     kwargs["ulysses_seq_lens"] = seq_lens  # the layers skip learning them
+    # The layers share this forward's gathered padding mask, rebuilt mask and position ids
+    # (gathered once, not once per layer); a checkpoint's recompute reuses them too.
+    kwargs["ulysses_step"] = StepContext()
     if settings.tiled_mlp or settings.checkpoint:
         _use_our_checkpoint(model, settings)
     with tiled.sequence_rows(max(seq_lens)), tiled.offload_scope():

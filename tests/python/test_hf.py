@@ -139,6 +139,35 @@ def test_loss_and_every_gradient_equal_the_unsharded_model(name, kind, P):
         assert_matches(got, want)
 
 
+@pytest.mark.parametrize("kind", ["padded", "packed"])
+def test_default_position_ids_add_no_document_rule(kind, monkeypatch):
+    """transformers passes position ids to every layer; 0..S-1 on every row splits nothing, so
+    local attention runs without them (no document mask on SDPA), exact all the same."""
+    import functools
+
+    import ulysses
+
+    seen = []
+
+    def local(q, k, v, kv_map, mask, positions, causal, scale):
+        seen.append(positions is not None)
+        return ulysses.local_attention(q, k, v, kv_map, mask, positions, causal, scale, kernel="math")
+
+    monkeypatch.setattr(uhf, "DistributedAttention", functools.partial(uhf.DistributedAttention, local=local))
+    base = make_model("llama")
+    batch = make_batch(kind)
+    want = reference(copy.deepcopy(base), batch)
+    models = [copy.deepcopy(base) for _ in range(2)]
+
+    def body(rank, group):
+        return sharded_step(uhf.sequence_parallel(models[rank], group), batch, group)
+
+    for got in run_ranks(2, body):
+        assert_matches(got, want)
+    # Two ranks x two layers; packed rows keep their documents.
+    assert seen == [kind == "packed"] * 4, seen
+
+
 def test_qwen3_mqa_kv_replicated_over_three_ranks():
     base = make_model("qwen3")
     batch = make_batch("padded")
@@ -171,6 +200,36 @@ def test_seq_lens_are_learned_once_per_forward_or_given():
     for with_lens, without in run_ranks(2, body):
         # Without them the model's forward learns the split once and passes it to every layer.
         assert without - with_lens == 1, (with_lens, without)
+
+
+@pytest.mark.parametrize("kind", ["plain", "padded", "packed"])
+def test_a_later_layer_issues_its_agreement_and_two_exchanges_only(kind):
+    """The forward shares one StepContext across its layers: the padding mask, its rebuild and
+    the position ids are gathered once, so each further layer adds the call's agreement, the
+    exchange to heads and the one back (3 collectives), whatever the batch holds."""
+    import ulysses
+
+    def make(layers):
+        torch.manual_seed(0)
+        config = LlamaConfig(num_attention_heads=8, num_key_value_heads=2, **{**COMMON, "num_hidden_layers": layers})
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+
+    batch = make_batch(kind)
+    models = {n: [make(n) for _ in range(2)] for n in (2, 3)}
+
+    def body(rank, group):
+        counts = {}
+        for n, replicas in models.items():
+            model = uhf.sequence_parallel(replicas[rank], group)
+            sb = uhf.shard_batch(batch, group)
+            before = ulysses._C.collective_count(group)
+            with torch.no_grad():
+                model(input_ids=sb["input_ids"], attention_mask=sb.get("attention_mask"),
+                      position_ids=sb["position_ids"], ulysses_seq_lens=sb["seq_lens"])
+            counts[n] = ulysses._C.collective_count(group) - before
+        return counts[3] - counts[2]
+
+    assert run_ranks(2, body) == [3, 3]
 
 
 def test_two_models_with_different_head_counts_train_alternately():
