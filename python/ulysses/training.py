@@ -46,25 +46,49 @@ def shard_batch(batch: Mapping[str, torch.Tensor], group: O.GroupLike = None, *,
     return out
 
 
+#: How a training loop reduces gradients over the ranks, for the loss helpers' ``gradients=``.
+GRADIENTS = ("summed", "averaged")
+
+
+def _for_gradients(loss: torch.Tensor, gradients: str, averaged_over: O.GroupLike) -> torch.Tensor:
+    """``loss`` scaled so that the gradients, reduced as ``gradients`` says, are the exact global
+    mean's: "summed" (:func:`all_reduce_gradients`) as it is; "averaged" (DDP, FSDP2's
+    ``fully_shard``: a mean over ``averaged_over``'s ranks) times that group's size."""
+    if gradients == "summed":
+        return loss
+    if gradients == "averaged":
+        return loss * O.process_group(O.group_name(averaged_over)).size()
+    raise ValueError(f"gradients must be one of {', '.join(map(repr, GRADIENTS))}; got {gradients!r}")
+
+
 def sequence_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group: O.GroupLike = None, *,
-                           ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+                           ignore_index: int = IGNORE_INDEX, gradients: str = "summed",
+                           averaged_over: O.GroupLike = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of this rank's ``logits [B, S_r, V]`` against its (already shifted)
-    labels, normalised by the token count of the whole ``group``: the sum over ranks of the
-    returned loss is the exact global token mean (ignored labels excluded). Returns ``(loss to
-    backpropagate on this rank, the global mean, detached)``; sum gradients over the group with
-    :func:`all_reduce_gradients`."""
-    return torch.ops.ulysses.sharded_cross_entropy(logits, shift_labels, O.group_name(group),
-                                                   O.group_options(None), ignore_index)
+    labels, normalised by the token count of the whole ``group`` (every rank whose tokens make up
+    the global batch: SP x DP). Returns ``(loss to backpropagate on this rank, the global mean,
+    detached)``.
+
+    ``gradients`` says how the loop reduces parameter gradients, so nobody scales by hand:
+    ``"summed"`` (default): call :func:`all_reduce_gradients` over ``group`` after backward;
+    ``"averaged"``: the parameters are wrapped by something that averages gradients over
+    ``averaged_over`` (default: every rank), as DDP and FSDP2's ``fully_shard`` do; the loss is
+    then multiplied by that group's size, and no other call is needed."""
+    loss, mean = torch.ops.ulysses.sharded_cross_entropy(logits, shift_labels, O.group_name(group),
+                                                         O.group_options(None), ignore_index)
+    return _for_gradients(loss, gradients, averaged_over), mean
 
 
 def token_mean(token_sum: torch.Tensor, shift_labels: torch.Tensor, group: O.GroupLike = None, *,
-               ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+               ignore_index: int = IGNORE_INDEX, gradients: str = "summed",
+               averaged_over: O.GroupLike = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sequence_parallel_loss` for a summed token loss (``model(...,
     ulysses_shift_labels=...).loss`` under ``tiled_loss``): ``(token_sum / the group's token
     count, the global mean, detached)``, in one small agreement round (a rank whose loss failed
-    fails every rank with its error)."""
-    return torch.ops.ulysses.token_mean(token_sum, shift_labels, O.group_name(group), O.group_options(None),
-                                        ignore_index)
+    fails every rank with its error). ``gradients`` and ``averaged_over`` as there."""
+    loss, mean = torch.ops.ulysses.token_mean(token_sum, shift_labels, O.group_name(group), O.group_options(None),
+                                              ignore_index)
+    return _for_gradients(loss, gradients, averaged_over), mean
 
 
 def all_reduce_gradients(model: torch.nn.Module, group: O.GroupLike = None) -> None:
@@ -87,5 +111,5 @@ def shard_sequence(x: torch.Tensor, dim: int, sp_rank: int, sp_size: int, ring: 
     return x.index_select(dim, torch.tensor(index, dtype=torch.long, device=x.device))
 
 
-__all__ = ["IGNORE_INDEX", "all_reduce_gradients", "sequence_parallel_loss", "shard_batch", "shard_sequence",
-           "token_mean"]
+__all__ = ["GRADIENTS", "IGNORE_INDEX", "all_reduce_gradients", "sequence_parallel_loss", "shard_batch",
+           "shard_sequence", "token_mean"]

@@ -80,6 +80,22 @@ def run_processes(world: int, body: Callable, *args, tmp_dir: str) -> list:
     return [torch.load(os.path.join(tmp_dir, str(r)), weights_only=False) for r in range(world)]
 
 
+def run_example(script: str, nproc: int, *args: str, timeout_s: float = 240):
+    """examples/``script`` under torchrun on ``nproc`` local ranks (a free loopback port, one
+    thread each); returns the completed process."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:  # a free loopback port for torchrun's store
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                           "--master_port", port, os.path.join(root, "examples", script), *args],
+                          capture_output=True, text=True, env=env, timeout=timeout_s)
+
+
 def seq_lens(S: int, P: int) -> list[int]:
     return [S // P + (r < S % P) for r in range(P)]
 

@@ -315,19 +315,9 @@ def test_the_logit_softcap_reaches_attention():
 
 
 def test_example_trains_under_torchrun():
-    import os
-    import socket
-    import subprocess
-    import sys
+    from conftest import run_example
 
-    with socket.socket() as s:  # a free loopback port for torchrun's store
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    root = os.path.join(os.path.dirname(__file__), "..", "..")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        "--master_port", port, os.path.join(root, "examples", "hf_sequence_parallel.py"),
-                        "--seq-len", "31", "--steps", "3"], capture_output=True, text=True, env=env, timeout=240)
+    r = run_example("hf_sequence_parallel.py", 2, "--seq-len", "31", "--steps", "3")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "over 2 ranks (tokens per rank: [16, 15])" in r.stdout and "step 3/3 loss" in r.stdout, r.stdout
 
