@@ -223,10 +223,94 @@ TEST(DistributedAttention, SharedMaskIsGatheredOncePerStep) {
     // = 2. Head counts captured from the first call are checked in the call's agreement.
     EXPECT_EQ(run(nullptr), 3 * 3 + 3 * 2);
     EXPECT_EQ(run(nullptr), 3 * 3 + 3 * 2);
+    // With a StepContext the mask is rebuilt once, and the later layers reuse the first one's
+    // agreement: scatter and gather only (Note [Reused agreement]).
     StepContext step(g);
-    EXPECT_EQ(run(&step), 3 * 3 + 2);
+    EXPECT_EQ(run(&step), 3 + 2 + 2 * 2);
     EXPECT_EQ(step.reuses(), 2);
+    EXPECT_EQ(step.agreements_reused(), 2);
   });
+}
+
+// Runs `layers` calls of `q, k, v` (causal) and returns each call's collective count, with the
+// outputs and q's gradient summed over the calls.
+struct StepRun {
+  std::vector<int64_t> counts;
+  at::Tensor out, dq;
+};
+StepRun run_layers(Group& g, std::vector<DistributedAttention>& layers, const at::Tensor& q,
+                   const at::Tensor& k, const at::Tensor& v, StepContext* step) {
+  StepRun r;
+  at::Tensor qq = q.detach().clone().requires_grad_();
+  at::Tensor total = at::zeros_like(q);
+  for (auto& layer : layers) {
+    const int64_t before = g.collective_count();
+    total = total + layer(qq, k, v, {c10::nullopt, c10::nullopt, step});
+    r.counts.push_back(g.collective_count() - before);
+  }
+  total.pow(2).sum().backward();
+  r.out = total.detach();
+  r.dq = qq.grad();
+  return r;
+}
+
+TEST(DistributedAttention, LaterLayersOfAStepReuseItsAgreement) {
+  expect_ranks_succeed(2, [](Group& g) {
+    at::Tensor q = seeded_randn({2, 5, 4, 8}, 1 + g.rank()), k = seeded_randn({2, 5, 2, 8}, 3),
+               v = seeded_randn({2, 5, 2, 8}, 4);
+    AttentionOptions options;
+    options.causal = true;
+    std::vector<DistributedAttention> layers(4, DistributedAttention(g, options));
+    const StepRun want = run_layers(g, layers, q, k, v, nullptr);
+    EXPECT_EQ(want.counts, (std::vector<int64_t>{3, 3, 3, 3}));
+    for (int s = 0; s < 2; ++s) {  // Two steps, one StepContext each.
+      StepContext step(g);
+      const StepRun got = run_layers(g, layers, q, k, v, &step);
+      // The first layer agrees; the others move q, k, v with their indexes, then back.
+      EXPECT_EQ(got.counts, (std::vector<int64_t>{3, 2, 2, 2})) << "step " << s;
+      EXPECT_EQ(step.agreements_reused(), 3);
+      EXPECT_TRUE(got.out.equal(want.out));
+      EXPECT_TRUE(got.dq.equal(want.dq));
+    }
+  });
+}
+
+TEST(DistributedAttention, ACallThatChangesMidStepAgreesAgain) {
+  expect_ranks_succeed(3, [](Group& g) {
+    AttentionOptions full, windowed;
+    full.causal = windowed.causal = true;
+    windowed.window = 2;
+    // Layers alternate full and sliding (Gemma2's pattern), then the sequence grows.
+    std::vector<DistributedAttention> layers{DistributedAttention(g, full),
+                                             DistributedAttention(g, windowed)};
+    StepContext step(g);
+    std::vector<int64_t> counts;
+    for (int64_t tokens : {3, 3, 4}) {
+      at::Tensor q = seeded_randn({1, tokens, 3, 4}, 1 + g.rank());
+      for (auto& layer : layers) {
+        const int64_t before = g.collective_count();
+        at::Tensor got = layer(q, q, q, {c10::nullopt, c10::nullopt, &step});
+        counts.push_back(g.collective_count() - before);
+        EXPECT_TRUE(got.equal(layer(q, q, q))) << tokens << " tokens";
+      }
+    }
+    // Agree; differ (1 exchange) then agree; reuse twice; differ in size, agree; reuse.
+    EXPECT_EQ(counts, (std::vector<int64_t>{3, 4, 2, 2, 4, 4}));
+    EXPECT_EQ(step.agreements_reused(), 2);
+  });
+}
+
+TEST(DistributedAttention, OneRankChangingMidStepFailsAlike) {
+  auto errors = run_ranks(2, [](Group& g) {
+    DistributedAttention attention(g);
+    StepContext step(g);
+    at::Tensor q = seeded_randn({1, 4, 2, 8}, 1);
+    attention(q, q, q, {c10::nullopt, c10::nullopt, &step});
+    // Rank 1's second call has another head dim: the reused exchange would be wrong there.
+    at::Tensor odd = g.rank() == 1 ? seeded_randn({1, 4, 2, 6}, 2) : q;
+    attention(odd, odd, odd, {c10::nullopt, c10::nullopt, &step});
+  });
+  expect_ranks_fail_alike(errors, "ranks disagree on q's dim 3");
 }
 
 TEST(DistributedAttention, PositionIdsThatSplitNoRowReachNoKernel) {

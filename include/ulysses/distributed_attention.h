@@ -29,6 +29,21 @@ namespace ulysses {
 // ids) shared by several layers is rebuilt (gathered) once per step, not once per layer.
 // Entries are keyed by the source tensor's identity and version, so a changed mask is never
 // served stale. Create one per forward step; it must not outlive the step's tensors' use.
+//
+// Note [Reused agreement]: the step also keeps its first call's agreement, so that the later
+// layers of a forward skip their agreement round (one round per step, not one per layer).
+// A rank cannot skip a round on its own: if it skipped while another rank, whose call changed,
+// went into the round, the two would meet in different collectives (Gloo aborts on that; NCCL
+// hangs). So no rank decides alone. Once the step holds an agreed exchange (its plan, this
+// rank's q, k, v sizes, the fingerprints agreed with it), every later call of the step moves
+// q, k, v by that plan with one more small tensor fused into the same exchange: the index of
+// the call's fingerprint among the agreed ones, or 0 where the call differs (it then sends
+// zeros of the agreed sizes instead of its tensors). Every rank receives every rank's index,
+// so every rank reaches the same verdict: all equal and nonzero, the exchange stands and no
+// round ran; else every rank forgets the step's agreement and runs the full agreement (which
+// names what differs, alike on every rank) and the exchange again. Only CPU tensors reuse
+// (reading the indexes is free there; on a GPU it would wait for the exchange), with every
+// rank holding at least one token (each rank's index must reach every rank).
 class StepContext {
  public:
   // `group` must be the SP group of the attention layers that use this context.
@@ -47,6 +62,27 @@ class StepContext {
   int64_t reuses() const { return reuses_; }
   const Group& group() const { return group_; }
 
+  // The step's agreed exchange (Note [Reused agreement]).
+  struct Agreed {
+    Sharding plan;
+    std::vector<std::vector<int64_t>> sizes;  // This rank's q, k, v sizes under `plan`.
+    at::ScalarType dtype = at::kFloat;
+    std::vector<std::vector<int64_t>> calls;  // This rank's fingerprints agreed with `plan`.
+  };
+  // The agreed exchange later calls move by; null when none, or after kMaxMisses calls of
+  // the step differed from it (every rank counts the same misses).
+  const Agreed* agreed() const { return agreed_ && misses_ < kMaxMisses ? &*agreed_ : nullptr; }
+  // After an agreement every rank ran alike: keep `call` (this rank's fingerprint) with its
+  // exchange (q, k, v as moved), replacing an agreed exchange of other sizes.
+  void remember(const Sharding& plan, const std::vector<at::Tensor>& qkv,
+                const std::vector<int64_t>& call);
+  // After an exchange by agreed(), whose indexes every rank read alike.
+  void exchanged(bool reused) { ++(reused ? agreements_reused_ : misses_); }
+  // Agreement rounds skipped so far (for tests and logs).
+  int64_t agreements_reused() const { return agreements_reused_; }
+  static constexpr int64_t kMaxMisses = 4;
+  static constexpr size_t kMaxAgreedCalls = 32;  // Indexes travel exactly in bf16.
+
  private:
   struct Entry {
     at::Tensor source;                 // Held so its identity cannot be reused while cached.
@@ -64,6 +100,9 @@ class StepContext {
   std::vector<Entry> positions_;  // Gathered position ids of this step.
   std::vector<Entry> documents_;  // Ring document ids of this step.
   int64_t reuses_ = 0;            // Cache hits so far.
+  c10::optional<Agreed> agreed_;  // Note [Reused agreement].
+  int64_t agreements_reused_ = 0;
+  int64_t misses_ = 0;
 };
 
 // Options of a DistributedAttention.

@@ -30,8 +30,10 @@ class StepContext:
     """Per-forward-step cache shared by the attention layers of one model.
 
     A mask (or position ids) used by several layers is rebuilt (gathered) once per step, not
-    once per layer. Entries are keyed by the source tensor's identity and version counter, so a
-    mask changed in place is rebuilt. Create one per forward step (eager mode; ignored while
+    once per layer, and later layers reuse the first one's agreement round (CPU tensors: each
+    call's exchange carries a small index instead; a call that differs agrees again). Entries
+    are keyed by the source tensor's identity and version counter, so a mask changed in place is
+    rebuilt. Create one per forward step (eager mode; ignored while
     compiling). The cache is the C++ ``StepContext`` (include/ulysses/distributed_attention.h).
     """
 
@@ -54,6 +56,12 @@ class StepContext:
     def reuses(self) -> int:
         """Rebuilds saved so far."""
         return self._handle.reuses()
+
+    @property
+    def agreements_reused(self) -> int:
+        """Agreement rounds skipped so far: later calls of the step that reused an earlier
+        call's agreement (Note [Reused agreement] in include/ulysses/distributed_attention.h)."""
+        return self._handle.agreements_reused()
 
 
 def _under_autocast(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:

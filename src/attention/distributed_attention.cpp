@@ -58,6 +58,20 @@ at::Tensor StepContext::ring_documents(const at::Tensor& positions, const RingLa
                 layout.seq_len(), [&] { return ring_document_ids(positions, layout, ring); });
 }
 
+void StepContext::remember(const Sharding& plan, const std::vector<at::Tensor>& qkv,
+                           const std::vector<int64_t>& call) {
+  std::vector<std::vector<int64_t>> sizes;
+  for (const at::Tensor& t : qkv) sizes.push_back(t.sizes().vec());
+  // Every fact compared here was agreed (the plan, dtype, q, k, v's dims but the sequence's,
+  // whose lengths the plan holds), so every rank keeps or replaces alike.
+  const bool same = agreed_ && agreed_->plan.heads == plan.heads && agreed_->plan.seq == plan.seq &&
+                    agreed_->plan.layout == plan.layout && agreed_->sizes == sizes &&
+                    agreed_->dtype == qkv[0].scalar_type() &&
+                    agreed_->calls.size() < kMaxAgreedCalls;
+  if (!same) agreed_ = Agreed{plan, sizes, qkv[0].scalar_type(), {}};
+  agreed_->calls.push_back(call);
+}
+
 namespace {
 
 // Every ring rank must run the same ring: the ring ranks agree on the call's fingerprint (as the
@@ -178,6 +192,67 @@ std::vector<at::Tensor> agree_and_exchange(
   return heads;
 }
 
+// Whether a call just agreed may arm its step: facts every rank agreed on, alike everywhere
+// (Note [Reused agreement]).
+bool may_reuse(const CallOptions& options, const Sharding& plan, const at::Tensor& q) {
+  const auto& lengths = plan.seq.lengths();
+  const bool every_rank_has_tokens =
+      std::all_of(lengths.begin(), lengths.end(), [](int64_t n) { return n > 0; });
+  const at::ScalarType t = q.scalar_type();
+  return options.reuses_agreement && plan.heads.sp_size() > 1 && q.is_cpu() &&
+         every_rank_has_tokens &&
+         (t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf);
+}
+
+// This rank's fingerprint of a call of whole q, k, v (raises as the agreement's local checks).
+std::vector<int64_t> whole_fingerprint(const AttentionCall& call,
+                                       const std::vector<std::vector<at::Tensor>>& qkv, int64_t hq,
+                                       int64_t hkv, const CallOptions& options) {
+  const HeadPartition heads = HeadPartition::make(hq, hkv, call.group.size());
+  return call_fingerprint(call.group, heads, call.layout, specs_of(qkv[0][0], qkv[1][0], qkv[2][0]),
+                          call.seq, options)
+      .encode();
+}
+
+// The exchange by the step's agreed plan, with each rank's index fused in (Note [Reused
+// agreement]). Returns q, k, v by heads when every rank's call matched, else nothing (every
+// rank alike): the caller then agrees and exchanges in full.
+c10::optional<std::vector<at::Tensor>> exchange_as_agreed(
+    const AttentionCall& call, const std::vector<std::vector<at::Tensor>>& qkv, HeadForm form,
+    int64_t hq, int64_t hkv, const CallOptions& options, StepContext& step) {
+  const StepContext::Agreed& agreed = *step.agreed();
+  const Group& group = call.group;
+  int64_t index = 0;  // 1 + the position of this call's fingerprint among the agreed; 0: none.
+  if (options.reuses_agreement) {
+    try {
+      const std::vector<int64_t> mine = whole_fingerprint(call, qkv, hq, hkv, options);
+      const auto at = std::find(agreed.calls.begin(), agreed.calls.end(), mine);
+      if (at != agreed.calls.end()) index = 1 + (at - agreed.calls.begin());
+    } catch (const std::exception&) {
+      index = 0;  // The full agreement raises it, alike on every rank.
+    }
+  }
+  const at::TensorOptions like = at::TensorOptions().dtype(agreed.dtype);
+  std::vector<at::Tensor> xs;
+  for (size_t t = 0; t < 3; ++t) {  // A call that differs sends zeros of the agreed sizes.
+    xs.push_back(index > 0 ? qkv[t][0] : at::zeros(agreed.sizes[t], like));
+  }
+  std::vector<int64_t> flag_sizes = agreed.sizes[1];
+  flag_sizes[3] = 1;  // k's shape with one feature: every rank's index reaches every rank.
+  xs.push_back(at::full(flag_sizes, static_cast<double>(index), like));
+  std::vector<at::Tensor> out =
+      scatter_heads(xs, {Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue, Heads::kKeyValue},
+                    agreed.plan, group);
+  // Read without autograd: a checkpoint's recompute must save what the first run saved.
+  const at::Tensor indexes = out[3].detach();
+  const double low = indexes.min().item<double>(), high = indexes.max().item<double>();
+  const bool reused = low == high && low > 0;
+  step.exchanged(reused);
+  if (!reused) return c10::nullopt;
+  out.pop_back();
+  return out;
+}
+
 }  // namespace
 
 AttentionHeads attend_heads(const AttentionCall& call,
@@ -206,6 +281,7 @@ AttentionHeads attend_heads(const AttentionCall& call,
   options.rules() = call.rules();
   options.sinks = call.sinks;
   options.step_context = call.step != nullptr;
+  options.reuses_agreement = call.step && form == HeadForm::kWhole && call.fuse_qkv && !ring;
   if (ring) {
     options.cpu_only = "ring attention (its blocks run on the fused CPU kernel)";
   } else if (!call.local && call.kernel == LocalKernel::kFused) {
@@ -217,13 +293,29 @@ AttentionHeads attend_heads(const AttentionCall& call,
   c10::optional<Sharding> plan;
   c10::optional<RingLayout> ring_layout;
   std::vector<at::Tensor> heads;
-  if (call.seq && !ring && call.fuse_qkv) {
+  StepContext* step = call.step;
+  // Only calls on the step's own group reuse its agreement (a context shared by layers on
+  // other groups holds agreements those groups never made).
+  StepContext* reusing = step && step->group().op_name() == group.op_name() ? step : nullptr;
+  if (reusing && reusing->agreed()) {  // Alike on every rank: each moves by the agreed plan.
+    if (auto moved = exchange_as_agreed(call, qkv, form, hq, hkv, options, *reusing)) {
+      heads = std::move(*moved);
+      plan = reusing->agreed()->plan;
+    }
+  }
+  const bool agreed_now = !plan;
+  if (!plan && call.seq && !ring && call.fuse_qkv) {
     // Every collective inside an op: the scatter agrees on the call before data moves.
     heads = detail::call_scatter_agreed(qkv, form, kQKV, hq, hkv, *call.seq, L, group, options);
     plan = Sharding{HeadPartition::make(hq, hkv, group.size()), *call.seq, L};
-  } else {
+  } else if (!plan) {
     heads =
         agree_and_exchange(call, qkv, form, hq, hkv, options, mask, positions, plan, ring_layout);
+  }
+  if (agreed_now && reusing && may_reuse(options, *plan, q0)) {
+    // Later calls of the step like this one reuse this agreement.
+    reusing->remember(*plan, {qkv[0][0], qkv[1][0], qkv[2][0]},
+                      whole_fingerprint(call, qkv, hq, hkv, options));
   }
   AttentionHeads out{LocalAttentionArgs{}, *plan, ring_layout, at::Tensor()};
   LocalAttentionArgs& args = out.args;
@@ -237,7 +329,6 @@ AttentionHeads attend_heads(const AttentionCall& call,
     const Range r = out.plan.heads.q_range(group.rank());
     args.sinks = call.sinks->slice(0, r.begin, r.end);
   }
-  StepContext* step = call.step;
   if (mask && call.mask_rebuilt) {
     args.mask = mask;
   } else if (mask && ring) {  // Rows of this ring rank's queries, every key in global order.

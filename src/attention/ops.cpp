@@ -38,6 +38,7 @@ struct StepContextHolder : torch::CustomClassHolder {
     return *context;
   }
   int64_t reuses() const { return context ? context->reuses() : 0; }
+  int64_t agreements_reused() const { return context ? context->agreements_reused() : 0; }
   c10::optional<StepContext> context;
 };
 
@@ -254,7 +255,8 @@ std::tuple<at::Tensor, at::Tensor> call_ring_attention(const LocalAttentionArgs&
 TORCH_LIBRARY_FRAGMENT(ulysses, m) {
   m.class_<StepContextHolder>("StepContext")
       .def(torch::init<>())
-      .def("reuses", &StepContextHolder::reuses);
+      .def("reuses", &StepContextHolder::reuses)
+      .def("agreements_reused", &StepContextHolder::agreements_reused);
   const std::vector<at::Tag> pt2{at::Tag::pt2_compliant_tag};
   m.def(
       "rebuild_mask(Tensor mask, int q_heads, int kv_heads, int[] seq_lens, str group, "

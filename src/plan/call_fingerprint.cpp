@@ -144,6 +144,10 @@ std::vector<Field> fields(const CallFingerprint& c, const std::vector<std::strin
   facts_fields(f, "sinks", c.sinks, -1, true);
   if (c.sinks.given) f.push_back({"whether sinks require grad", c.sinks.requires_grad, as_bool});
   f.push_back({"whether a StepContext is used", c.step_context, as_bool});
+  f.push_back(
+      {"whether later calls of the step may reuse this call's agreement (whole q, k, v "
+       "moved fused, no ring)",
+       c.reuses_agreement, as_bool});
   f.push_back({"GroupOptions::pipeline_min_bytes", c.pipeline_min_bytes, as_int});
   f.push_back({"GroupOptions::message_bytes", c.message_bytes, as_int});
   f.push_back({"GroupOptions::shared_memory", c.shared_memory, as_bool});
@@ -168,6 +172,7 @@ std::vector<int64_t> CallFingerprint::encode() const {
   out.push_back(bits_of(softcap));
   put(out, sinks);
   out.push_back(step_context);
+  out.push_back(reuses_agreement);
   return out;
 }
 
@@ -194,6 +199,7 @@ CallFingerprint CallFingerprint::decode(const std::vector<int64_t>& values) {
   c.softcap = double_of(r.next());
   c.sinks = r.facts();
   c.step_context = r.next() != 0;
+  c.reuses_agreement = r.next() != 0;
   TORCH_CHECK(r.done(), "CallFingerprint::decode: ", values.size(), " values, more than encoded");
   return c;
 }

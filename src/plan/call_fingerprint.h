@@ -44,6 +44,7 @@ struct CallFingerprint : AttentionRules {  // causal, scale, window, softcap.
   TensorFacts positions;
   TensorFacts sinks;  // Attention sinks [Hq].
   bool step_context = false;
+  bool reuses_agreement = false;  // CallOptions::reuses_agreement.
 
   // The integers the agreement round moves; decode(encode()) == *this.
   std::vector<int64_t> encode() const;

@@ -167,6 +167,7 @@ CallFingerprint call_fingerprint(const Group& group, const HeadPartition& heads,
   f.rules() = call.rules();
   f.sinks = facts_of(call.sinks, first);
   f.step_context = call.step_context;
+  f.reuses_agreement = call.reuses_agreement;
   return f;
 }
 

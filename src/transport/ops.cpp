@@ -49,6 +49,9 @@ CallOptions call_options(const std::vector<std::string>& names, const OptTensor&
   o.positions = positions;
   o.sinks = sinks;
   o.step_context = step;
+  // The whole-tensor exchange of q, k, v is the call a StepContext's later calls reuse (the
+  // caller arms the step; Note [Reused agreement]).
+  o.reuses_agreement = step && o.attention;
   return o;
 }
 
@@ -161,9 +164,10 @@ std::vector<at::Tensor> scatter_head_parts_op(
                      parts);
   }
   const Sharding given = fail_together_on_error(group, parse);
-  const Sharding plan = agree_plan(group, given.heads, given.layout, specs, given.seq,
-                                   call_options(tensor_names(tensor_heads), mask, positions, causal,
-                                                scale, step, check_mask, window, softcap, sinks));
+  CallOptions options = call_options(tensor_names(tensor_heads), mask, positions, causal, scale,
+                                     step, check_mask, window, softcap, sinks);
+  options.reuses_agreement = false;  // Head parts: a step never reuses their agreement.
+  const Sharding plan = agree_plan(group, given.heads, given.layout, specs, given.seq, options);
   return unaliased(detail::scatter_head_parts_kernel(nested, tensor_heads, plan, group), parts);
 }
 

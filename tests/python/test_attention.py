@@ -137,12 +137,13 @@ def test_shared_mask_is_rebuilt_once_per_step():
         for layer in layers:
             layer(*x, mask=mask, seq_lens=lens)
         without = ulysses._C.collective_count(group) - before
-        return with_step, without, step.reuses
+        return with_step, without, step.reuses, step.agreements_reused
 
-    for with_step, without, reuses in run_ranks(2, body):
-        assert reuses == 2
-        # Each mask rebuild is 2 collectives (agreement + all-gather): saved twice with the step.
-        assert without - with_step == 4
+    for with_step, without, reuses, agreements in run_ranks(2, body):
+        assert reuses == 2 and agreements == 2
+        # Each mask rebuild is 2 collectives (agreement + all-gather), and each later layer's
+        # agreement round 1: saved twice each with the step.
+        assert without - with_step == 2 * 2 + 2
 
 
 def test_one_rank_with_wrong_heads_fails_alike_on_every_rank():
