@@ -22,7 +22,8 @@ const Options& bench_layer_options() {
       {value("--nproc", "2").in(1, kMaxRanks), value("--seq-lens", "2048,4096,8192").each_in(1),
        value("--q-heads", "8").in(1, kMaxHeads), value("--kv-heads", "2").in(1, kMaxHeads),
        value("--head-dim", "64").in(1), value("--ring", "1").each_in(1, kMaxRanks),
-       value("--repeats", "3").in(1, 100000), flag("--projections"), placeholder("--json", "FILE")},
+       value("--repeats", "3").in(1, 100000), flag("--projections"),
+       value("--layers", "0").in(0, 1000), placeholder("--json", "FILE")},
       group_option_table());
   return options;
 }
@@ -136,6 +137,50 @@ bench::Record projected_layer(const Group& g, int64_t S, int64_t Hq, int64_t Hkv
   return r;
 }
 
+const std::vector<std::string> kStackColumns{"seq_len",
+                                             "layers",
+                                             "per_call_ms",
+                                             "per_call_spread",
+                                             "per_step_ms",
+                                             "per_step_spread",
+                                             "per_call_over_step",
+                                             "collectives_per_call",
+                                             "collectives_per_step"};
+
+// `layers` causal DistributedAttention layers fwd+bwd, two ways side by side: `per_call`
+// agrees in every call (no StepContext); `per_step` shares one StepContext, so the later
+// layers reuse the first one's agreement (Note [Reused agreement]).
+bench::Record stacked_layers(const Group& g, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
+                             int64_t layers, int repeats) {
+  AttentionOptions options;
+  options.causal = true;
+  std::vector<DistributedAttention> stack(layers, DistributedAttention(g, options));
+  const int64_t s = SequencePartition::even(S, g.size()).length(g.rank());
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5 + g.rank());
+  const at::Tensor q = at::randn({1, s, Hq, D}, gen).requires_grad_(),
+                   k = at::randn({1, s, Hkv, D}, gen).requires_grad_(),
+                   v = at::randn({1, s, Hkv, D}, gen).requires_grad_();
+  int64_t collectives[2] = {0, 0};
+  auto run = [&](bool shared) {
+    const int64_t before = g.collective_count();
+    c10::optional<StepContext> step;
+    if (shared) step.emplace(g);
+    at::Tensor x = q;
+    for (auto& layer : stack)
+      x = layer(x, k, v, {c10::nullopt, c10::nullopt, step ? &*step : nullptr});
+    x.sum().backward();
+    collectives[shared] = g.collective_count() - before;
+  };
+  const auto t = bench::time_side_by_side(g, {[&] { run(false); }, [&] { run(true); }}, 1, repeats);
+  bench::Record r;
+  r.add("seq_len", S).add("layers", layers).add("q_heads", Hq).add("kv_heads", Hkv);
+  r.add("head_dim", D).add("sp", g.size()).add("causal", true);
+  r.add("per_call", t.steps[0]).add("per_step", t.steps[1]);
+  r.add_ratio("per_call_over_step", t.ratio(0, 1));
+  r.add("collectives_per_call", collectives[0]).add("collectives_per_step", collectives[1]);
+  return r;
+}
+
 }  // namespace
 
 int bench_layer_main(const Argv& argv, const Runtime& runtime) {
@@ -148,6 +193,7 @@ int bench_layer_main(const Argv& argv, const Runtime& runtime) {
   const auto rings = args.integers("--ring");
   const std::string json = args.str("--json");
   const bool projections = args.has("--projections");
+  const int64_t layers = args.integer("--layers");
   const GroupOptions group_opts = group_options(args);
   const int code = relaunch_as_ranks(nproc, runtime.self, {"bench", "layer"}, argv);
   if (code >= 0) return code;
@@ -169,6 +215,24 @@ int bench_layer_main(const Argv& argv, const Runtime& runtime) {
                 << " (ms: slowest rank, median of " << repeats
                 << "; bound = max(compute, transfer))\n";
       bench::print_table(records, kProjectedColumns);
+      if (!json.empty()) bench::write_json(json, records);
+    }
+    return 0;
+  }
+  if (layers > 0) {
+    for (int64_t S : seq_lens) {
+      records.push_back(stacked_layers(g, S, Hq, Hkv, D, layers, repeats));
+      if (g.rank() == 0) bench::print_table({records.back()}, kStackColumns);
+    }
+    if (g.rank() == 0) {
+      std::cout << "\nsummary: " << layers << " DistributedAttention layers fwd+bwd, P=" << P
+                << ", Hq=" << Hq << " Hkv=" << Hkv << " D=" << D << ", causal, "
+                << at::get_num_threads()
+                << " threads/rank; per_call: an agreement round in every call, per_step: one "
+                   "StepContext (later layers reuse the first one's agreement) (ms: slowest "
+                   "rank, median of "
+                << repeats << ", side by side)\n";
+      bench::print_table(records, kStackColumns);
       if (!json.empty()) bench::write_json(json, records);
     }
     return 0;
