@@ -5,6 +5,13 @@ the same model (ulysses attention under both) when DeepSpeed is installed.
 
     python bench/memory.py [--seq-lens 4096,8192] [--sp 1,2,4] [--features none,all,...]
                            [--vocab 32000] [--json FILE] [--plot FILE]
+    python bench/memory.py --fsdp [--seq-lens 2048] [--sp 2,4] [--vocab 128000] [--layers 8]
+
+``--fsdp`` compares how the parameters are held instead, with an AdamW step: ``ddp`` (every rank
+holds the whole model, its gradients and both Adam moments; gradients summed over the group)
+against ``fsdp2`` (``fully_shard`` on every decoder layer and the root, over every rank: each
+holds 1/P). ``state_MiB`` is this rank's parameters + gradients + optimizer state after the step
+(the local shards under FSDP2), ``peak_MiB`` what the step adds at its peak, as below.
 
 Each (S, P, features) runs in fresh processes, one per rank (torch.multiprocessing, Gloo on
 loopback): a training step (forward, loss, backward, gradient sum) on one sequence of S random
@@ -102,6 +109,18 @@ def _deepspeed_tiling(model, group):
     return loss
 
 
+def _local_bytes(tensors) -> int:
+    """Bytes this rank holds of ``tensors`` (a DTensor's local shard)."""
+    return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors if t is not None)
+
+
+def _state_bytes(model, optimizer) -> int:
+    """This rank's parameters, gradients and optimizer state."""
+    params = list(model.parameters())
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    return _local_bytes(params) + _local_bytes(p.grad for p in params) + _local_bytes(state)
+
+
 def _rank(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -116,6 +135,14 @@ def _rank(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
             p.requires_grad_(False)
     group = dist.group.WORLD
     uhf.sequence_parallel(model, group, **FEATURES[feature])
+    holding = task.get("holding")  # --fsdp: "ddp" or "fsdp2", with an AdamW step
+    if holding == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if holding else None
     ds_loss = _deepspeed_tiling(model, group) if feature.startswith("ds") else None
     if feature == "ds+recompute":
         model.activation_checkpointing_enable()  # transformers' (torch's) checkpoint
@@ -137,9 +164,14 @@ def _rank(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
         elif FEATURES[feature].get("tiled_loss"):
             loss, _ = uhf.token_mean(model(**inputs, ulysses_shift_labels=labels).loss, labels, group)
         else:
-            loss, _ = uhf.sequence_parallel_loss(model(**inputs).logits, labels, group)
+            # FSDP2 averages gradients over the group; the plain loop sums them.
+            gradients = "averaged" if holding == "fsdp2" else "summed"
+            loss, _ = uhf.sequence_parallel_loss(model(**inputs).logits, labels, group, gradients=gradients)
         loss.backward()
-        uhf.all_reduce_gradients(model, group)
+        if holding != "fsdp2":
+            uhf.all_reduce_gradients(model, group)
+        if optimizer is not None:
+            optimizer.step()
         dist.barrier()
         return time.perf_counter() - start
 
@@ -155,7 +187,8 @@ def _rank(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
     peak = _status_kib("VmHWM")
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"peak_mib": (peak - baseline) / 1024, "step_s": step_times[-1],
-                   "grad_mib": sum(p.grad.nbytes for p in model.parameters() if p.grad is not None) / 2**20,
+                   "grad_mib": _local_bytes(p.grad for p in model.parameters()) / 2**20,
+                   "state_mib": _state_bytes(model, optimizer) / 2**20 if optimizer else 0.0,
                    "host_mib": T.live_host_bytes() / 2**20}, f)
     dist.destroy_process_group()
 
@@ -176,7 +209,7 @@ def measure(task: dict) -> dict:
                            start_method="spawn", join=True)
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(task["sp"])]
     return {**task, "peak_mib": max(r["peak_mib"] for r in ranks), "step_s": max(r["step_s"] for r in ranks),
-            "grad_mib": ranks[0]["grad_mib"]}
+            "grad_mib": ranks[0]["grad_mib"], "state_mib": max(r["state_mib"] for r in ranks)}
 
 
 def _have_deepspeed() -> bool:
@@ -210,6 +243,31 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def compare_holdings(a: argparse.Namespace, rows: list[dict]) -> int:
+    """--fsdp: each P with the model replicated (ddp) and sharded (fsdp2), side by side."""
+    print(f"{'S':>6} {'P':>2} {'vocab':>6} {'holding':<7} {'state_MiB':>10} {'peak_MiB':>9} {'step_s':>8} "
+          f"{'state_over_ddp_per_rank':>24} {'step_over_ddp':>14}", flush=True)
+    for vocab in map(int, a.vocab.split(",")):
+        for seq_len in map(int, a.seq_lens.split(",")):
+            for sp in map(int, a.sp.split(",")):
+                ddp = None
+                for holding in ("ddp", "fsdp2"):
+                    task = dict(seq_len=seq_len, sp=sp, vocab=vocab, features="none", layers=a.layers,
+                                steps=a.steps or 2, holding=holding)
+                    row = measure(task)
+                    ddp = ddp or row
+                    row["state_over_ddp_per_rank"] = row["state_mib"] / (ddp["state_mib"] / sp)
+                    row["step_over_ddp"] = row["step_s"] / ddp["step_s"]
+                    rows.append(row)
+                    print(f"{seq_len:>6} {sp:>2} {vocab:>6} {holding:<7} {row['state_mib']:>10.1f} "
+                          f"{row['peak_mib']:>9.1f} {row['step_s']:>8.2f} {row['state_over_ddp_per_rank']:>24.3f} "
+                          f"{row['step_over_ddp']:>14.3f}", flush=True)
+                    if a.json:
+                        with open(a.json, "w") as f:
+                            json.dump(rows, f, indent=1)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-lens", default="4096,8192,16384,32768")
@@ -220,14 +278,18 @@ def main() -> int:
     p.add_argument("--freeze-vocab", action="store_true",
                    help="the embedding and the head take no gradient (their [V, E] gradients then leave the peak)")
     p.add_argument("--steps", type=int, default=0, help="steps per run, the last measured (0: 2 below S = 16K, else 1)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="DDP-style replicas against FSDP2 sharding, with an AdamW step (features: none)")
     p.add_argument("--json", default=None, help="append the rows to this JSON file (a list)")
     p.add_argument("--plot", default=None, help="plot peak memory vs S from the JSON file into this PNG")
     a = p.parse_args()
     unknown = set(a.features.split(",")) - set(FEATURES)
     if unknown:
         p.error(f"unknown features {sorted(unknown)}; choose from {', '.join(FEATURES)}")
-    features = [f for f in a.features.split(",") if not f.startswith("ds") or _have_deepspeed()]
     rows: list[dict] = json.load(open(a.json)) if a.json and os.path.exists(a.json) else []
+    if a.fsdp:
+        return compare_holdings(a, rows)
+    features = [f for f in a.features.split(",") if not f.startswith("ds") or _have_deepspeed()]
     print(f"{'S':>6} {'P':>2} {'vocab':>6} {'features':<16} {'peak_MiB':>9} {'grad_MiB':>9} {'step_s':>8}", flush=True)
     for vocab in map(int, a.vocab.split(",")):
         for seq_len in map(int, a.seq_lens.split(",")):
