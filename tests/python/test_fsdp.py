@@ -107,8 +107,12 @@ def fsdp_body(rank, world_name, sp, rows, gradients, case):
     sharded checkpoint at ``case["resume"]``)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                         set_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
 
     world = dist.get_world_size()
     sp_group, _ = dist.new_subgroups_by_enumeration([list(range(d, d + sp)) for d in range(0, world, sp)])
