@@ -40,10 +40,16 @@ namespace ulysses {
 // the call's fingerprint among the agreed ones, or 0 where the call differs (it then sends
 // zeros of the agreed sizes instead of its tensors). Every rank receives every rank's index,
 // so every rank reaches the same verdict: all equal and nonzero, the exchange stands and no
-// round ran; else every rank forgets the step's agreement and runs the full agreement (which
-// names what differs, alike on every rank) and the exchange again. Only CPU tensors reuse
-// (reading the indexes is free there; on a GPU it would wait for the exchange), with every
-// rank holding at least one token (each rank's index must reach every rank).
+// round ran; else every rank counts a miss and runs the full agreement (which names what
+// differs, alike on every rank) and the exchange again, and an agreed call joins the step's
+// list (or replaces it, for other sizes). Only CPU tensors reuse (reading the indexes is free
+// there; on a GPU it would wait for the exchange), with every rank holding at least one token
+// (each rank's index must reach every rank).
+// Not covered: the StepContext argument itself differing mid-step (one rank passing none, or
+// a fresh one, while the others pass the armed one). That rank goes into the agreement round
+// while the others move by the agreed plan: they wait on each other until the group's timeout.
+// A rank cannot see that from its own state; the fix is an armed state held by the group's
+// runtime (alike on every rank whatever the argument), not by the StepContext.
 class StepContext {
  public:
   // `group` must be the SP group of the attention layers that use this context.

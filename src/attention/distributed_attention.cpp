@@ -218,8 +218,8 @@ std::vector<int64_t> whole_fingerprint(const AttentionCall& call,
 // agreement]). Returns q, k, v by heads when every rank's call matched, else nothing (every
 // rank alike): the caller then agrees and exchanges in full.
 c10::optional<std::vector<at::Tensor>> exchange_as_agreed(
-    const AttentionCall& call, const std::vector<std::vector<at::Tensor>>& qkv, HeadForm form,
-    int64_t hq, int64_t hkv, const CallOptions& options, StepContext& step) {
+    const AttentionCall& call, const std::vector<std::vector<at::Tensor>>& qkv, int64_t hq,
+    int64_t hkv, const CallOptions& options, StepContext& step) {
   const StepContext::Agreed& agreed = *step.agreed();
   const Group& group = call.group;
   int64_t index = 0;  // 1 + the position of this call's fingerprint among the agreed; 0: none.
@@ -298,7 +298,7 @@ AttentionHeads attend_heads(const AttentionCall& call,
   // other groups holds agreements those groups never made).
   StepContext* reusing = step && step->group().op_name() == group.op_name() ? step : nullptr;
   if (reusing && reusing->agreed()) {  // Alike on every rank: each moves by the agreed plan.
-    if (auto moved = exchange_as_agreed(call, qkv, form, hq, hkv, options, *reusing)) {
+    if (auto moved = exchange_as_agreed(call, qkv, hq, hkv, options, *reusing)) {
       heads = std::move(*moved);
       plan = reusing->agreed()->plan;
     }
