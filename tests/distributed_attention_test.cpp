@@ -266,12 +266,19 @@ TEST(DistributedAttention, LaterLayersOfAStepReuseItsAgreement) {
     for (int s = 0; s < 2; ++s) {  // Two steps, one StepContext each.
       StepContext step(g);
       const StepRun got = run_layers(g, layers, q, k, v, &step);
-      // The first layer agrees; the others move q, k, v with their indexes, then back.
-      EXPECT_EQ(got.counts, (std::vector<int64_t>{3, 2, 2, 2})) << "step " << s;
-      EXPECT_EQ(step.agreements_reused(), 3);
+      // The first call agrees; every later one, in this step and the next, moves q, k, v with
+      // its index, then back.
+      const int64_t first = s == 0 ? 3 : 2;
+      EXPECT_EQ(got.counts, (std::vector<int64_t>{first, 2, 2, 2})) << "step " << s;
+      EXPECT_EQ(step.agreements_reused(), s == 0 ? 3 : 4);
       EXPECT_TRUE(got.out.equal(want.out));
       EXPECT_TRUE(got.dq.equal(want.dq));
     }
+    // A call without a StepContext misses (one exchange of zeros), agrees and disarms the
+    // group: the call after it agrees in full again.
+    const StepRun plain = run_layers(g, layers, q, k, v, nullptr);
+    EXPECT_EQ(plain.counts, (std::vector<int64_t>{4, 3, 3, 3}));
+    EXPECT_TRUE(plain.out.equal(want.out));
   });
 }
 
@@ -283,15 +290,21 @@ TEST(DistributedAttention, ACallThatChangesMidStepAgreesAgain) {
     // Layers alternate full and sliding (Gemma2's pattern), then the sequence grows.
     std::vector<DistributedAttention> layers{DistributedAttention(g, full),
                                              DistributedAttention(g, windowed)};
+    const std::vector<int64_t> sizes{3, 3, 4};
+    std::vector<at::Tensor> wants;  // Before the step: a call without one disarms the group.
+    for (int64_t tokens : sizes) {
+      at::Tensor q = seeded_randn({1, tokens, 3, 4}, 1 + g.rank());
+      for (auto& layer : layers) wants.push_back(layer(q, q, q));
+    }
     StepContext step(g);
     std::vector<int64_t> counts;
-    for (int64_t tokens : {3, 3, 4}) {
+    for (int64_t tokens : sizes) {
       at::Tensor q = seeded_randn({1, tokens, 3, 4}, 1 + g.rank());
       for (auto& layer : layers) {
         const int64_t before = g.collective_count();
         at::Tensor got = layer(q, q, q, {c10::nullopt, c10::nullopt, &step});
         counts.push_back(g.collective_count() - before);
-        EXPECT_TRUE(got.equal(layer(q, q, q))) << tokens << " tokens";
+        EXPECT_TRUE(got.equal(wants[counts.size() - 1])) << tokens << " tokens";
       }
     }
     // Agree; differ (1 exchange) then agree; reuse twice; differ in size, agree; reuse.
@@ -311,6 +324,23 @@ TEST(DistributedAttention, OneRankChangingMidStepFailsAlike) {
     attention(odd, odd, odd, {c10::nullopt, c10::nullopt, &step});
   });
   expect_ranks_fail_alike(errors, "ranks disagree on q's dim 3");
+}
+
+// The StepContext argument itself differing mid-step: the rank without it (or with a fresh one)
+// still moves by the group's armed exchange, so no rank waits in a collective the others skip.
+TEST(DistributedAttention, OneRankDroppingItsStepContextFailsAlike) {
+  auto errors = run_ranks(2, [](Group& g) {
+    DistributedAttention attention(g);
+    StepContext step(g);
+    at::Tensor q = seeded_randn({1, 4, 2, 8}, 1);
+    attention(q, q, q, {c10::nullopt, c10::nullopt, &step});
+    StepContext fresh(g);  // A fresh context on rank 0 reuses the group's agreement alike.
+    at::Tensor o = attention(q, q, q, {c10::nullopt, c10::nullopt, g.rank() == 0 ? &fresh : &step});
+    EXPECT_TRUE(o.equal(attention(q, q, q)));
+    attention(q, q, q, {c10::nullopt, c10::nullopt, &step});  // Arms the group again.
+    attention(q, q, q, {c10::nullopt, c10::nullopt, g.rank() == 1 ? nullptr : &step});
+  });
+  expect_ranks_fail_alike(errors, "whether a StepContext is used");
 }
 
 TEST(DistributedAttention, PositionIdsThatSplitNoRowReachNoKernel) {

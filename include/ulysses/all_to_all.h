@@ -57,7 +57,7 @@ struct CallOptions : AttentionRules {   // causal, scale, window, softcap.
   c10::optional<at::Tensor> positions;  // [B, S_r] (positions_for_call expands [S_r]).
   c10::optional<at::Tensor> sinks;      // Attention sinks [Hq] (attention.h); facts, not data.
   bool step_context = false;
-  // With a StepContext: a later call of the step like this one reuses this call's agreement
+  // With a StepContext: a later call on the group like this one reuses this call's agreement
   // (Note [Reused agreement], distributed_attention.h). Whole q, k, v moved fused, no ring.
   bool reuses_agreement = false;
   // Set when the call computes on a CPU-only kernel (it names it): other devices are refused

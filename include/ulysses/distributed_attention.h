@@ -30,26 +30,25 @@ namespace ulysses {
 // Entries are keyed by the source tensor's identity and version, so a changed mask is never
 // served stale. Create one per forward step; it must not outlive the step's tensors' use.
 //
-// Note [Reused agreement]: the step also keeps its first call's agreement, so that the later
-// layers of a forward skip their agreement round (one round per step, not one per layer).
-// A rank cannot skip a round on its own: if it skipped while another rank, whose call changed,
-// went into the round, the two would meet in different collectives (Gloo aborts on that; NCCL
-// hangs). So no rank decides alone. Once the step holds an agreed exchange (its plan, this
-// rank's q, k, v sizes, the fingerprints agreed with it), every later call of the step moves
-// q, k, v by that plan with one more small tensor fused into the same exchange: the index of
-// the call's fingerprint among the agreed ones, or 0 where the call differs (it then sends
-// zeros of the agreed sizes instead of its tensors). Every rank receives every rank's index,
-// so every rank reaches the same verdict: all equal and nonzero, the exchange stands and no
-// round ran; else every rank counts a miss and runs the full agreement (which names what
-// differs, alike on every rank) and the exchange again, and an agreed call joins the step's
-// list (or replaces it, for other sizes). Only CPU tensors reuse (reading the indexes is free
-// there; on a GPU it would wait for the exchange), with every rank holding at least one token
-// (each rank's index must reach every rank).
-// Not covered: the StepContext argument itself differing mid-step (one rank passing none, or
-// a fresh one, while the others pass the armed one). That rank goes into the agreement round
-// while the others move by the agreed plan: they wait on each other until the group's timeout.
-// A rank cannot see that from its own state; the fix is an armed state held by the group's
-// runtime (alike on every rank whatever the argument), not by the StepContext.
+// Note [Reused agreement]: after a call with a StepContext has agreed, the SP group's later
+// calls skip their agreement round (one round per shape, not one per layer). A rank cannot skip
+// a round on its own: if it skipped while another rank, whose call changed, went into the round,
+// the two would meet in different collectives (Gloo aborts on that; NCCL hangs). So no rank
+// decides alone, and the state that decides is the group's, not an argument's: the group's
+// runtime arms itself with the agreed exchange (its plan, this rank's q, k, v sizes, the
+// fingerprints agreed with it), and while armed every attention call on the group, with a
+// StepContext or without, moves q, k, v by that plan with one more small tensor fused into the
+// same exchange: the index of the call's fingerprint among the agreed ones, or 0 where the call
+// differs or has no StepContext (it then sends zeros of the agreed sizes instead of its
+// tensors). Every rank receives every rank's index, so every rank reaches the same verdict: all
+// equal and nonzero, the exchange stands and no round ran; else the full agreement runs (naming
+// what differs, alike on every rank) and the exchange again. An agreed call that may reuse joins
+// the armed list (or replaces it, for other sizes); one that may not (no StepContext, a ring,
+// head parts, unfused, a GPU tensor) disarms the group. Arming spans steps: the sequence of
+// calls decides it, and it is the same on every rank. After kMaxMissesInARow misses in a row
+// the group stops arming. Only CPU tensors reuse (reading the indexes is free there; on a GPU
+// it would wait for the exchange), with every rank holding at least one token (each rank's
+// index must reach every rank).
 class StepContext {
  public:
   // `group` must be the SP group of the attention layers that use this context.
@@ -68,26 +67,9 @@ class StepContext {
   int64_t reuses() const { return reuses_; }
   const Group& group() const { return group_; }
 
-  // The step's agreed exchange (Note [Reused agreement]).
-  struct Agreed {
-    Sharding plan;
-    std::vector<std::vector<int64_t>> sizes;  // This rank's q, k, v sizes under `plan`.
-    at::ScalarType dtype = at::kFloat;
-    std::vector<std::vector<int64_t>> calls;  // This rank's fingerprints agreed with `plan`.
-  };
-  // The agreed exchange later calls move by; null when none, or after kMaxMisses calls of
-  // the step differed from it (every rank counts the same misses).
-  const Agreed* agreed() const { return agreed_ && misses_ < kMaxMisses ? &*agreed_ : nullptr; }
-  // After an agreement every rank ran alike: keep `call` (this rank's fingerprint) with its
-  // exchange (q, k, v as moved), replacing an agreed exchange of other sizes.
-  void remember(const Sharding& plan, const std::vector<at::Tensor>& qkv,
-                const std::vector<int64_t>& call);
-  // After an exchange by agreed(), whose indexes every rank read alike.
-  void exchanged(bool reused) { ++(reused ? agreements_reused_ : misses_); }
-  // Agreement rounds skipped so far (for tests and logs).
+  // Agreement rounds this context's calls skipped (Note [Reused agreement]): for tests and logs.
   int64_t agreements_reused() const { return agreements_reused_; }
-  static constexpr int64_t kMaxMisses = 4;
-  static constexpr size_t kMaxAgreedCalls = 32;  // Indexes travel exactly in bf16.
+  void count_agreement_reused() { ++agreements_reused_; }
 
  private:
   struct Entry {
@@ -106,9 +88,7 @@ class StepContext {
   std::vector<Entry> positions_;  // Gathered position ids of this step.
   std::vector<Entry> documents_;  // Ring document ids of this step.
   int64_t reuses_ = 0;            // Cache hits so far.
-  c10::optional<Agreed> agreed_;  // Note [Reused agreement].
   int64_t agreements_reused_ = 0;
-  int64_t misses_ = 0;
 };
 
 // Options of a DistributedAttention.

@@ -85,7 +85,10 @@ class Transfers;
 namespace detail {
 struct GroupRuntime;
 class SharedMemoryLinks;
+class ArmedAgreement;
 SharedMemoryLinks& shared_memory_links(const Group& group);
+// The group's armed agreement (Note [Reused agreement], distributed_attention.h).
+ArmedAgreement& armed_agreement(const Group& group);
 }  // namespace detail
 
 // A handle to one process group: cheap to copy (copies share the connection and counters).
@@ -175,6 +178,7 @@ class Group {
 
  private:
   friend detail::SharedMemoryLinks& detail::shared_memory_links(const Group& group);
+  friend detail::ArmedAgreement& detail::armed_agreement(const Group& group);
   friend class Transfers;
   Group(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::shared_ptr<detail::GroupRuntime> runtime,
         int rank, int size, GroupOptions options);

@@ -59,8 +59,8 @@ class StepContext:
 
     @property
     def agreements_reused(self) -> int:
-        """Agreement rounds skipped so far: later calls of the step that reused an earlier
-        call's agreement (Note [Reused agreement] in include/ulysses/distributed_attention.h)."""
+        """Agreement rounds skipped so far: calls with this context that moved by the group's
+        armed agreement (Note [Reused agreement] in include/ulysses/distributed_attention.h)."""
         return self._handle.agreements_reused()
 
 

@@ -58,20 +58,6 @@ at::Tensor StepContext::ring_documents(const at::Tensor& positions, const RingLa
                 layout.seq_len(), [&] { return ring_document_ids(positions, layout, ring); });
 }
 
-void StepContext::remember(const Sharding& plan, const std::vector<at::Tensor>& qkv,
-                           const std::vector<int64_t>& call) {
-  std::vector<std::vector<int64_t>> sizes;
-  for (const at::Tensor& t : qkv) sizes.push_back(t.sizes().vec());
-  // Every fact compared here was agreed (the plan, dtype, q, k, v's dims but the sequence's,
-  // whose lengths the plan holds), so every rank keeps or replaces alike.
-  const bool same = agreed_ && agreed_->plan.heads == plan.heads && agreed_->plan.seq == plan.seq &&
-                    agreed_->plan.layout == plan.layout && agreed_->sizes == sizes &&
-                    agreed_->dtype == qkv[0].scalar_type() &&
-                    agreed_->calls.size() < kMaxAgreedCalls;
-  if (!same) agreed_ = Agreed{plan, sizes, qkv[0].scalar_type(), {}};
-  agreed_->calls.push_back(call);
-}
-
 namespace {
 
 // Every ring rank must run the same ring: the ring ranks agree on the call's fingerprint (as the
@@ -192,7 +178,7 @@ std::vector<at::Tensor> agree_and_exchange(
   return heads;
 }
 
-// Whether a call just agreed may arm its step: facts every rank agreed on, alike everywhere
+// Whether a call just agreed may arm its group: facts every rank agreed on, alike everywhere
 // (Note [Reused agreement]).
 bool may_reuse(const CallOptions& options, const Sharding& plan, const at::Tensor& q) {
   const auto& lengths = plan.seq.lengths();
@@ -214,13 +200,13 @@ std::vector<int64_t> whole_fingerprint(const AttentionCall& call,
       .encode();
 }
 
-// The exchange by the step's agreed plan, with each rank's index fused in (Note [Reused
+// The exchange by the group's armed plan, with each rank's index fused in (Note [Reused
 // agreement]). Returns q, k, v by heads when every rank's call matched, else nothing (every
 // rank alike): the caller then agrees and exchanges in full.
 c10::optional<std::vector<at::Tensor>> exchange_as_agreed(
     const AttentionCall& call, const std::vector<std::vector<at::Tensor>>& qkv, int64_t hq,
-    int64_t hkv, const CallOptions& options, StepContext& step) {
-  const StepContext::Agreed& agreed = *step.agreed();
+    int64_t hkv, const CallOptions& options, detail::ArmedAgreement& armed) {
+  const detail::ArmedAgreement::Exchange& agreed = *armed.armed();
   const Group& group = call.group;
   int64_t index = 0;  // 1 + the position of this call's fingerprint among the agreed; 0: none.
   if (options.reuses_agreement) {
@@ -247,7 +233,7 @@ c10::optional<std::vector<at::Tensor>> exchange_as_agreed(
   const at::Tensor indexes = out[3].detach();
   const double low = indexes.min().item<double>(), high = indexes.max().item<double>();
   const bool reused = low == high && low > 0;
-  step.exchanged(reused);
+  armed.exchanged(reused);
   if (!reused) return c10::nullopt;
   out.pop_back();
   return out;
@@ -294,13 +280,12 @@ AttentionHeads attend_heads(const AttentionCall& call,
   c10::optional<RingLayout> ring_layout;
   std::vector<at::Tensor> heads;
   StepContext* step = call.step;
-  // Only calls on the step's own group reuse its agreement (a context shared by layers on
-  // other groups holds agreements those groups never made).
-  StepContext* reusing = step && step->group().op_name() == group.op_name() ? step : nullptr;
-  if (reusing && reusing->agreed()) {  // Alike on every rank: each moves by the agreed plan.
-    if (auto moved = exchange_as_agreed(call, qkv, hq, hkv, options, *reusing)) {
+  detail::ArmedAgreement& armed = detail::armed_agreement(group);
+  if (armed.armed()) {  // Alike on every rank: each moves by the armed plan.
+    if (auto moved = exchange_as_agreed(call, qkv, hq, hkv, options, armed)) {
       heads = std::move(*moved);
-      plan = reusing->agreed()->plan;
+      plan = armed.armed()->plan;
+      if (step) step->count_agreement_reused();
     }
   }
   const bool agreed_now = !plan;
@@ -312,10 +297,11 @@ AttentionHeads attend_heads(const AttentionCall& call,
     heads =
         agree_and_exchange(call, qkv, form, hq, hkv, options, mask, positions, plan, ring_layout);
   }
-  if (agreed_now && reusing && may_reuse(options, *plan, q0)) {
-    // Later calls of the step like this one reuse this agreement.
-    reusing->remember(*plan, {qkv[0][0], qkv[1][0], qkv[2][0]},
-                      whole_fingerprint(call, qkv, hq, hkv, options));
+  if (agreed_now && may_reuse(options, *plan, q0)) {  // Later calls like this one reuse it.
+    armed.remember(*plan, {qkv[0][0], qkv[1][0], qkv[2][0]},
+                   whole_fingerprint(call, qkv, hq, hkv, options));
+  } else if (agreed_now) {
+    armed.disarm();
   }
   AttentionHeads out{LocalAttentionArgs{}, *plan, ring_layout, at::Tensor()};
   LocalAttentionArgs& args = out.args;

@@ -16,6 +16,7 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "transport/agreement.h"
 #include "transport/op_options.h"
 #include "transport/shared_memory.h"
 
@@ -96,6 +97,7 @@ struct GroupRuntime {
   std::shared_ptr<BufferCache> buffers;   // Shared with the deleters of tensors it lent.
   std::mutex links_mu;
   std::unique_ptr<SharedMemoryLinks> links;  // Set up on first use; guarded by links_mu.
+  ArmedAgreement armed;                      // Note [Reused agreement].
 };
 
 // Counts one collective and the time spent in it.
@@ -463,6 +465,10 @@ GroupOptions::Transport parse_transport(const std::string& text) {
   for (int i = 0; i < 3; ++i)
     if (text == kTransportNames[i]) return static_cast<GroupOptions::Transport>(i);
   TORCH_CHECK_VALUE(false, "the transport must be auto, messages or batched; got '", text, "'");
+}
+
+detail::ArmedAgreement& detail::armed_agreement(const Group& group) {
+  return group.runtime_->armed;
 }
 
 detail::SharedMemoryLinks& detail::shared_memory_links(const Group& group) {

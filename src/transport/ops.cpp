@@ -49,8 +49,8 @@ CallOptions call_options(const std::vector<std::string>& names, const OptTensor&
   o.positions = positions;
   o.sinks = sinks;
   o.step_context = step;
-  // The whole-tensor exchange of q, k, v is the call a StepContext's later calls reuse (the
-  // caller arms the step; Note [Reused agreement]).
+  // The whole-tensor exchange of q, k, v is the call later calls with a StepContext reuse (the
+  // caller arms the group; Note [Reused agreement]).
   o.reuses_agreement = step && o.attention;
   return o;
 }

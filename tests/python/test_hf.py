@@ -191,11 +191,12 @@ def test_seq_lens_are_learned_once_per_forward_or_given():
     def body(rank, group):
         model = uhf.sequence_parallel(models[rank], group)
         counts = []
-        for given in (True, False):
+        # The first step arms the group's agreement (Note [Reused agreement]); count the others.
+        for given in (True, True, False):
             before = ulysses._C.collective_count(group)
             sharded_step(model, batch, group, given)
             counts.append(ulysses._C.collective_count(group) - before)
-        return counts
+        return counts[1:]
 
     for with_lens, without in run_ranks(2, body):
         # Without them the model's forward learns the split once and passes it to every layer.
@@ -205,7 +206,7 @@ def test_seq_lens_are_learned_once_per_forward_or_given():
 @pytest.mark.parametrize("kind", ["plain", "padded", "packed"])
 def test_a_later_layer_issues_two_exchanges_only(kind):
     """The forward shares one StepContext across its layers: the padding mask, its rebuild and
-    the position ids are gathered once, and the first layer's agreement serves the rest (Note
+    the position ids are gathered once, and the group's armed agreement serves every layer (Note
     [Reused agreement]), so each further layer adds the exchange to heads and the one back,
     whatever the batch holds."""
     import ulysses
@@ -223,11 +224,12 @@ def test_a_later_layer_issues_two_exchanges_only(kind):
         for n, replicas in models.items():
             model = uhf.sequence_parallel(replicas[rank], group)
             sb = uhf.shard_batch(batch, group)
-            before = ulysses._C.collective_count(group)
-            with torch.no_grad():
-                model(input_ids=sb["input_ids"], attention_mask=sb.get("attention_mask"),
-                      position_ids=sb["position_ids"], ulysses_seq_lens=sb["seq_lens"])
-            counts[n] = ulysses._C.collective_count(group) - before
+            for _ in range(2):  # The first forward arms the group's agreement: count the second.
+                before = ulysses._C.collective_count(group)
+                with torch.no_grad():
+                    model(input_ids=sb["input_ids"], attention_mask=sb.get("attention_mask"),
+                          position_ids=sb["position_ids"], ulysses_seq_lens=sb["seq_lens"])
+                counts[n] = ulysses._C.collective_count(group) - before
         return counts[3] - counts[2]
 
     assert run_ranks(2, body) == [2, 2]
