@@ -3,13 +3,16 @@ and ulysses sequence parallelism, no DeepSpeed:
 
     torchrun --nproc_per_node 4 examples/hf_trainer.py --sp 2      # DP 2 x SP 2
     torchrun --nproc_per_node 2 examples/hf_trainer.py --sp 2 --packed
+    torchrun --nproc_per_node 4 examples/hf_trainer.py --sp 2 --fsdp   # parameters sharded too
     python examples/hf_trainer.py --sp 1                           # the plain Trainer, one process
 
 The lines that make it sequence parallel are marked "ulysses". The task: copy the first half of
 each sequence into its second half (lengths vary, so batches are padded, or packed with
 --packed), so the loss falls only if attention reaches across each rank's shard. With --trl the
-same runs under TRL's SFTTrainer with packing. --report writes the logged losses and the final
-parameters (rank 0), which the tests compare with the single-process run.
+same runs under TRL's SFTTrainer with packing. With --fsdp the parameters, gradients and optimizer
+state are sharded over every rank with FSDP2, by the TrainingArguments a GPU script passes.
+--report writes the logged losses and the final parameters (rank 0), which the tests compare with
+the single-process run.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ def main() -> None:
     p.add_argument("--eval", action="store_true", help="evaluate on held-out sequences at the end")
     p.add_argument("--long", action="store_true",
                    help="long-sequence memory: tiled MLP, tiled logits + loss, layers checkpointed with offload")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2: parameters sharded over every rank (SP ranks too)")
     p.add_argument("--out", default="hf_trainer_out")
     p.add_argument("--report", default=None, help="write logged losses (json) and final parameters (.pt)")
     a = p.parse_args()
@@ -107,6 +111,9 @@ def main() -> None:
                   learning_rate=a.lr, lr_scheduler_type="constant", logging_steps=1, report_to=[],
                   save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
                   use_cpu=True, bf16=a.bf16, seed=0, ddp_find_unused_parameters=False, dataloader_drop_last=False)
+    if a.fsdp and sequence_parallel:  # as on GPUs; on CPU the mixin applies FSDP2 from these arguments
+        common.update(fsdp=True, save_only_model=True,
+                      fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
     collator = DataCollatorWithFlattening() if a.packed else pad_right
     # Small tiles, so that the tiny model runs several of each.
     long = dict(tiled_mlp=True, tiled_loss=True, checkpoint="offload", mlp_tile_tokens=16) if a.long else {}
@@ -134,17 +141,25 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=a.resume)
     metrics = trainer.evaluate() if a.eval else {}
     losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+    # Whole parameters (gathered from every rank's shard under FSDP2: a collective, on every rank).
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    params = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=a.fsdp, cpu_offload=a.fsdp))
+    held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in trainer.model.parameters())
+    held_share = held / sum(p.numel() for p in trainer.model.parameters())  # of the parameters, on this rank
     if trainer.args.process_index == 0:
         first, last = min(losses), max(losses)
         kind = "TRL SFTTrainer, packed" if a.trl else "packed" if a.packed else "padded"
         evaluated = f", eval loss {metrics['eval_loss']:.4f}" if a.eval else ""
-        print(f"hf_trainer: world {world} (dp {dp} x sp {a.sp if sequence_parallel else 1}), {kind} batches, "
+        kind += " batches" + (f", FSDP2 ({held_share:.0%} of the parameters per rank)" if a.fsdp else "")
+        print(f"hf_trainer: world {world} (dp {dp} x sp {a.sp if sequence_parallel else 1}), {kind}, "
               f"step {first} loss {losses[first]:.4f}, step {last} loss {losses[last]:.4f}{evaluated}", flush=True)
         if a.report:
             with open(a.report + ".json", "w") as f:
                 json.dump({"losses": losses, "eval_loss": metrics.get("eval_loss"),
-                           "total_train_batch_size": trainer.get_total_train_batch_size(trainer.args)}, f)
-            torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, a.report + ".pt")
+                           "total_train_batch_size": trainer.get_total_train_batch_size(trainer.args),
+                           "held_share": held_share, "wrapped": type(trainer.model_wrapped).__name__}, f)
+            torch.save({k: v.detach().clone() for k, v in params.items()}, a.report + ".pt")
 
 
 if __name__ == "__main__":

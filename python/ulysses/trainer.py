@@ -21,8 +21,15 @@ The launched world is a ``("dp", "sp")`` mesh of ``world / sp_size`` data-parall
   restarting at 0) are exact.
 - **The loss** is the exact token mean over the whole optimizer step: every micro-batch of the
   gradient accumulation and every DP group (one all-reduce of the token count per step).
-  Gradients are averaged over the world by the Trainer's DDP, so each rank's loss is its
-  shard's token sum x world / count, and the logged loss is the global mean.
+  Gradients are averaged over the world (by the Trainer's DDP, or by FSDP2), so each rank's loss
+  is its shard's token sum x world / count, and the logged loss is the global mean.
+- **FSDP2:** ``TrainingArguments(fsdp=True, fsdp_config={"fsdp_version": 2, ...})`` shards the
+  parameters, gradients and optimizer state over every rank, SP ranks included. On GPUs the
+  Trainer's accelerate applies ``fully_shard``, as it does without ulysses. On CPU, where the
+  Trainer ignores ``fsdp``, the mixin applies ``fully_shard`` itself from the same arguments (each
+  module of ``transformer_layer_cls_to_wrap``, then the root, over the world) and hands the
+  Trainer a model that reduces its own gradients. That CPU path saves the model's full weights
+  but not a resumable optimizer state: pass ``save_only_model=True`` (or ``save_strategy="no"``).
 - **Evaluation** computes the same mean per batch; gathered predictions take one copy per SP
   group, and logits are gathered along the sequence when they are asked for.
 """
@@ -30,6 +37,7 @@ The launched world is a ``("dp", "sp")`` mesh of ``world / sp_size`` data-parall
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import time
 from collections.abc import Mapping
@@ -42,7 +50,7 @@ from accelerate.utils import recursively_apply
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Trainer
 
-from . import hf
+from . import hf, training
 from . import ops as O
 
 # Batch keys that carry nothing the shard needs: documents are given by position_ids, and
@@ -58,6 +66,22 @@ def _valid_targets(batch: Mapping[str, torch.Tensor], ignore_index: int) -> torc
     whole = torch.ops.ulysses.shard_batch(batch["input_ids"], batch.get("labels"), batch.get("attention_mask"),
                                           batch.get("position_ids"), 0, 1, 1, ignore_index)
     return (whole[1] != ignore_index).sum()
+
+
+# FSDP plugin arguments the mixin's own fully_shard honours (TrainingArguments._process_fsdp_args).
+_FSDP_ARGS = frozenset({"fsdp_version", "auto_wrap_policy", "transformer_cls_names_to_wrap", "reshard_after_forward",
+                        "state_dict_type", "cpu_ram_efficient_loading"})
+
+
+def _fsdp2_arguments(args: Any) -> dict | None:
+    """The FSDP plugin arguments a script asked for (``TrainingArguments(fsdp=..., fsdp_config=...)``),
+    None without ``fsdp``; FSDP1 is refused."""
+    if not getattr(args, "fsdp", None):
+        return None
+    plugin = getattr(args, "fsdp_plugin_args", None) or {}
+    if plugin.get("fsdp_version") != 2:
+        raise ValueError("ulysses.trainer: FSDP runs as FSDP2 only; pass fsdp_config={'fsdp_version': 2, ...}")
+    return plugin
 
 
 @functools.cache
@@ -90,18 +114,63 @@ class SequenceParallel:
                                f"torchrun (e.g. torchrun --nproc_per_node {sp_size} train.py)")
         if sp_size < 1 or world % sp_size:
             raise ValueError(f"ulysses.trainer: sp_size must divide the world size {world}; got {sp_size}")
-        if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or trainer.args.n_gpu > 1:
-            raise ValueError("ulysses.trainer: runs under the Trainer's DDP (one device per process); "
-                             "DeepSpeed, FSDP and DataParallel are not supported with it")
+        fsdp = _fsdp2_arguments(trainer.args)
+        if trainer.is_deepspeed_enabled or trainer.args.n_gpu > 1:
+            raise ValueError("ulysses.trainer: runs under the Trainer's DDP or FSDP2 (one device per process); "
+                             "DeepSpeed and DataParallel are not supported with it")
         _let_collectives_settle_at_exit()
         self.sp_size = sp_size
         self.sequence_mesh = init_device_mesh(trainer.args.device.type, (world // sp_size, sp_size),
                                               mesh_dim_names=("dp", "sp"))
         hf.sequence_parallel(trainer.model, self.sequence_mesh["sp"], tiled_mlp=tiled_mlp, tiled_loss=tiled_loss,
                              checkpoint=checkpoint, mlp_tile_tokens=mlp_tile_tokens)
+        if fsdp is not None and not trainer.is_fsdp_enabled:  # the Trainer ignored fsdp (CPU): shard here
+            self._fully_shard(fsdp)
         # compute_loss normalises by the count of the whole optimizer step (get_batch_samples).
         trainer.loss_is_scaled_for_ga = True
         self._step_tokens: torch.Tensor | None = None
+
+    # --- FSDP2 where the Trainer does not apply it (CPU) ---------------------------------
+
+    def _fully_shard(self, fsdp: dict) -> None:
+        """``fully_shard`` as accelerate's FSDP2 plugin applies it from the same arguments: each module
+        of the wrapped classes, then the root, over every rank. The Trainer then neither moves nor
+        DDP-wraps the model: it reduces its own gradients (transformers' path for models sharded
+        at load time)."""
+        from torch.distributed.fsdp import fully_shard
+
+        trainer: Any = self
+        args, model = trainer.args, trainer.model
+        unknown = sorted(k for k, v in fsdp.items() if k not in _FSDP_ARGS and v)
+        if unknown or fsdp.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP") != "TRANSFORMER_BASED_WRAP":
+            raise ValueError(f"ulysses.trainer: on CPU the mixin applies FSDP2 itself and honours "
+                             f"transformer_layer_cls_to_wrap and reshard_after_forward only; got {fsdp}")
+        if args.save_strategy != "no" and not args.save_only_model:
+            raise ValueError("ulysses.trainer: with FSDP2 on CPU the Trainer saves the model's weights but not a "
+                             "resumable sharded optimizer state; pass save_only_model=True or save_strategy='no'")
+        names = fsdp.get("transformer_cls_names_to_wrap") or ",".join(getattr(model, "_no_split_modules", None) or [])
+        wrapped = {n for n in names.split(",") if n}
+        layers = [m for m in model.modules() if type(m).__name__ in wrapped]
+        if not layers:
+            raise ValueError(f"ulysses.trainer: FSDP2 wraps modules of {sorted(wrapped)}, and the model has none; "
+                             "set fsdp_config['transformer_layer_cls_to_wrap']")
+        mesh = init_device_mesh(args.device.type, (dist.get_world_size(),))
+        reshard = bool(fsdp.get("reshard_after_forward", True))
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        trainer.is_distributed_loading_by_transformers = True
+
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self) -> Any:
+        """The Trainer's ``no_sync`` for a model it did not wrap: gradients of all but the last
+        micro-batch stay unreduced (the Trainer's own version reads a load-time config)."""
+        model: Any = self.model  # type: ignore[attr-defined]
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
 
     # --- data: sharded over "dp", the same batch on every rank of an SP group ---------------
 
@@ -173,8 +242,8 @@ class SequenceParallel:
             if tokens is None:
                 tokens = (labels != self.ignore_index).sum()
                 dist.all_reduce(tokens)
-            # DDP averages gradients over the world: scale so that the average is the mean's.
-            loss = token_sum * dist.get_world_size() / tokens.clamp(min=1)
+            # DDP and FSDP2 average gradients over the world: scaled so that the average is the mean's.
+            loss = training._for_gradients(token_sum / tokens.clamp(min=1), "averaged", None)
         else:
             # Evaluation: this batch's mean over its SP group, the same value on each of its ranks.
             total = torch.stack([token_sum.detach(), (labels != self.ignore_index).sum().to(token_sum.dtype)])

@@ -1,5 +1,6 @@
 """ulysses.trainer under transformers' Trainer and TRL's SFTTrainer: real torchrun launches of
-examples/hf_trainer.py (a tiny Llama from a config) at SP 2 and DP 2 x SP 2, against the plain
+examples/hf_trainer.py (a tiny Llama from a config) at SP 2 and DP 2 x SP 2, with DDP or FSDP2,
+against the plain
 single-process Trainer on the same data and global batch: every logged loss, the evaluation loss
 and the final parameters. Needs accelerate (the Trainer's) and, for the TRL case, trl: both come
 from PyPI into the venv (scripts/setup.sh); without them these tests skip and say so."""
@@ -107,6 +108,50 @@ def test_resume_from_step_4_reproduces_steps_5_to_8(runs, tmp_path):
     assert (checkpoint / "trainer_state.json").exists(), sorted(p.name for p in full["out"].iterdir())
     resumed = _train(tmp_path, 2, "--sp", "2", "--eval", "--resume", str(checkpoint))
     _assert_same_run(resumed, full, steps=[5, 6, 7, 8])
+
+
+def test_fsdp2_sp2_matches_one_process(runs):
+    """FSDP2 by the TrainingArguments a GPU script passes (on CPU the mixin applies fully_shard)."""
+    got = runs("sp2_fsdp", 2, "--sp", "2", "--fsdp")
+    _assert_same_run(got, runs("plain", 1, "--sp", "1", "--eval") | {"eval_loss": None})
+    # Sharded for real: each rank holds half the parameters, and the Trainer wrapped no DDP.
+    assert got["held_share"] == 0.5 and got["wrapped"].startswith("FSDP"), (got["held_share"], got["wrapped"])
+
+
+def test_fsdp2_dp2_sp2_packed_with_gradient_accumulation(runs):
+    want = runs("plain_packed", 1, "--sp", "1", "--packed", "--grad-accum", "2")
+    got = runs("dp2sp2_packed_fsdp", 4, "--sp", "2", "--packed", "--grad-accum", "2", "--fsdp")
+    _assert_same_run(got, want)
+    assert got["held_share"] == 0.25
+
+
+def test_fsdp2_sp4_long_sequence_features_with_kv_replicated(runs):
+    """SP 4 over 2 kv heads (each replicated on two ranks), tiled MLP and loss, layers checkpointed
+    with offload, parameters sharded over the four ranks."""
+    want = runs("plain", 1, "--sp", "1", "--eval")
+    _assert_same_run(runs("sp4_long_fsdp", 4, "--sp", "4", "--long", "--fsdp"), want | {"eval_loss": None})
+
+
+def test_fsdp2_on_cpu_refuses_a_checkpoint_it_cannot_resume(tmp_path):
+    """The mixin's own FSDP2 (CPU) saves no resumable sharded optimizer state: it says so up front."""
+    script = tmp_path / "refused.py"
+    script.write_text(f"""
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
+from ulysses.trainer import SequenceParallelTrainer
+dist.init_process_group("gloo")
+config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1)
+args = TrainingArguments(output_dir={str(tmp_path)!r}, use_cpu=True, report_to=[], save_strategy="steps",
+                         fsdp=True, fsdp_config={{"fsdp_version": 2}})
+SequenceParallelTrainer(model=AutoModelForCausalLM.from_config(config), args=args, sp_size=2)
+""")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(_free_port()), str(script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode != 0
+    assert "pass save_only_model=True or save_strategy='no'" in done.stderr, done.stderr[-3000:]
 
 
 def test_trl_sft_trainer_with_packing(runs):
