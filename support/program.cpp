@@ -21,8 +21,8 @@ void print_usage(std::ostream& os, const std::vector<Command>& commands,
     os << "usage: ulysses <command> [options]    (ulysses <command> --help, ulysses --version)\n\n"
           "commands (--timeout SECONDS bounds every collective of those that communicate;\n"
           "--pipeline-min-kib K and --message-kib M: CPU all-to-alls sending >= K KiB per rank\n"
-          "go as pipelined messages of M KiB; defaults 4096 and 4096; --shared-memory: their\n"
-          "blocks for ranks on this host go through /dev/shm, as ULYSSES_SHARED_MEMORY=1 does;\n"
+          "go as pipelined messages of M KiB; defaults 4096 and 4096; their blocks for ranks on\n"
+          "this host go through /dev/shm unless --no-shared-memory (or ULYSSES_SHARED_MEMORY=0);\n"
           "--transport batched posts each step's point-to-point transfers together, the way\n"
           "NCCL needs them, as ULYSSES_TRANSPORT=batched does; auto picks per backend):\n";
   }
@@ -80,7 +80,9 @@ Options group_option_table() {
           value("--pipeline-min-kib", std::to_string(defaults.pipeline_min_bytes / kKiB))
               .in(0, kMostKiB),
           value("--message-kib", std::to_string(defaults.message_bytes / kKiB)).in(1, kMostKiB),
-          flag("--shared-memory"), placeholder("--transport", "auto|messages|batched")};
+          flag("--shared-memory"),
+          flag("--no-shared-memory"),
+          placeholder("--transport", "auto|messages|batched")};
 }
 
 GroupOptions group_options(const Args& args) {
@@ -88,7 +90,10 @@ GroupOptions group_options(const Args& args) {
   options.timeout = std::chrono::seconds(args.integer("--timeout"));
   options.pipeline_min_bytes = kKiB * args.integer("--pipeline-min-kib");
   options.message_bytes = kKiB * args.integer("--message-kib");
+  if (args.has("--shared-memory") && args.has("--no-shared-memory"))
+    throw UsageError("options --shared-memory and --no-shared-memory exclude each other");
   if (args.has("--shared-memory")) options.shared_memory = true;  // Else the environment's.
+  if (args.has("--no-shared-memory")) options.shared_memory = false;
   if (args.has("--transport")) {
     const std::string transport = args.str("--transport");
     try {

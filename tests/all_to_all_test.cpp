@@ -526,6 +526,7 @@ TEST(AllToAllPipeline, ChosenBySizeAlikeOnEveryRank) {
         options.pipeline_min_bytes = min_bytes;
         options.message_bytes = 32;
         options.transport = transport;
+        options.shared_memory = false;  // Counts messages: none through /dev/shm.
         const Group h = g.with_options(options);
         const int64_t collectives = h.collective_count(), messages = h.p2p_messages_sent();
         at::Tensor y = scatter_heads(x, Heads::kQuery, plan, h);

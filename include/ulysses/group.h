@@ -58,8 +58,10 @@ struct GroupOptions {
   // Pipelined exchanges with ranks on this host go through shared memory (/dev/shm): the sender
   // packs its blocks into a file the receiver maps, and the receiver copies them out; other
   // ranks' blocks still go as messages. Ranks in other network namespaces count as other
-  // hosts. The first such exchange sets the links up with two all_gathers (docs/benchmarks.md
-  // has its speed). Off by default; on when ULYSSES_SHARED_MEMORY is 1.
+  // hosts. The first such exchange of a group sets its links up with two all_gathers, counted
+  // once per group (docs/benchmarks.md has its speed). Where /dev/shm cannot hold a rank's
+  // outbox, its blocks go as messages instead (one warning), exact. On by default; off when
+  // ULYSSES_SHARED_MEMORY is 0.
   bool shared_memory = shared_memory_from_environment();
   // How point-to-point transfers are posted (Transfers). NCCL matches sends and receives
   // between two ranks in the order they are posted, whatever their tags, and runs unbatched

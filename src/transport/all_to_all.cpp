@@ -193,8 +193,11 @@ std::vector<int64_t> chunk_starts(const std::vector<int64_t>& splits) {
 // sends each co-located peer a notice: where that peer's blocks start, the outbox's size, and
 // the errno of a failure to make room. finish() copies each peer's blocks out as its notice
 // comes, tells it so, and waits until every peer has read this rank's (the outbox is then free
-// for the next exchange). A failure completes the handshake first, then every co-located rank
-// raises the lowest failing rank's error.
+// for the next exchange). A rank whose outbox cannot grow (/dev/shm full) says so in its notices
+// and sends its blocks for each co-located peer as one message instead; both ends then drop the
+// link, so later exchanges between them go as messages (one warning, on the rank that fell
+// back). A failure to map a peer's outbox completes the handshake first, then every co-located
+// rank raises the lowest failing rank's error.
 class SharedTransfer {
  public:
   SharedTransfer(const BlockTensors& in, const BlockTensors& out, const ExchangePlan& plan,
@@ -229,13 +232,13 @@ class SharedTransfer {
         at::from_blob(base + b.offset * element_, src.sizes(), src.options()).copy_(src);
       }
     }
-    if (error != 0) fail(group_.rank(), need, error);
     for (int j : peers_) {
       io_.send(
           at::tensor(std::vector<int64_t>{starts[j] * element_, links_.outbox_bytes(), error, need},
                      at::kLong),
           j, detail::kSharedMemoryPacked);
     }
+    if (error != 0) fall_back(starts, need, error);
   }
 
   void finish() {
@@ -244,11 +247,17 @@ class SharedTransfer {
       const int j = peers_[i];
       io_.wait(packed_[i]);
       const int64_t* n = notices_[i].data_ptr<int64_t>();  // chunk offset, size, errno, need
-      if (n[2] != 0) fail(j, n[3], static_cast<int>(n[2]));
-      if (failures_.empty()) copy_from(j, n[0], n[1], starts[j], starts[j + 1]);
+      if (n[2] != 0) {  // No outbox there: its blocks come as one message.
+        receive_from(j, starts[j], starts[j + 1]);
+        dropped_.push_back(j);
+      } else if (failures_.empty()) {
+        copy_from(j, n[0], n[1], starts[j], starts[j + 1]);
+      }
       io_.send(at::zeros({1}, at::kLong), j, detail::kSharedMemoryRead);
     }
     io_.wait();
+    // Only now: this exchange chose messages or shared memory per peer before it began.
+    for (int j : dropped_) links_.drop(j);
     TORCH_CHECK(failures_.empty(), failures_.begin()->second);
   }
 
@@ -266,21 +275,49 @@ class SharedTransfer {
                                            "'s shared-memory outbox: " + std::strerror(error));
       return;
     }
+    put_blocks_from(peer, base + chunk, recv_start);
+  }
+  // Puts `peer`'s blocks for this rank in place from `base`, where the flat receive buffer's
+  // element `recv_start` sits.
+  void put_blocks_from(int peer, const uint8_t* base, int64_t recv_start) {
     for (const ExchangeBlock& b : plan_.recv()) {
       if (b.peer != peer || b.numel == 0) continue;
       const at::Tensor dst = out_.view(b);
       const at::Tensor src =
-          at::from_blob(const_cast<uint8_t*>(base) + chunk + (b.offset - recv_start) * element_,
+          at::from_blob(const_cast<uint8_t*>(base) + (b.offset - recv_start) * element_,
                         dst.sizes(), dst.options());
       put_block(dst, src, out_, plan_);
     }
   }
-  void fail(int rank, int64_t bytes, int error) {
-    failures_.emplace(rank, "ulysses: rank " + std::to_string(rank) + " cannot make a " +
-                                std::to_string(bytes) + "-byte shared-memory outbox in /dev/shm (" +
-                                std::strerror(error) +
-                                "): enlarge /dev/shm, or turn GroupOptions::shared_memory off "
-                                "(ULYSSES_SHARED_MEMORY)");
+  // This rank's outbox cannot hold `need` bytes: sends each co-located peer its chunk of the flat
+  // send buffer as one message, and drops the links after this exchange.
+  void fall_back(const std::vector<int64_t>& starts, int64_t need, int error) {
+    TORCH_WARN_ONCE("ulysses: /dev/shm cannot hold a ", need, "-byte shared-memory outbox (",
+                    std::strerror(error),
+                    "): blocks for ranks on this host go as messages from now on (enlarge "
+                    "/dev/shm, or set ULYSSES_SHARED_MEMORY=0 to skip shared memory)");
+    for (int j : peers_) {
+      dropped_.push_back(j);
+      if (starts[j] == starts[j + 1]) continue;
+      at::Tensor chunk = group_.new_buffer({starts[j + 1] - starts[j]}, in_.tensors[0].options());
+      for (const ExchangeBlock& b : plan_.send()) {
+        if (b.peer != j || b.numel == 0) continue;
+        const at::Tensor src = in_.view(b);
+        at::from_blob(static_cast<uint8_t*>(chunk.data_ptr()) + (b.offset - starts[j]) * element_,
+                      src.sizes(), src.options())
+            .copy_(src);
+      }
+      io_.send(detail::wire_view(chunk), j, detail::kSharedMemoryFallback);
+      sent_.push_back(std::move(chunk));  // Alive until the sends complete (finish).
+    }
+  }
+  // `peer`'s blocks for this rank as one message (elements [recv_start, recv_end) of the flat
+  // receive buffer), sent because its outbox could not grow.
+  void receive_from(int peer, int64_t recv_start, int64_t recv_end) {
+    if (recv_start == recv_end) return;
+    at::Tensor chunk = group_.new_buffer({recv_end - recv_start}, out_.tensors[0].options());
+    io_.wait(io_.receive(detail::wire_view(chunk), peer, detail::kSharedMemoryFallback));
+    put_blocks_from(peer, static_cast<const uint8_t*>(chunk.data_ptr()), recv_start);
   }
 
   const BlockTensors& in_;
@@ -294,6 +331,8 @@ class SharedTransfer {
   std::vector<at::Tensor> notices_;
   std::vector<size_t> packed_;           // The notices' receives.
   std::map<int, std::string> failures_;  // By failing rank.
+  std::vector<int> dropped_;             // Links dropped after this exchange.
+  std::vector<at::Tensor> sent_;         // Chunks sent as messages (fall_back).
 };
 
 // Executes `plan` as point-to-point messages (CPU): every receive is posted first, straight

@@ -440,7 +440,7 @@ void Transfers::wait() {
 
 bool GroupOptions::shared_memory_from_environment() {
   const char* v = std::getenv("ULYSSES_SHARED_MEMORY");
-  return v != nullptr && std::string(v) == "1";
+  return v == nullptr || std::string(v) != "0";
 }
 
 GroupOptions::Transport GroupOptions::transport_from_environment() {

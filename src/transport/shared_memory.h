@@ -28,6 +28,9 @@ class SharedMemoryLinks {
 
   // True when blocks to and from `peer` go through shared memory (alike on both ranks).
   bool colocated(int peer) const { return colocated_[peer]; }
+  // From the next exchange on, blocks to and from `peer` go as messages. Both ranks of a link
+  // drop it in the same exchange: the one whose outbox failed, and the peer its notice told.
+  void drop(int peer) { colocated_[peer] = false; }
   // This rank's outbox with room for at least `bytes` (> 0), grown when smaller, its pages
   // reserved so that a full /dev/shm is an error here rather than a SIGBUS later. On failure
   // returns null and sets `error` to the errno.

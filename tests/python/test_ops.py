@@ -78,12 +78,14 @@ def test_opcheck_collective_ops(tmp_path, world):
 
 
 def _shared_memory_exchange(rank: int, group: str, on_ranks: list[int]):
-    """scatter_heads forward and backward with ULYSSES_SHARED_MEMORY=1 on `on_ranks`: this
-    rank's output and input gradient, or the error it raised."""
+    """scatter_heads forward and backward with shared memory on (the default) on `on_ranks` and
+    off (ULYSSES_SHARED_MEMORY=0) on the others: this rank's output and input gradient, or the
+    error it raised."""
     import ulysses
 
-    if rank in on_ranks:
-        os.environ["ULYSSES_SHARED_MEMORY"] = "1"
+    os.environ.pop("ULYSSES_SHARED_MEMORY", None)
+    if rank not in on_ranks:
+        os.environ["ULYSSES_SHARED_MEMORY"] = "0"
     S, H, D = 2048, 16, 64  # 4 MiB per rank: large enough to take the pipelined path.
     lens = seq_lens(S, 2)
     q = shard(torch.randn(1, S, H, D, generator=torch.Generator().manual_seed(3)), 1, rank, lens)
@@ -94,13 +96,16 @@ def _shared_memory_exchange(rank: int, group: str, on_ranks: list[int]):
         (y * w).sum().backward()
     except ValueError as e:  # the agreement's error
         return str(e)
-    return y.detach(), q.grad
+    with open("/proc/self/maps") as maps:  # outboxes stay mapped (unlinked) while the group lives
+        mapped = "/ulysses-" in maps.read()
+    return y.detach(), q.grad, mapped
 
 
 def test_shared_memory_from_the_environment(tmp_path):
-    """ULYSSES_SHARED_MEMORY=1 sends blocks between processes of one host through /dev/shm:
+    """By default blocks between processes of one host go through /dev/shm:
     forward and backward match slicing of the full tensor bit for bit, and nothing is left in
-    /dev/shm; a rank whose environment differs fails alike with the others."""
+    /dev/shm; ULYSSES_SHARED_MEMORY=0 turns it off; a rank whose environment differs fails alike
+    with the others."""
     S, H, D = 2048, 16, 64
     Q = torch.randn(1, S, H, D, generator=torch.Generator().manual_seed(3))
     lens = seq_lens(S, 2)
@@ -111,10 +116,15 @@ def test_shared_memory_from_the_environment(tmp_path):
     assert set(os.listdir("/dev/shm")) == before
     W = [torch.randn(1, S, H // 2, D, generator=torch.Generator().manual_seed(10 + r)) for r in range(2)]
     dQ = torch.cat(W, dim=2)
-    for rank, (y, dq) in enumerate(out):
+    for rank, (y, dq, mapped) in enumerate(out):
+        assert mapped, "shared memory is on by default, but no outbox was mapped"
         heads = slice(rank * H // 2, (rank + 1) * H // 2)
         assert torch.equal(y, Q[:, :, heads])
         assert torch.equal(dq, shard(dQ, 1, rank, lens))
+    (tmp_path / "off").mkdir()
+    off = run_processes(2, _shared_memory_exchange, [], tmp_dir=str(tmp_path / "off"))
+    for rank, (y, dq, mapped) in enumerate(off):  # ULYSSES_SHARED_MEMORY=0: messages, the same bits
+        assert not mapped and torch.equal(y, out[rank][0]) and torch.equal(dq, out[rank][1])
     errors = run_processes(2, _shared_memory_exchange, [1], tmp_dir=str(tmp_path / "one"))
     for e in errors:
         assert "ranks disagree on GroupOptions::shared_memory: rank 0 has no, rank 1 has yes" in e
