@@ -112,7 +112,7 @@ def main() -> None:
                   save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
                   use_cpu=True, bf16=a.bf16, seed=0, ddp_find_unused_parameters=False, dataloader_drop_last=False)
     if a.fsdp and sequence_parallel:  # as on GPUs; on CPU the mixin applies FSDP2 from these arguments
-        common.update(fsdp=True, save_only_model=True,
+        common.update(fsdp=True,
                       fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
     collator = DataCollatorWithFlattening() if a.packed else pad_right
     # Small tiles, so that the tiny model runs several of each.

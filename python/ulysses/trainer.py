@@ -28,8 +28,9 @@ The launched world is a ``("dp", "sp")`` mesh of ``world / sp_size`` data-parall
   Trainer's accelerate applies ``fully_shard``, as it does without ulysses. On CPU, where the
   Trainer ignores ``fsdp``, the mixin applies ``fully_shard`` itself from the same arguments (each
   module of ``transformer_layer_cls_to_wrap``, then the root, over the world) and hands the
-  Trainer a model that reduces its own gradients. That CPU path saves the model's full weights
-  but not a resumable optimizer state: pass ``save_only_model=True`` (or ``save_strategy="no"``).
+  Trainer a model that reduces its own gradients; its checkpoints hold the model and optimizer
+  state as torch distributed checkpoint shards (``ulysses_fsdp2/`` in the checkpoint folder),
+  which resuming loads, beside the model's full weights.
 - **Evaluation** computes the same mean per batch; gathered predictions take one copy per SP
   group, and logits are gathered along the sequence when they are asked for.
 """
@@ -39,16 +40,27 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
 from accelerate.utils import recursively_apply
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Trainer
+from transformers.trainer import SCHEDULER_NAME
 
 from . import hf, training
 from . import ops as O
@@ -67,6 +79,9 @@ def _valid_targets(batch: Mapping[str, torch.Tensor], ignore_index: int) -> torc
                                           batch.get("position_ids"), 0, 1, 1, ignore_index)
     return (whole[1] != ignore_index).sum()
 
+
+# The folder in a checkpoint of the shards of a model the mixin sharded (torch distributed checkpoint).
+_SHARDED_CHECKPOINT = "ulysses_fsdp2"
 
 # FSDP plugin arguments the mixin's own fully_shard honours (TrainingArguments._process_fsdp_args).
 _FSDP_ARGS = frozenset({"fsdp_version", "auto_wrap_policy", "transformer_cls_names_to_wrap", "reshard_after_forward",
@@ -119,6 +134,7 @@ class SequenceParallel:
             raise ValueError("ulysses.trainer: runs under the Trainer's DDP or FSDP2 (one device per process); "
                              "DeepSpeed and DataParallel are not supported with it")
         _let_collectives_settle_at_exit()
+        self._shards_itself = False  # set by _fully_shard
         self.sp_size = sp_size
         self.sequence_mesh = init_device_mesh(trainer.args.device.type, (world // sp_size, sp_size),
                                               mesh_dim_names=("dp", "sp"))
@@ -145,9 +161,6 @@ class SequenceParallel:
         if unknown or fsdp.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP") != "TRANSFORMER_BASED_WRAP":
             raise ValueError(f"ulysses.trainer: on CPU the mixin applies FSDP2 itself and honours "
                              f"transformer_layer_cls_to_wrap and reshard_after_forward only; got {fsdp}")
-        if args.save_strategy != "no" and not args.save_only_model:
-            raise ValueError("ulysses.trainer: with FSDP2 on CPU the Trainer saves the model's weights but not a "
-                             "resumable sharded optimizer state; pass save_only_model=True or save_strategy='no'")
         names = fsdp.get("transformer_cls_names_to_wrap") or ",".join(getattr(model, "_no_split_modules", None) or [])
         wrapped = {n for n in names.split(",") if n}
         layers = [m for m in model.modules() if type(m).__name__ in wrapped]
@@ -160,6 +173,7 @@ class SequenceParallel:
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         trainer.is_distributed_loading_by_transformers = True
+        self._shards_itself = True
 
     @contextlib.contextmanager
     def _defer_fsdp_gradient_reduction(self) -> Any:
@@ -171,6 +185,48 @@ class SequenceParallel:
             yield
         finally:
             model.set_requires_gradient_sync(True)
+
+    # Checkpoints of the model sharded here: model and optimizer as torch distributed checkpoint
+    # shards (each rank writes and reads its own), beside what the Trainer saves.
+
+    def _sharded_checkpoint(self, folder: str) -> str:
+        return os.path.join(folder, _SHARDED_CHECKPOINT)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        trainer: Any = self
+        if not self._shards_itself:
+            return super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
+        model, optimizer = get_state_dict(trainer.model, trainer.optimizer)
+        dcp.save({"model": model, "optimizer": optimizer}, checkpoint_id=self._sharded_checkpoint(output_dir))
+        if trainer.args.should_save:
+            torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The model's full weights, gathered from every rank's shards (a collective: the Trainer
+        calls this on every rank of a model it did not wrap), as ``save_pretrained`` writes them."""
+        trainer: Any = self
+        if self._shards_itself and state_dict is None:
+            state_dict = get_model_state_dict(trainer.model,
+                                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return super()._save(output_dir, state_dict)  # type: ignore[misc]
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        trainer: Any = self
+        if not self._shards_itself:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+        state = {"model": get_model_state_dict(trainer.model)}
+        dcp.load(state, checkpoint_id=self._sharded_checkpoint(resume_from_checkpoint))
+        set_model_state_dict(trainer.model, state["model"])
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        trainer: Any = self
+        if not self._shards_itself or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+        state = {"optimizer": get_optimizer_state_dict(trainer.model, trainer.optimizer)}
+        dcp.load(state, checkpoint_id=self._sharded_checkpoint(checkpoint))
+        set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optimizer"])
+        scheduler = torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
+        trainer.lr_scheduler.load_state_dict(scheduler)
 
     # --- data: sharded over "dp", the same batch on every rank of an SP group ---------------
 

@@ -132,26 +132,21 @@ def test_fsdp2_sp4_long_sequence_features_with_kv_replicated(runs):
     _assert_same_run(runs("sp4_long_fsdp", 4, "--sp", "4", "--long", "--fsdp"), want | {"eval_loss": None})
 
 
-def test_fsdp2_on_cpu_refuses_a_checkpoint_it_cannot_resume(tmp_path):
-    """The mixin's own FSDP2 (CPU) saves no resumable sharded optimizer state: it says so up front."""
-    script = tmp_path / "refused.py"
-    script.write_text(f"""
-import torch.distributed as dist
-from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
-from ulysses.trainer import SequenceParallelTrainer
-dist.init_process_group("gloo")
-config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                     num_attention_heads=2, num_key_value_heads=1)
-args = TrainingArguments(output_dir={str(tmp_path)!r}, use_cpu=True, report_to=[], save_strategy="steps",
-                         fsdp=True, fsdp_config={{"fsdp_version": 2}})
-SequenceParallelTrainer(model=AutoModelForCausalLM.from_config(config), args=args, sp_size=2)
-""")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(_free_port()), str(script)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode != 0
-    assert "pass save_only_model=True or save_strategy='no'" in done.stderr, done.stderr[-3000:]
+def test_fsdp2_resume_from_step_4_reproduces_steps_5_to_8(runs, tmp_path):
+    """The mixin's own FSDP2 (CPU) checkpoints model and optimizer shards with torch's distributed
+    checkpoint and resumes from them bit for bit; the checkpoint also holds the full weights."""
+    from safetensors.torch import load_file
+
+    full = runs("sp2_fsdp_saved", 2, "--sp", "2", "--fsdp", "--save-steps", "4")
+    checkpoint = full["out"] / "checkpoint-4"
+    assert (checkpoint / "ulysses_fsdp2").is_dir(), sorted(p.name for p in checkpoint.iterdir())
+    resumed = _train(tmp_path, 2, "--sp", "2", "--fsdp", "--resume", str(checkpoint))
+    _assert_same_run(resumed, full, steps=[5, 6, 7, 8])
+    assert all(torch.equal(resumed["params"][k], w) for k, w in full["params"].items())
+    weights = load_file(checkpoint / "model.safetensors")  # whole tensors, as save_pretrained writes them
+    assert {k: w.shape for k, w in weights.items()} == {k: w.shape for k, w in full["params"].items()
+                                                        if k in weights}
+    assert weights["model.embed_tokens.weight"].shape == (32, 64)
 
 
 def test_trl_sft_trainer_with_packing(runs):
