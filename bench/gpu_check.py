@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -127,6 +128,18 @@ def run_local(q, k, v, opts) -> torch.Tensor:
     return o.transpose(1, 2)
 
 
+def run_flex(q, k, v, opts) -> torch.Tensor:
+    """ulysses.flex (local="flex"; compiled on CUDA) on BSHD inputs, returning BSHD."""
+    import ulysses.flex
+
+    hq, hkv = q.shape[2], k.shape[2]
+    kv_map = [h // (hq // hkv) for h in range(hq)]
+    o = ulysses.flex.attention(*(t.transpose(1, 2) for t in (q, k, v)), kv_map, opts.get("mask"),
+                               opts.get("positions"), opts["causal"], None, opts.get("window", 0),
+                               opts.get("softcap") or 0.0)
+    return o.transpose(1, 2)
+
+
 def chosen_kernel(q, opts) -> str:
     from ulysses import _C
 
@@ -158,21 +171,40 @@ def local_part(device: torch.device, quick: bool) -> dict:
             worst = max([rel(out, ref)] + [rel(m.grad, r) for m, r in zip(mine, ref_grads)])
             rows.append({"case": case, "dtype": str(dtype)[6:], "S": S, "kernel": chosen_kernel(q, opts),
                          "worst_rel_error": worst, "ok": worst <= TOLERANCE[dtype]})
+            # local="flex": fwd+bwd on CUDA in bf16 (each compile costs seconds); forward only elsewhere.
+            if case != "sinks" and (device.type != "cuda" or dtype == torch.bfloat16):
+                rows.append(guarded(functools.partial(flex_row, q, k, v, opts, grad, ref, ref_grads, dtype, case, S)))
     long = [] if quick else [8192, 32768] if device.type == "cuda" else [2048]
     for S in long:
         for case in LOCAL_CASES:
             rows.append(guarded(lambda case=case, S=S: local_at_length(case, S, device)))
+            if device.type == "cuda" and case != "sinks" and S == long[-1]:  # the same case on FlexAttention
+                rows.append(guarded(lambda case=case, S=S: local_at_length(case, S, device, flex=True)))
     return {"rows": rows}
 
 
-def local_at_length(case: str, S: int, device: torch.device) -> dict:
+def flex_row(q, k, v, opts, grad, ref, ref_grads, dtype, case: str, S: int) -> dict:
+    backward = q.is_cuda
+    mine = [t.detach().requires_grad_(backward) for t in (q, k, v)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flex's "without torch.compile" off CUDA
+        out = run_flex(*mine, opts)
+    worst = rel(out, ref)
+    if backward:
+        out.backward(grad)
+        worst = max([worst] + [rel(m.grad, r) for m, r in zip(mine, ref_grads)])
+    return {"case": case, "dtype": str(dtype)[6:], "S": S, "kernel": "flex" + ("" if backward else " (forward)"),
+            "worst_rel_error": worst, "ok": worst <= TOLERANCE[dtype]}
+
+
+def local_at_length(case: str, S: int, device: torch.device, flex: bool = False) -> dict:
     """fwd+bwd of one case at length S in bf16 (B 1, Hq 16, D 128): kernel, time, peak."""
     q, k, v, opts = local_inputs(case, 1, S, 16, 128, torch.bfloat16, device)
-    row = {"case": case, "S": S, "kernel": chosen_kernel(q, opts)}
+    row = {"case": case, "S": S, "kernel": "flex" if flex else chosen_kernel(q, opts)}
     ins = [t.requires_grad_() for t in (q, k, v)]
 
     def step():
-        run_local(*ins, opts).sum().backward()
+        (run_flex if flex else run_local)(*ins, opts).sum().backward()
 
     step()  # warm-up (and any compile)
     base = peak_reset(device)

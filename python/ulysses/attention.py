@@ -14,6 +14,7 @@ them from the other ranks).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -64,6 +65,15 @@ class StepContext:
         return self._handle.agreements_reused()
 
 
+def _flex_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: Sequence[int], mask: torch.Tensor | None,
+                positions: torch.Tensor | None, causal: bool, scale: float | None, *, window: int,
+                softcap: float) -> torch.Tensor:
+    """``local="flex"``: FlexAttention on this rank's heads (ulysses.flex; imported on first use)."""
+    from . import flex
+
+    return flex.attention(q, k, v, kv_map, mask, positions, causal, scale, window, softcap)
+
+
 def _under_autocast(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Under autocast, attention runs in its lower precision, as torch's SDPA does: a model's
     q (fp32 after RoPE) and v (bf16 from its projection) then meet in one dtype."""
@@ -109,7 +119,9 @@ class DistributedAttention(nn.Module):
         local: the local attention: ``"auto"`` (the library's rule, Note [Local attention by
             case] in attention.h: on CPU the fused kernel, math for fp64, SDPA for plain bf16
             where the CPU has no AVX512-BF16; SDPA on other devices, math there for a softcap or
-            sinks), ``"fused"``, ``"sdpa"``, ``"math"``, or a callable
+            sinks), ``"fused"``, ``"sdpa"``, ``"math"``, ``"flex"`` (torch's FlexAttention with
+            every rule as a block mask and score function, compiled on CUDA: ``ulysses.flex``;
+            no sinks, no ring), or a callable
             ``local(q, k, v, kv_map, mask, positions, causal, scale) -> o`` taking this rank's
             heads over the whole sequence in BHSD (q ``[B, Hq_r, S, D]``, k/v ``[B, Hkv_r, S,
             D]``; query head h uses kv head ``kv_map[h]``; ``mask`` rebuilt, broadcastable to
@@ -131,8 +143,8 @@ class DistributedAttention(nn.Module):
                 raise ValueError(f"DistributedAttention: a callable local attention takes no {name}; give "
                                  f"local='auto', 'fused' or 'math' with {name}=, or apply it inside the "
                                  f"callable ({name}=None)")
-        if not callable(local) and local not in _KERNELS:
-            raise ValueError(f"DistributedAttention: local must be one of {', '.join(_KERNELS)} or a "
+        if not callable(local) and local not in _KERNELS + ("flex",):
+            raise ValueError(f"DistributedAttention: local must be one of {', '.join(_KERNELS)}, flex or a "
                              f"callable; got {local!r}")
         self.group_name = O.group_name(group)
         O.with_cpu_backend(self.group_name)  # The agreement's integers stay on the host.
@@ -140,6 +152,9 @@ class DistributedAttention(nn.Module):
         ring_pg = O.process_group(self.ring_name) if self.ring_name is not None else None
         self.ring_rank, self.ring_size = (ring_pg.rank(), ring_pg.size()) if ring_pg is not None else (0, 1)
         if self.ring_size > 1:
+            if local == "flex":
+                raise ValueError("DistributedAttention: a ring runs the fused CPU kernel; local='flex' "
+                                 "is for Ulysses groups")
             _C.check_ring_kernel("" if callable(local) else local)
         self.rank, self.sp_size = O._rank_size(self.group_name)
         self.layout = layout.upper()
@@ -188,12 +203,18 @@ class DistributedAttention(nn.Module):
         q, k, v = _under_autocast(q, k, v)
         hq, hkv = self._heads(q, k)
         seq_lens = self._seq_lens(seq_lens)
-        if callable(self.local):
+        if callable(self.local) or self.local == "flex":
             if sinks is not None:  # Given on some ranks only, a local raise would hang the others.
-                _C.fail_together("DistributedAttention: a callable local attention takes no sinks; "
+                _C.fail_together("DistributedAttention: a callable or flex local attention takes no sinks; "
                                  "use a kernel name (\"auto\", \"fused\", \"math\")", self.group_name,
                                  self.timeout_ms)
-            return self._forward_with(self.local, q, k, v, mask, position_ids, hq, hkv, seq_lens, step)
+            if self.local == "flex" and not q.is_cuda and torch.is_grad_enabled() and any(
+                    t.requires_grad for t in (q, k, v)):
+                _C.fail_together("DistributedAttention: local=\"flex\" runs forward only off CUDA (torch has no "
+                                 "CPU backward for FlexAttention); train with local=\"auto\" there, or run "
+                                 "under torch.no_grad()", self.group_name, self.timeout_ms)
+            return self._forward_with(self._local_callable(), q, k, v, mask, position_ids, hq, hkv, seq_lens,
+                                      step)
         o = torch.ops.ulysses.attention(q, k, v, mask, position_ids, hq, hkv, seq_lens, self.layout, self.causal,
                              self._scale(), self.local, self.group_name, [self.timeout_ms], self.ring_name,
                              self._step(step), window=self.window,
@@ -215,9 +236,9 @@ class DistributedAttention(nn.Module):
             _C.fail_together("DistributedAttention.forward_parts: give q_heads and kv_heads at "
                              "construction (parts do not show the totals)", self.group_name,
                              self.timeout_ms)
-        if callable(self.local):
-            raise ValueError("DistributedAttention.forward_parts: a callable local attention takes whole "
-                             "tensors; use forward")
+        if callable(self.local) or self.local == "flex":
+            raise ValueError("DistributedAttention.forward_parts: a callable or flex local attention takes "
+                             "whole tensors; use forward")
         seq_lens = self._seq_lens(seq_lens)
         q, k, v = (list(_under_autocast(*parts)) for parts in (q, k, v))
         return torch.ops.ulysses.attention_parts(list(q), list(k), list(v), mask, position_ids, self.q_heads,
@@ -256,6 +277,13 @@ class DistributedAttention(nn.Module):
             self._kv_maps[(hq, hkv)] = list(O._plan(hq, hkv, self.sp_size)["kv_map"][self.rank])
         return self._kv_maps[(hq, hkv)]
 
+    def _local_callable(self) -> LocalAttention:
+        """The callable local attention: the caller's, or flex with this instance's window and
+        softcap (agreed with the other ranks in attention_heads)."""
+        if callable(self.local):
+            return self.local
+        return functools.partial(_flex_local, window=self.window, softcap=self.softcap)
+
     def _forward_with(self, local, q, k, v, mask, positions, hq, hkv, seq_lens, step):
         """forward with a local attention of the caller's: the orchestration's first half
         (``attention_heads``), ``local``, then the exchange back."""
@@ -263,7 +291,7 @@ class DistributedAttention(nn.Module):
             seq_lens = O.sequence_lengths(q, self.seq_dim, self.group_name, self.timeout_ms / 1000)
         heads = torch.ops.ulysses.attention_heads(q, k, v, mask, positions, hq, hkv, seq_lens, self.layout,
                                        self.causal, self._scale(), self.group_name, [self.timeout_ms],
-                                       self._step(step))
+                                       self._step(step), window=self.window, softcap=self.softcap)
         qh, kh, vh, rest = heads[0], heads[1], heads[2], list(heads[3:])
         m = rest.pop(0) if mask is not None else None
         p = rest.pop(0) if positions is not None else None

@@ -1,0 +1,98 @@
+"""local="flex": FlexAttention on each rank's heads, every rule as a block mask or score function
+(ulysses.flex). Forward only here: torch has no CPU backward for FlexAttention (its eager path
+computes the same function; the GPU check runs it compiled, with gradients). Each variant at
+P = 1, 2 and 3 through DistributedAttention against the float64 math kernel on the same call,
+in fp32 and bf16, uneven heads, GQA and MQA (kv replicated) included."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import ulysses
+from conftest import run_ranks, run_ranks_errors, seq_lens, shard
+
+B, S, D = 2, 13, 8
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # relative to the output's largest entry
+
+# (name, constructor options, call inputs): every rule of the local attention but sinks.
+VARIANTS = [
+    ("plain", {}, ()),
+    ("causal", {"causal": True}, ()),
+    ("window", {"causal": True, "window": 4}, ()),
+    ("softcap", {"causal": True, "softcap": 1.5}, ()),
+    ("documents", {"causal": True}, ("positions",)),
+    ("padding", {"causal": True}, ("padding",)),
+    ("query_sharded_bias", {}, ("bias",)),
+    ("everything", {"causal": True, "window": 5, "softcap": 2.0}, ("positions", "padding")),
+]
+HEADS = [(6, 3), (7, 7), (4, 1)]  # GQA, uneven over 2 and 3 ranks, MQA (kv replicated)
+
+
+def _inputs(hq: int, hkv: int):
+    gen = torch.Generator().manual_seed(hq * 10 + hkv)
+    q, k, v = (torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
+    positions = torch.cat([torch.arange(5), torch.arange(8)]).expand(B, S)  # two documents a row
+    keep = torch.ones(B, S, dtype=torch.bool)
+    keep[1, -3:] = False  # row 1 padded on the right
+    padding = keep[:, None, None, :].expand(B, 1, S, S)  # [B, 1, S, S]: query rows sharded
+    bias = torch.randn(B, hq, S, S, generator=gen, dtype=torch.float64)  # per head, query rows sharded
+    return q, k, v, {"positions": positions, "padding": padding, "bias": bias}
+
+
+@pytest.mark.parametrize("hq,hkv", HEADS)
+@pytest.mark.parametrize("P", [1, 2, 3])
+def test_flex_forward_matches_the_float64_kernel(P, hq, hkv):
+    q, k, v, extras = _inputs(hq, hkv)
+    lens = seq_lens(S, P)
+
+    def body(rank, group):
+        errors = {}
+        for name, options, given in VARIANTS:
+            call = {}
+            if "positions" in given:
+                call["position_ids"] = shard(extras["positions"], 1, rank, lens)
+            if "padding" in given:
+                call["mask"] = shard(extras["padding"], 2, rank, lens)
+            if "bias" in given:
+                call["mask"] = shard(extras["bias"], 2, rank, lens)
+            x = [shard(t, 1, rank, lens) for t in (q, k, v)]
+            want = ulysses.DistributedAttention(group, local="math", **options)(*x, **call)
+            flex = ulysses.DistributedAttention(group, local="flex", **options)
+            for dtype in (torch.float32, torch.bfloat16):
+                c = {n: t.to(dtype) if t.is_floating_point() else t for n, t in call.items()}
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # flex's "called without torch.compile" off CUDA
+                    got = flex(*(t.to(dtype) for t in x), **c)
+                assert got.dtype == dtype
+                errors[name, dtype] = ((got.double() - want).abs().max() / want.abs().max().clamp(min=1)).item()
+        return errors
+
+    for errors in run_ranks(P, body):
+        for (name, dtype), error in errors.items():
+            assert error <= TOLERANCE[dtype], f"{name} {dtype}: {error:.3g}"
+
+
+def test_flex_refuses_training_off_cuda_alike_on_every_rank():
+    lens = seq_lens(S, 2)
+
+    def body(rank, group):
+        q = torch.randn(1, lens[rank], 4, D, requires_grad=rank == 0)  # one rank's input only
+        ulysses.DistributedAttention(group, local="flex", causal=True)(q, q, q)
+
+    errors = run_ranks_errors(2, body)
+    assert errors[0] == errors[1] and 'local="flex" runs forward only off CUDA' in errors[0]
+
+
+def test_flex_takes_no_sinks_alike_on_every_rank():
+    lens = seq_lens(S, 2)
+
+    def body(rank, group):
+        q = torch.randn(1, lens[rank], 4, D)
+        sinks = torch.zeros(4) if rank == 1 else None  # one rank's argument only
+        ulysses.DistributedAttention(group, local="flex")(q, q, q, sinks=sinks)
+
+    errors = run_ranks_errors(2, body)
+    assert errors[0] == errors[1] and "flex local attention takes no sinks" in errors[0]
