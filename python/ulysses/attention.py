@@ -205,7 +205,8 @@ class DistributedAttention(nn.Module):
         seq_lens = self._seq_lens(seq_lens)
         if callable(self.local) or self.local == "flex":
             if sinks is not None:  # Given on some ranks only, a local raise would hang the others.
-                _C.fail_together("DistributedAttention: a callable or flex local attention takes no sinks; "
+                who = 'local="flex"' if self.local == "flex" else "a callable local attention"
+                _C.fail_together(f"DistributedAttention: {who} takes no sinks; "
                                  "use a kernel name (\"auto\", \"fused\", \"math\")", self.group_name,
                                  self.timeout_ms)
             if self.local == "flex" and not q.is_cuda and torch.is_grad_enabled() and any(
