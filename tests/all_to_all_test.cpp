@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "testing.h"
+#include "ulysses/attention.h"
 #include "ulysses/mask.h"
 
 namespace ulysses {
@@ -404,6 +405,42 @@ TEST(AllToAllErrors, RanksDisagreeOnLocalSequenceLength) {
   expect_ranks_fail_alike(errors,
                           "local sequence lengths SequencePartition(S=7, lengths=[4,3]) "
                           "do not match the given SequencePartition(S=8, lengths=[4,4])");
+}
+
+// Note [No silent S x S]: off the CPU (the meta device stands in for a GPU: no data moves in an
+// agreement), a softcap sends "auto" to the math kernel, whose fp32 scores [B, heads, S, S] of
+// the largest rank (7 heads over 2 ranks: 4) may take kMathScoresMaxBytes; one token more is
+// refused alike on every rank. On the CPU (the fused kernel) and with SDPA's cases, no bound.
+TEST(AllToAllErrors, MathKernelScoresAboveTheirBoundOffTheCpu) {
+  // 4 heads x S^2 x 4 bytes = 2^30 at S = 2^13.
+  const int64_t fits = 8192;
+  for (int64_t S : {fits, fits + 1}) {
+    for (bool on_cpu : {false, true}) {
+      for (bool softcap : {true, false}) {
+        auto errors = run_ranks(2, [&](Group& g) {
+          const auto seq = SequencePartition::even(S, 2);
+          at::Tensor q = at::empty({1, seq.length(g.rank()), 7, 8},
+                                   at::TensorOptions().device(on_cpu ? at::kCPU : at::kMeta));
+          CallOptions call;
+          call.attention = true;
+          call.local_kernel = static_cast<int64_t>(LocalKernel::kAuto);
+          call.softcap = softcap ? 30.0 : 0.0;
+          agree_plan(
+              g, HeadPartition::make(7, 7, 2), Layout::kBSHD,
+              {{q, Heads::kQuery, "q"}, {q, Heads::kKeyValue, "k"}, {q, Heads::kKeyValue, "v"}},
+              c10::nullopt, call);
+        });
+        if (S == fits || on_cpu || !softcap) {
+          EXPECT_EQ(errors, (std::vector<std::string>{"", ""})) << S << on_cpu << softcap;
+        } else {
+          expect_ranks_fail_alike(errors,
+                                  "off the CPU this call would run the math kernel (SDPA has no "
+                                  "softcap), whose fp32 scores [B=1, heads=4, S=8193, S] take "
+                                  "1074003984 bytes, above its bound of 1073741824");
+        }
+      }
+    }
+  }
 }
 
 TEST(AllToAllErrors, RanksDisagreeOnHeadCount) {

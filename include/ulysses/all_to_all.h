@@ -60,6 +60,9 @@ struct CallOptions : AttentionRules {   // causal, scale, window, softcap.
   // With a StepContext: a later call on the group like this one reuses this call's agreement
   // (Note [Reused agreement], distributed_attention.h). Whole q, k, v moved fused, no ring.
   bool reuses_agreement = false;
+  // An attention call's local kernel (LocalKernel as an integer); -1: the caller's own, or no
+  // attention. Agreed: off the CPU it decides the refusal of Note [No silent S x S].
+  int64_t local_kernel = -1;
   // Set when the call computes on a CPU-only kernel (it names it): other devices are refused
   // in the agreement, alike on every rank, before data moves.
   const char* cpu_only = nullptr;

@@ -84,6 +84,13 @@ std::string to_string(LocalKernel kernel);
 // its rules exclude. Other devices: SDPA, math for a softcap or sinks (SDPA has neither). A
 // requested kernel that cannot run the case raises c10::ValueError saying which kernels can.
 LocalKernel choose_local_kernel(const LocalAttentionArgs& args, LocalKernel requested);
+// The kernel `requested` runs on off the CPU (the rule above, from facts every rank agrees on).
+LocalKernel choose_local_kernel_off_cpu(LocalKernel requested, bool softcap, bool sinks);
+// Note [No silent S x S]: off the CPU the math kernel holds fp32 scores [B, Hq_r, S, S] (and
+// their probabilities for the backward). Above this many bytes of scores an attention call is
+// refused in its agreement, alike on every rank (from the agreed S, batch and the largest
+// rank's query heads), before any data moves, naming the kernel to use instead.
+constexpr int64_t kMathScoresMaxBytes = int64_t{1} << 30;
 // Local attention on choose_local_kernel(args, kernel). Differentiable.
 at::Tensor local_attention(const LocalAttentionArgs& args, LocalKernel kernel = LocalKernel::kAuto);
 // SDPA with the kv map, causal and document rules as one mask.

@@ -268,6 +268,8 @@ AttentionHeads attend_heads(const AttentionCall& call,
   options.sinks = call.sinks;
   options.step_context = call.step != nullptr;
   options.reuses_agreement = call.step && form == HeadForm::kWhole && call.fuse_qkv && !ring;
+  if (!call.local && !call.heads_only && !ring)
+    options.local_kernel = static_cast<int64_t>(call.kernel);
   if (ring) {
     options.cpu_only = "ring attention (its blocks run on the fused CPU kernel)";
   } else if (!call.local && call.kernel == LocalKernel::kFused) {

@@ -218,9 +218,10 @@ std::vector<at::Tensor> attention_heads_op(const at::Tensor& q, const at::Tensor
                                            const std::string& group_name,
                                            c10::IntArrayRef group_options, const StepHandle& step,
                                            bool mask_rebuilt, int64_t window, double softcap) {
-  const AttentionCall call =
+  AttentionCall call =
       attention_call(q_heads, kv_heads, seq_lens, layout, causal, scale, "auto", group_name,
                      group_options, c10::nullopt, step, mask_rebuilt, window, softcap, {});
+  call.heads_only = true;
   const AttentionHeads h = attend_heads(call, {{q}, {k}, {v}}, HeadForm::kWhole, mask, positions);
   std::vector<at::Tensor> out{h.args.q, h.args.k, h.args.v};
   if (h.args.mask) out.push_back(*h.args.mask);

@@ -27,6 +27,7 @@ struct AttentionCall : AttentionRules {  // causal, scale, window, softcap.
   const LocalAttention* local = nullptr;  // Overrides `kernel`.
   StepContext* step = nullptr;            // Shares rebuilt masks and positions across layers.
   bool mask_rebuilt = false;              // The mask is rebuild_mask's output for these heads.
+  bool heads_only = false;                // attention_heads: the caller attends (its own kernel).
 };
 
 // Attention's inputs after the exchange: q, k, v on this rank's heads over the whole sequence

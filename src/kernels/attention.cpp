@@ -167,9 +167,8 @@ std::string to_string(LocalKernel kernel) { return kKernelNames[static_cast<int>
 
 LocalKernel choose_local_kernel(const LocalAttentionArgs& a, LocalKernel requested) {
   const bool cpu = a.q.device().is_cpu(), fp64 = a.q.scalar_type() == at::kDouble;
+  if (!cpu) return choose_local_kernel_off_cpu(requested, a.softcap > 0, a.sinks.has_value());
   if (requested == LocalKernel::kAuto) {
-    // SDPA has neither a softcap nor sinks.
-    if (!cpu) return a.softcap > 0 || a.sinks ? LocalKernel::kMath : LocalKernel::kSdpa;
     if (fp64) return LocalKernel::kMath;
     // Ours is the faster for fp32 and fp16 (sdpa_over_fused >= 1 from S = 256 to 8192; SDPA's
     // fp16 is ~8x slower still) and for bf16 where it multiplies in bf16 (AVX512-BF16), and it
@@ -186,6 +185,14 @@ LocalKernel choose_local_kernel(const LocalAttentionArgs& a, LocalKernel request
                       "for fp64 use \"auto\" or \"math\" (exact in fp64)");
   }
   return requested;
+}
+
+LocalKernel choose_local_kernel_off_cpu(LocalKernel requested, bool softcap, bool sinks) {
+  TORCH_CHECK_VALUE(
+      requested != LocalKernel::kFused,
+      "local attention \"fused\" runs on CPU tensors: use \"auto\" or \"sdpa\" off the CPU");
+  if (requested != LocalKernel::kAuto) return requested;
+  return softcap || sinks ? LocalKernel::kMath : LocalKernel::kSdpa;  // SDPA has neither.
 }
 
 at::Tensor local_attention(const LocalAttentionArgs& args, LocalKernel kernel) {

@@ -45,6 +45,9 @@ struct CallFingerprint : AttentionRules {  // causal, scale, window, softcap.
   TensorFacts sinks;  // Attention sinks [Hq].
   bool step_context = false;
   bool reuses_agreement = false;  // CallOptions::reuses_agreement.
+  // Off the CPU, whether CallOptions::local_kernel picks the math kernel for this case (Note
+  // [No silent S x S], attention.h).
+  bool math_off_cpu = false;
 
   // The integers the agreement round moves; decode(encode()) == *this.
   std::vector<int64_t> encode() const;

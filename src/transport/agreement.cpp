@@ -168,8 +168,42 @@ CallFingerprint call_fingerprint(const Group& group, const HeadPartition& heads,
   f.sinks = facts_of(call.sinks, first);
   f.step_context = call.step_context;
   f.reuses_agreement = call.reuses_agreement;
+  if (call.local_kernel >= 0 && first.device().type() != c10::DeviceType::CPU) {
+    f.math_off_cpu =
+        choose_local_kernel_off_cpu(static_cast<LocalKernel>(call.local_kernel), call.softcap > 0,
+                                    call.sinks.has_value()) == LocalKernel::kMath;
+  }
   return f;
 }
+
+namespace {
+
+// Note [No silent S x S] (attention.h): off the CPU, an attention call whose local kernel would
+// be the math kernel with more than kMathScoresMaxBytes of scores on its largest rank is
+// refused. Every fact read here was agreed, so every rank raises the same error.
+void check_math_scores(const CallFingerprint& f, const HeadPartition& heads,
+                       const SequencePartition& seq, Layout layout) {
+  if (!f.math_off_cpu) return;
+  const TensorFacts& q = f.tensors[0];
+  int64_t most_heads = 0;
+  for (int r = 0; r < heads.sp_size(); ++r)
+    most_heads = std::max(most_heads, heads.q_range(r).size());
+  const int64_t S = seq.seq_len(), B = q.sizes[batch_dim(layout)];
+  const int64_t bytes = B * most_heads * S * S * 4;
+  const char* why = f.softcap > 0   ? "SDPA has no softcap"
+                    : f.sinks.given ? "SDPA has no sinks"
+                                    : "local=\"math\" was asked for";
+  TORCH_CHECK_VALUE(
+      bytes <= kMathScoresMaxBytes,
+      "DistributedAttention: off the CPU this call would run the math "
+      "kernel (",
+      why, "), whose fp32 scores [B=", B, ", heads=", most_heads, ", S=", S, ", S] take ", bytes,
+      " bytes, above its bound of ", kMathScoresMaxBytes,
+      " (Note [No silent S x S]); use local=\"flex\" (Python: FlexAttention, a softcap as a score "
+      "function; not sinks), a shorter sequence, or more ranks");
+}
+
+}  // namespace
 
 Sharding agree_plan(const Group& group, const HeadPartition& heads, Layout layout,
                     const std::vector<TensorSpec>& tensors,
@@ -205,6 +239,7 @@ Sharding agree_plan(const Group& group, const HeadPartition& heads, Layout layou
     check_mask_shapes(sizes, prints[0].tensors[0].sizes[batch_dim(layout)], heads.q_heads(), agreed,
                       "mask");
   }
+  check_math_scores(prints[0], heads, agreed, layout);
   return Sharding{heads, agreed, layout};
 }
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ulysses
-from conftest import run_ranks_errors
+from conftest import run_ranks_errors, seq_lens
 
 S_R, B, H, D = 4, 1, 4, 8  # Each rank holds 4 tokens: S = 8 over 2 ranks.
 
@@ -233,3 +233,23 @@ def test_the_cpu_only_kernel_on_another_device_fails_alike_in_the_agreement():
     assert errors[0] == errors[1], errors
     assert ('local attention "fused" runs on CPU tensors; q is on meta: use local="auto" (SDPA) there '
             "[raised on rank 0 of 2]") in errors[0], errors
+
+
+def test_math_scores_above_their_bound_off_the_cpu_are_refused_alike():
+    """Note [No silent S x S]: off the CPU (the meta device stands in for a GPU; the refusal comes
+    in the agreement, before any data moves) a softcap would send attention to the math kernel,
+    whose fp32 scores at S = 32768 take 16 GiB per rank: every rank raises the same error, naming
+    local="flex". local="flex" itself is not bound (it moves on to the exchange, which fails on
+    meta tensors for another reason)."""
+    S = 32768
+    lens = seq_lens(S, 2)
+
+    def body(rank, group, local="auto"):
+        q = torch.empty(1, lens[rank], 8, 64, device="meta")
+        ulysses.DistributedAttention(group, causal=True, softcap=30.0, local=local)(q, q, q)
+
+    errors = run_ranks_errors(2, body)
+    assert errors[0] == errors[1] != ""
+    assert "would run the math kernel (SDPA has no softcap)" in errors[0] and 'use local="flex"' in errors[0]
+    flex = run_ranks_errors(2, lambda rank, group: body(rank, group, "flex"))
+    assert all("math kernel" not in e for e in flex), flex
