@@ -141,7 +141,7 @@ def _rank(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
 
         for layer in model.model.layers:
             fully_shard(layer)
-        fully_shard(model)
+        fully_shard(model, reshard_after_forward=False)  # the root: backward needs it at once
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if holding else None
     ds_loss = _deepspeed_tiling(model, group) if feature.startswith("ds") else None
     if feature == "ds+recompute":

@@ -49,7 +49,7 @@ def main() -> None:
     model = uhf.sequence_parallel(AutoModelForCausalLM.from_config(config, attn_implementation="ulysses"), sp_group)
     for layer in model.model.layers:
         fully_shard(layer)
-    fully_shard(model)
+    fully_shard(model, reshard_after_forward=False)  # the root: backward needs it at once
     optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr)
     gen = torch.Generator().manual_seed(1)  # the same batches on every rank; each replica keeps its rows
     replica = rank // a.sp

@@ -171,7 +171,8 @@ class SequenceParallel:
         reshard = bool(fsdp.get("reshard_after_forward", True))
         for layer in layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        # The root (embeddings, head) stays gathered after forward: backward needs it at once.
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
         trainer.is_distributed_loading_by_transformers = True
         self._shards_itself = True
 
