@@ -462,34 +462,3 @@ def test_every_hybrid_family_of_transformers_is_refused():
     assert hybrids <= refused, hybrids - refused
     attention_only = {"llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gpt_oss", "phi3", "deepseek_v3"}
     assert not attention_only & refused, attention_only & refused
-
-
-@pytest.mark.parametrize("name,kind", [("llama", "padded"), ("llama", "packed"), ("gemma2", "packed"),
-                                       ("mistral_window", "padded")])
-def test_flex_local_attention_gives_the_default_kernels_forward(name, kind):
-    """sequence_parallel(..., local="flex"): every layer on FlexAttention (forward only off CUDA),
-    padding, packed documents, sliding windows and Gemma2's softcap included, at P = 2."""
-    import warnings
-
-    base = make_model(name)
-    batch = make_batch(kind)
-    replicas = {local: [copy.deepcopy(base) for _ in range(2)] for local in ("auto", "flex")}
-
-    def body(rank, group):
-        logits = {}
-        for local, models in replicas.items():
-            model = uhf.sequence_parallel(models[rank], group, local=local)
-            sb = uhf.shard_batch(batch, group)
-            with torch.no_grad(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # flex's "without torch.compile" off CUDA
-                logits[local] = model(input_ids=sb["input_ids"], attention_mask=sb.get("attention_mask"),
-                                      position_ids=sb["position_ids"], ulysses_seq_lens=sb["seq_lens"]).logits
-        return ((logits["flex"] - logits["auto"]).abs().max() / logits["auto"].abs().max()).item()
-
-    errors = run_ranks(2, body)
-    assert max(errors) <= 1e-5, errors
-
-
-def test_an_unknown_local_kernel_is_refused():
-    with pytest.raises(ValueError, match="local must be one of"):
-        uhf.sequence_parallel(make_model("llama"), None, local="flexible")
