@@ -10,12 +10,15 @@ number) and summary.txt (a line per result):
 1. host_sync (CUDA): attention calls at P = 1 over NCCL return while the GPU is still busy
    with a sleep queued before them: no host synchronisation in the call path.
 2. local: every local-attention case (plain, causal, GQA, padding mask, packed documents,
-   window, softcap, sinks) in fp32 and bf16, forward and q/k/v gradients against float64; then
-   (not --quick) each case at S = 8K and 32K in bf16: the kernel the rule chose, fwd+bwd time,
-   peak memory.
+   window, softcap, sinks) in fp32 and bf16, forward and q/k/v gradients against float64, on
+   the rule's kernel and on FlexAttention; then (not --quick) each case at S = 8K and 32K in
+   bf16: the kernel the rule chose (on CUDA: SDPA for plain, causal, GQA; FlexAttention for the
+   rest), fwd+bwd time against the plain case's, peak memory; and at 8K the C++ API's kernel
+   (SDPA with a dense mask, or math) for contrast.
 3. sweep: 2 processes (one GPU: Gloo carries CUDA tensors in its collectives), under both
    transports (messages, batched): DistributedAttention against float64 (GQA with Hkv < P,
-   uneven heads, a padding mask with S not divisible, packed documents, a window, a softcap),
+   uneven heads, a padding mask with S not divisible, packed documents, a window, a softcap,
+   sinks; on CUDA each on the kernel local="auto" picks there),
    the projected exchange round trip (point-to-point: on CPU tensors only, since Gloo's
    send/recv take host memory), and a tiny Llama through ulysses.hf against the unsharded
    model.
@@ -116,35 +119,24 @@ def local_inputs(case: str, B: int, S: int, hq: int, D: int, dtype, device, seed
     return q, k, v, opts
 
 
-def run_local(q, k, v, opts) -> torch.Tensor:
-    """ulysses.local_attention (BHSD) on BSHD inputs, returning BSHD."""
+def run_local(q, k, v, opts, kernel: str = "auto") -> torch.Tensor:
+    """ulysses.local_attention (BHSD) on BSHD inputs, returning BSHD: the rule's kernel ("auto":
+    on CUDA, SDPA or FlexAttention, Note [Local attention on the GPU]) or the one named."""
     import ulysses
 
     hq, hkv = q.shape[2], k.shape[2]
     kv_map = [h // (hq // hkv) for h in range(hq)]
     o = ulysses.local_attention(*(t.transpose(1, 2) for t in (q, k, v)), kv_map, mask=opts.get("mask"),
-                                positions=opts.get("positions"), causal=opts["causal"],
+                                positions=opts.get("positions"), causal=opts["causal"], kernel=kernel,
                                 window=opts.get("window", 0), softcap=opts.get("softcap"), sinks=opts.get("sinks"))
     return o.transpose(1, 2)
 
 
-def run_flex(q, k, v, opts) -> torch.Tensor:
-    """ulysses.flex (local="flex"; compiled on CUDA) on BSHD inputs, returning BSHD."""
-    import ulysses.flex
-
-    hq, hkv = q.shape[2], k.shape[2]
-    kv_map = [h // (hq // hkv) for h in range(hq)]
-    o = ulysses.flex.attention(*(t.transpose(1, 2) for t in (q, k, v)), kv_map, opts.get("mask"),
-                               opts.get("positions"), opts["causal"], None, opts.get("window", 0),
-                               opts.get("softcap") or 0.0)
-    return o.transpose(1, 2)
-
-
 def chosen_kernel(q, opts) -> str:
-    from ulysses import _C
+    import ulysses
 
-    return _C.chosen_local_kernel(q.transpose(1, 2), opts.get("mask"), opts.get("positions"), opts["causal"],
-                                  opts.get("window", 0), opts.get("softcap", 0.0), opts.get("sinks"))
+    return ulysses.local_kernel(q.transpose(1, 2), opts.get("mask"), opts.get("positions"), opts["causal"],
+                                opts.get("window", 0), opts.get("softcap"), opts.get("sinks"))
 
 
 def reference_of(q, k, v, opts, grad):
@@ -172,14 +164,21 @@ def local_part(device: torch.device, quick: bool) -> dict:
             rows.append({"case": case, "dtype": str(dtype)[6:], "S": S, "kernel": chosen_kernel(q, opts),
                          "worst_rel_error": worst, "ok": worst <= TOLERANCE[dtype]})
             # local="flex": fwd+bwd on CUDA in bf16 (each compile costs seconds); forward only elsewhere.
-            if case != "sinks" and (device.type != "cuda" or dtype == torch.bfloat16):
+            if device.type != "cuda" or dtype == torch.bfloat16:
                 rows.append(guarded(functools.partial(flex_row, q, k, v, opts, grad, ref, ref_grads, dtype, case, S)))
+    # At length: the rule's kernel for each case (on CUDA: SDPA's flash for plain, causal and GQA,
+    # FlexAttention for the rest), against the plain case's time; peak memory at both lengths
+    # (S^2 growth would be 16x from 8K to 32K). Then the C++ API's kernel at 8K, for contrast.
     long = [] if quick else [8192, 32768] if device.type == "cuda" else [2048]
     for S in long:
         for case in LOCAL_CASES:
             rows.append(guarded(lambda case=case, S=S: local_at_length(case, S, device)))
-            if device.type == "cuda" and case != "sinks" and S == long[-1]:  # the same case on FlexAttention
-                rows.append(guarded(lambda case=case, S=S: local_at_length(case, S, device, flex=True)))
+        plain = next((r.get("ms") for r in rows if r.get("case") == "plain" and r.get("S") == S), None)
+        for r in rows:
+            if r.get("S") == S and r.get("ms") and plain:
+                r["over_plain"] = r["ms"] / plain
+    for case in LOCAL_CASES if device.type == "cuda" and not quick else ():
+        rows.append(guarded(lambda case=case: local_at_length(case, long[0], device, kernel="c++ rule")))
     return {"rows": rows}
 
 
@@ -188,7 +187,7 @@ def flex_row(q, k, v, opts, grad, ref, ref_grads, dtype, case: str, S: int) -> d
     mine = [t.detach().requires_grad_(backward) for t in (q, k, v)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # flex's "without torch.compile" off CUDA
-        out = run_flex(*mine, opts)
+        out = run_local(*mine, opts, kernel="flex")
     worst = rel(out, ref)
     if backward:
         out.backward(grad)
@@ -197,14 +196,23 @@ def flex_row(q, k, v, opts, grad, ref, ref_grads, dtype, case: str, S: int) -> d
             "worst_rel_error": worst, "ok": worst <= TOLERANCE[dtype]}
 
 
-def local_at_length(case: str, S: int, device: torch.device, flex: bool = False) -> dict:
-    """fwd+bwd of one case at length S in bf16 (B 1, Hq 16, D 128): kernel, time, peak."""
+def local_at_length(case: str, S: int, device: torch.device, kernel: str = "auto") -> dict:
+    """fwd+bwd of one case at length S in bf16 (B 1, Hq 16, D 128): kernel, time, peak.
+    ``kernel="c++ rule"``: the C++ API's choice (ulysses.local_attention's op, no Python rule)."""
     q, k, v, opts = local_inputs(case, 1, S, 16, 128, torch.bfloat16, device)
-    row = {"case": case, "S": S, "kernel": "flex" if flex else chosen_kernel(q, opts)}
     ins = [t.requires_grad_() for t in (q, k, v)]
+    if kernel == "c++ rule":
+        from ulysses import _C
+
+        name = _C.chosen_local_kernel(q.transpose(1, 2), opts.get("mask"), opts.get("positions"), opts["causal"],
+                                      opts.get("window", 0), opts.get("softcap", 0.0), opts.get("sinks"))
+        row = {"case": case, "S": S, "kernel": f"{name} (C++ API)"}
+        kernel = name
+    else:
+        row = {"case": case, "S": S, "kernel": chosen_kernel(q, opts) if kernel == "auto" else kernel}
 
     def step():
-        (run_flex if flex else run_local)(*ins, opts).sum().backward()
+        run_local(*ins, opts, kernel=kernel).sum().backward()
 
     step()  # warm-up (and any compile)
     base = peak_reset(device)
@@ -266,6 +274,7 @@ SWEEP = [  # name, S, Hq, Hkv, case (local_inputs' options)
     ("packed documents", 96, 8, 8, "packed documents"),
     ("window", 96, 8, 8, "window"),
     ("softcap", 96, 8, 8, "softcap"),
+    ("sinks", 96, 8, 8, "sinks"),
 ]
 
 
@@ -323,6 +332,8 @@ def _attention_row(rank, group, device, S, hq, hkv, case, dtype) -> dict:
         extra["mask"] = opts["mask"].expand(2, 1, S, S).narrow(2, start, n)
     if "positions" in opts:
         extra["position_ids"] = opts["positions"].narrow(1, start, n)
+    if "sinks" in opts:
+        extra["sinks"] = opts["sinks"]
     out = attn(*mine, seq_lens=lens, **extra)
     out.backward(grad.narrow(1, start, n))
     worst = max([rel(out, ref.narrow(1, start, n))] +

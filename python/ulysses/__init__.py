@@ -4,7 +4,8 @@ Loading the package registers the ``torch.ops.ulysses`` operators. Its names, by
 
 - ``ulysses.attention``: DistributedAttention, StepContext (the module and its per-step cache).
 - ``ulysses.ops``: all_gather_sequence, flash_attention, gather_head_parts, gather_heads,
-  gather_projected, local_attention, project_from_head_parts, project_head_parts, rebuild_mask,
+  gather_projected, local_attention, local_kernel, project_from_head_parts, project_head_parts,
+  rebuild_mask,
   reduce_scatter_sequence, scatter_head_parts, scatter_heads, scatter_projected,
   sequence_lengths, sum_over_group (the functional ops).
 - ``ulysses.plans``: plan, plan_sp_mesh (the pure planners).
@@ -31,6 +32,7 @@ from .ops import (
     gather_heads,
     gather_projected,
     local_attention,
+    local_kernel,
     project_from_head_parts,
     project_head_parts,
     rebuild_mask,
@@ -68,7 +70,7 @@ __all__ = [
     "DistributedAttention", "StepContext",
     # ulysses.ops
     "all_gather_sequence", "flash_attention", "gather_head_parts", "gather_heads", "gather_projected",
-    "local_attention", "project_from_head_parts", "project_head_parts", "rebuild_mask",
+    "local_attention", "local_kernel", "project_from_head_parts", "project_head_parts", "rebuild_mask",
     "reduce_scatter_sequence", "scatter_head_parts", "scatter_heads", "scatter_projected", "sequence_lengths",
     "sum_over_group",
     # ulysses.plans

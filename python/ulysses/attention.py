@@ -65,15 +65,6 @@ class StepContext:
         return self._handle.agreements_reused()
 
 
-def _flex_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: Sequence[int], mask: torch.Tensor | None,
-                positions: torch.Tensor | None, causal: bool, scale: float | None, *, window: int,
-                softcap: float) -> torch.Tensor:
-    """``local="flex"``: FlexAttention on this rank's heads (ulysses.flex; imported on first use)."""
-    from . import flex
-
-    return flex.attention(q, k, v, kv_map, mask, positions, causal, scale, window, softcap)
-
-
 def _under_autocast(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Under autocast, attention runs in its lower precision, as torch's SDPA does: a model's
     q (fp32 after RoPE) and v (bf16 from its projection) then meet in one dtype."""
@@ -118,10 +109,11 @@ class DistributedAttention(nn.Module):
             global order (or 1). Eager mode, CPU tensors.
         local: the local attention: ``"auto"`` (the library's rule, Note [Local attention by
             case] in attention.h: on CPU the fused kernel, math for fp64, SDPA for plain bf16
-            where the CPU has no AVX512-BF16; SDPA on other devices, math there for a softcap or
-            sinks), ``"fused"``, ``"sdpa"``, ``"math"``, ``"flex"`` (torch's FlexAttention with
-            every rule as a block mask and score function, compiled on CUDA: ``ulysses.flex``;
-            no sinks, no ring), or a callable
+            where the CPU has no AVX512-BF16; on CUDA SDPA with no rule but causal, flex for
+            every other, Note [Local attention on the GPU]; SDPA on other devices, math there
+            for a softcap or sinks), ``"fused"``, ``"sdpa"``, ``"math"``, ``"flex"`` (torch's
+            FlexAttention with every rule as a block mask and score function, compiled on CUDA:
+            ``ulysses.flex``; no ring), or a callable
             ``local(q, k, v, kv_map, mask, positions, causal, scale) -> o`` taking this rank's
             heads over the whole sequence in BHSD (q ``[B, Hq_r, S, D]``, k/v ``[B, Hkv_r, S,
             D]``; query head h uses kv head ``kv_map[h]``; ``mask`` rebuilt, broadcastable to
@@ -203,19 +195,18 @@ class DistributedAttention(nn.Module):
         q, k, v = _under_autocast(q, k, v)
         hq, hkv = self._heads(q, k)
         seq_lens = self._seq_lens(seq_lens)
-        if callable(self.local) or self.local == "flex":
-            if sinks is not None:  # Given on some ranks only, a local raise would hang the others.
-                who = 'local="flex"' if self.local == "flex" else "a callable local attention"
-                _C.fail_together(f"DistributedAttention: {who} takes no sinks; "
-                                 "use a kernel name (\"auto\", \"fused\", \"math\")", self.group_name,
-                                 self.timeout_ms)
+        local = self._python_local(q)
+        if local is not None:
+            if callable(self.local) and sinks is not None:  # Given on some ranks only, a local
+                _C.fail_together("DistributedAttention: a callable local attention takes no sinks; "  # raise
+                                 "use a kernel name (\"auto\", \"fused\", \"math\", \"flex\")",  # would hang
+                                 self.group_name, self.timeout_ms)  # the others.
             if self.local == "flex" and not q.is_cuda and torch.is_grad_enabled() and any(
                     t.requires_grad for t in (q, k, v)):
                 _C.fail_together("DistributedAttention: local=\"flex\" runs forward only off CUDA (torch has no "
                                  "CPU backward for FlexAttention); train with local=\"auto\" there, or run "
                                  "under torch.no_grad()", self.group_name, self.timeout_ms)
-            return self._forward_with(self._local_callable(), q, k, v, mask, position_ids, hq, hkv, seq_lens,
-                                      step)
+            return self._forward_with(local, q, k, v, mask, position_ids, hq, hkv, seq_lens, step, sinks)
         o = torch.ops.ulysses.attention(q, k, v, mask, position_ids, hq, hkv, seq_lens, self.layout, self.causal,
                              self._scale(), self.local, self.group_name, [self.timeout_ms], self.ring_name,
                              self._step(step), window=self.window,
@@ -278,28 +269,49 @@ class DistributedAttention(nn.Module):
             self._kv_maps[(hq, hkv)] = list(O._plan(hq, hkv, self.sp_size)["kv_map"][self.rank])
         return self._kv_maps[(hq, hkv)]
 
-    def _local_callable(self) -> LocalAttention:
-        """The callable local attention: the caller's, or flex with this instance's window and
-        softcap (agreed with the other ranks in attention_heads)."""
+    def _python_local(self, q: torch.Tensor) -> LocalAttention | None:
+        """The local attention this call runs in Python, on this rank's heads: the caller's
+        callable, flex, or ``"auto"``'s choice on CUDA (Note [Local attention on the GPU]); None
+        where the C++ orchestration runs it all. Reads the instance and q's device only, which
+        the call's agreement holds alike."""
         if callable(self.local):
             return self.local
-        return functools.partial(_flex_local, window=self.window, softcap=self.softcap)
+        if self.local == "flex" or (self.local == "auto" and self.ring_size == 1 and O._on_gpu(q)):
+            return functools.partial(O.local_attention, kernel=self.local, window=self.window,
+                                     softcap=self.softcap)
+        return None
 
-    def _forward_with(self, local, q, k, v, mask, positions, hq, hkv, seq_lens, step):
-        """forward with a local attention of the caller's: the orchestration's first half
+    @staticmethod
+    def _splits_documents(positions: torch.Tensor, step: StepContext | None) -> bool:
+        # Reads the ids on the host (a device sync on GPUs): once per step with a StepContext,
+        # whose gathered ids are one tensor for every layer.
+        if step is None:
+            return _C.splits_documents(positions)
+        return bool(step.once(positions, "splits_documents", lambda: _C.splits_documents(positions)))
+
+    def _forward_with(self, local, q, k, v, mask, positions, hq, hkv, seq_lens, step, sinks=None):
+        """forward with a local attention in Python: the orchestration's first half
         (``attention_heads``), ``local``, then the exchange back."""
         if not seq_lens:
             seq_lens = O.sequence_lengths(q, self.seq_dim, self.group_name, self.timeout_ms / 1000)
         heads = torch.ops.ulysses.attention_heads(q, k, v, mask, positions, hq, hkv, seq_lens, self.layout,
                                        self.causal, self._scale(), self.group_name, [self.timeout_ms],
-                                       self._step(step), window=self.window, softcap=self.softcap)
+                                       self._step(step), window=self.window, softcap=self.softcap,
+                                       sinks=sinks)
         qh, kh, vh, rest = heads[0], heads[1], heads[2], list(heads[3:])
         m = rest.pop(0) if mask is not None else None
         p = rest.pop(0) if positions is not None else None
-        if p is not None and not torch.compiler.is_compiling() and not _C.splits_documents(p):
+        if p is not None and not torch.compiler.is_compiling() and not self._splits_documents(p, step):
             p = None  # One document per row: no rule, as the library's own kernels see it.
         kv_map = self._kv_map(hq, hkv)
-        o = local(qh, kh, vh, kv_map, m, p, self.causal, self.scale).permute(self._from_bhsd)
+        if callable(self.local):
+            if self.window or self.softcap:  # Agreed above: every rank raises alike.
+                raise ValueError("DistributedAttention: a callable local attention takes no window or "
+                                 "softcap; apply it inside the callable")
+            o = local(qh, kh, vh, kv_map, m, p, self.causal, self.scale)
+        else:  # This rank's heads' sinks (agreed above) come last.
+            o = local(qh, kh, vh, kv_map, m, p, self.causal, self.scale, sinks=rest.pop(0) if rest else None)
+        o = o.permute(self._from_bhsd)
         self.q_heads, self.kv_heads = hq, hkv
         return torch.ops.ulysses.gather_heads([o], ["q"], hq, hkv, seq_lens, self.layout, self.group_name,
                                    [self.timeout_ms])[0]

@@ -208,24 +208,23 @@ std::vector<at::Tensor> attention_parts_op(
 }
 
 // The orchestration up to local attention, for a local attention of the caller's (a Python
-// callable): [q, k, v] on this rank's heads over the whole sequence (BHSD), then the rebuilt
-// mask and the gathered position ids where given.
-std::vector<at::Tensor> attention_heads_op(const at::Tensor& q, const at::Tensor& k,
-                                           const at::Tensor& v, const OptTensor& mask,
-                                           const OptTensor& positions, int64_t q_heads,
-                                           int64_t kv_heads, c10::IntArrayRef seq_lens,
-                                           const std::string& layout, bool causal, double scale,
-                                           const std::string& group_name,
-                                           c10::IntArrayRef group_options, const StepHandle& step,
-                                           bool mask_rebuilt, int64_t window, double softcap) {
+// callable, or flex): [q, k, v] on this rank's heads over the whole sequence (BHSD), then the
+// rebuilt mask, the gathered position ids and this rank's heads' sinks, each where given.
+std::vector<at::Tensor> attention_heads_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
+    const OptTensor& positions, int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_lens,
+    const std::string& layout, bool causal, double scale, const std::string& group_name,
+    c10::IntArrayRef group_options, const StepHandle& step, bool mask_rebuilt, int64_t window,
+    double softcap, const OptTensor& sinks) {
   AttentionCall call =
       attention_call(q_heads, kv_heads, seq_lens, layout, causal, scale, "auto", group_name,
-                     group_options, c10::nullopt, step, mask_rebuilt, window, softcap, {});
+                     group_options, c10::nullopt, step, mask_rebuilt, window, softcap, sinks);
   call.heads_only = true;
   const AttentionHeads h = attend_heads(call, {{q}, {k}, {v}}, HeadForm::kWhole, mask, positions);
   std::vector<at::Tensor> out{h.args.q, h.args.k, h.args.v};
   if (h.args.mask) out.push_back(*h.args.mask);
   if (h.args.positions) out.push_back(*h.args.positions);
+  if (h.args.sinks) out.push_back(*h.args.sinks);
   return out;
 }
 
@@ -301,7 +300,7 @@ TORCH_LIBRARY_FRAGMENT(ulysses, m) {
       "attention_heads(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? positions, "
       "int q_heads, int kv_heads, int[] seq_lens, str layout, bool causal, float scale, "
       "str group, int[] group_options, __torch__.torch.classes.ulysses.StepContext? step=None, "
-      "bool mask_rebuilt=False, int window=0, float softcap=0.) -> Tensor[]");
+      "bool mask_rebuilt=False, int window=0, float softcap=0., Tensor? sinks=None) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(ulysses, CompositeExplicitAutograd, m) {

@@ -17,7 +17,7 @@ from conftest import run_ranks, run_ranks_errors, seq_lens, shard
 B, S, D = 2, 13, 8
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # relative to the output's largest entry
 
-# (name, constructor options, call inputs): every rule of the local attention but sinks.
+# (name, constructor options, call inputs): every rule of the local attention.
 VARIANTS = [
     ("plain", {}, ()),
     ("causal", {"causal": True}, ()),
@@ -26,7 +26,8 @@ VARIANTS = [
     ("documents", {"causal": True}, ("positions",)),
     ("padding", {"causal": True}, ("padding",)),
     ("query_sharded_bias", {}, ("bias",)),
-    ("everything", {"causal": True, "window": 5, "softcap": 2.0}, ("positions", "padding")),
+    ("sinks", {"causal": True}, ("sinks",)),
+    ("everything", {"causal": True, "window": 5, "softcap": 2.0}, ("positions", "padding", "sinks")),
 ]
 HEADS = [(6, 3), (7, 7), (4, 1)]  # GQA, uneven over 2 and 3 ranks, MQA (kv replicated)
 
@@ -39,7 +40,22 @@ def _inputs(hq: int, hkv: int):
     keep[1, -3:] = False  # row 1 padded on the right
     padding = keep[:, None, None, :].expand(B, 1, S, S)  # [B, 1, S, S]: query rows sharded
     bias = torch.randn(B, hq, S, S, generator=gen, dtype=torch.float64)  # per head, query rows sharded
-    return q, k, v, {"positions": positions, "padding": padding, "bias": bias}
+    sinks = torch.randn(hq, generator=gen, dtype=torch.float64)  # one logit per query head, every rank
+    return q, k, v, {"positions": positions, "padding": padding, "bias": bias, "sinks": sinks}
+
+
+def _call(extras, given, rank, lens):
+    """The call inputs ``given`` names, as rank ``rank`` holds them."""
+    call = {}
+    if "positions" in given:
+        call["position_ids"] = shard(extras["positions"], 1, rank, lens)
+    if "padding" in given:
+        call["mask"] = shard(extras["padding"], 2, rank, lens)
+    if "bias" in given:
+        call["mask"] = shard(extras["bias"], 2, rank, lens)
+    if "sinks" in given:
+        call["sinks"] = extras["sinks"]
+    return call
 
 
 @pytest.mark.parametrize("hq,hkv", HEADS)
@@ -51,13 +67,7 @@ def test_flex_forward_matches_the_float64_kernel(P, hq, hkv):
     def body(rank, group):
         errors = {}
         for name, options, given in VARIANTS:
-            call = {}
-            if "positions" in given:
-                call["position_ids"] = shard(extras["positions"], 1, rank, lens)
-            if "padding" in given:
-                call["mask"] = shard(extras["padding"], 2, rank, lens)
-            if "bias" in given:
-                call["mask"] = shard(extras["bias"], 2, rank, lens)
+            call = _call(extras, given, rank, lens)
             x = [shard(t, 1, rank, lens) for t in (q, k, v)]
             want = ulysses.DistributedAttention(group, local="math", **options)(*x, **call)
             flex = ulysses.DistributedAttention(group, local="flex", **options)
@@ -86,7 +96,7 @@ def test_flex_refuses_training_off_cuda_alike_on_every_rank():
     assert errors[0] == errors[1] and 'local="flex" runs forward only off CUDA' in errors[0]
 
 
-def test_flex_takes_no_sinks_alike_on_every_rank():
+def test_flex_sinks_given_on_one_rank_fail_alike():
     lens = seq_lens(S, 2)
 
     def body(rank, group):
@@ -95,4 +105,41 @@ def test_flex_takes_no_sinks_alike_on_every_rank():
         ulysses.DistributedAttention(group, local="flex")(q, q, q, sinks=sinks)
 
     errors = run_ranks_errors(2, body)
-    assert errors[0] == errors[1] and 'local="flex" takes no sinks' in errors[0]
+    assert errors[0] == errors[1] and "whether sinks is given" in errors[0], errors
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+def test_auto_on_the_gpu_rule_takes_sdpa_when_plain_and_flex_otherwise(P, monkeypatch):
+    """local="auto" on CUDA (Note [Local attention on the GPU]), forced on CPU: SDPA for a call
+    with no rule but causal (default position ids included), flex for every other; exact."""
+    import ulysses.ops as ops
+
+    hq, hkv = 6, 3
+    q, k, v, extras = _inputs(hq, hkv)
+    extras["default_positions"] = torch.arange(S).expand(B, S)  # one document a row: plain
+    lens = seq_lens(S, P)
+    chosen = []
+    choose = ops.gpu_local_kernel
+    monkeypatch.setattr(ops, "_on_gpu", lambda q: True)
+    monkeypatch.setattr(ops, "gpu_local_kernel", lambda *facts: chosen.append(choose(*facts)) or chosen[-1])
+    cases = VARIANTS + [("default_positions", {"causal": True}, ("default_positions",))]
+
+    def body(rank, group):
+        errors = {}
+        for name, options, given in cases:
+            call = _call(extras, given, rank, lens)
+            if "default_positions" in given:
+                call["position_ids"] = shard(extras["default_positions"], 1, rank, lens)
+            x = [shard(t.float(), 1, rank, lens) for t in (q, k, v)]
+            call = {n: t.float() if t.is_floating_point() else t for n, t in call.items()}
+            want = ulysses.DistributedAttention(group, local="math", **options)(*x, **call)
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # flex's "called without torch.compile" off CUDA
+                got = ulysses.DistributedAttention(group, **options)(*x, **call)
+            errors[name] = ((got - want).abs().max() / want.abs().max()).item()
+        return errors
+
+    for errors in run_ranks(P, body):
+        assert max(errors.values()) <= 1e-5, errors
+    want = {"plain": "sdpa", "causal": "sdpa", "default_positions": "sdpa"}
+    assert chosen == [want.get(name, "flex") for name, _, _ in cases for _ in range(P)], chosen
