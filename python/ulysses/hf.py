@@ -36,7 +36,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import _C, tiled
 from . import ops as O
-from .attention import DistributedAttention, StepContext
+from .attention import DistributedAttention, LocalAttention, StepContext
 from .training import (  # noqa: F401  (part of this module's API, as before)
     IGNORE_INDEX,
     all_reduce_gradients,
@@ -64,7 +64,7 @@ def _attention_of(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
         timeout = module.__dict__.get("_ulysses_timeout")
         attention = DistributedAttention(group, q_heads=query.shape[1], kv_heads=key.shape[1],
                                          layout="BHSD", causal=getattr(module, "is_causal", True),
-                                         timeout=timeout)
+                                         timeout=timeout, local=module.__dict__.get("_ulysses_local", "auto"))
         object.__setattr__(module, "_ulysses_attention", attention)  # state, not a submodule
     return attention
 
@@ -240,7 +240,8 @@ class LongSequence:
 def sequence_parallel(model: PreTrainedModel, group: O.GroupLike = None, *,
                       timeout: O.Timeout = None, tiled_mlp: bool = False, tiled_loss: bool = False,
                       checkpoint: str | None = None, mlp_tile_tokens: int | None = None,
-                      loss_tile_bytes: int = LOSS_TILE_BYTES) -> PreTrainedModel:
+                      loss_tile_bytes: int = LOSS_TILE_BYTES,
+                      local: str | LocalAttention = "auto") -> PreTrainedModel:
     """Makes ``model`` (a ``transformers`` PreTrainedModel) run attention through ulysses over
     ``group`` (any form of ``ulysses.ops.GroupLike``; None: the default group). Turns the KV cache off
     (training; a cache of sharded keys would be wrong). Returns the model.
@@ -259,7 +260,13 @@ def sequence_parallel(model: PreTrainedModel, group: O.GroupLike = None, *,
 
     The tile counts come from the group's agreed split (``ulysses_seq_lens``, else learned once
     per forward), so they match on every rank.
+
+    ``local`` is every layer's local attention, as ``DistributedAttention`` takes it: a kernel
+    name (``"auto"``, ``"fused"``, ``"sdpa"``, ``"math"``, ``"flex"``) or a callable.
     """
+    if not callable(local) and local not in _C.local_kernels() + ["flex"]:
+        raise ValueError(f"ulysses.hf: local must be one of {_C.local_kernels() + ['flex']} or a callable; "
+                         f"got {local!r}")
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"ulysses.hf: checkpoint must be one of {CHECKPOINT_MODES}; got {checkpoint!r}")
     if loss_tile_bytes < 1 or (mlp_tile_tokens is not None and mlp_tile_tokens < 1):
@@ -275,6 +282,7 @@ def sequence_parallel(model: PreTrainedModel, group: O.GroupLike = None, *,
     for module in model.modules():
         object.__setattr__(module, "_ulysses_group", name)
         object.__setattr__(module, "_ulysses_timeout", timeout)
+        object.__setattr__(module, "_ulysses_local", local)
         module.__dict__.pop("_ulysses_attention", None)
     hidden = model.config.get_text_config().hidden_size
     settings = LongSequence(tiled_mlp, tiled_loss, checkpoint, mlp_tile_tokens or hidden, loss_tile_bytes)

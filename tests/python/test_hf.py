@@ -140,11 +140,9 @@ def test_loss_and_every_gradient_equal_the_unsharded_model(name, kind, P):
 
 
 @pytest.mark.parametrize("kind", ["padded", "packed"])
-def test_default_position_ids_add_no_document_rule(kind, monkeypatch):
+def test_default_position_ids_add_no_document_rule(kind):
     """transformers passes position ids to every layer; 0..S-1 on every row splits nothing, so
     local attention runs without them (no document mask on SDPA), exact all the same."""
-    import functools
-
     import ulysses
 
     seen = []
@@ -153,14 +151,13 @@ def test_default_position_ids_add_no_document_rule(kind, monkeypatch):
         seen.append(positions is not None)
         return ulysses.local_attention(q, k, v, kv_map, mask, positions, causal, scale, kernel="math")
 
-    monkeypatch.setattr(uhf, "DistributedAttention", functools.partial(uhf.DistributedAttention, local=local))
     base = make_model("llama")
     batch = make_batch(kind)
     want = reference(copy.deepcopy(base), batch)
     models = [copy.deepcopy(base) for _ in range(2)]
 
     def body(rank, group):
-        return sharded_step(uhf.sequence_parallel(models[rank], group), batch, group)
+        return sharded_step(uhf.sequence_parallel(models[rank], group, local=local), batch, group)
 
     for got in run_ranks(2, body):
         assert_matches(got, want)
@@ -462,3 +459,35 @@ def test_every_hybrid_family_of_transformers_is_refused():
     assert hybrids <= refused, hybrids - refused
     attention_only = {"llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gpt_oss", "phi3", "deepseek_v3"}
     assert not attention_only & refused, attention_only & refused
+
+
+@pytest.mark.parametrize("name,kind", [("llama", "padded"), ("llama", "packed"), ("gemma2", "packed"),
+                                       ("mistral_window", "padded"), ("gpt_oss", "padded")])
+def test_flex_local_attention_gives_the_default_kernels_forward(name, kind):
+    """sequence_parallel(..., local="flex"): every layer on FlexAttention (forward only off CUDA),
+    padding, packed documents, sliding windows, Gemma2's softcap and gpt-oss's sinks included,
+    at P = 2."""
+    import warnings
+
+    base = make_model(name)
+    batch = make_batch(kind)
+    replicas = {local: [copy.deepcopy(base) for _ in range(2)] for local in ("auto", "flex")}
+
+    def body(rank, group):
+        logits = {}
+        for local, models in replicas.items():
+            model = uhf.sequence_parallel(models[rank], group, local=local)
+            sb = uhf.shard_batch(batch, group)
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # flex's "without torch.compile" off CUDA
+                logits[local] = model(input_ids=sb["input_ids"], attention_mask=sb.get("attention_mask"),
+                                      position_ids=sb["position_ids"], ulysses_seq_lens=sb["seq_lens"]).logits
+        return ((logits["flex"] - logits["auto"]).abs().max() / logits["auto"].abs().max()).item()
+
+    errors = run_ranks(2, body)
+    assert max(errors) <= 1e-5, errors
+
+
+def test_an_unknown_local_kernel_is_refused():
+    with pytest.raises(ValueError, match="local must be one of .* or a callable"):
+        uhf.sequence_parallel(make_model("llama"), None, local="flexible")
