@@ -30,6 +30,7 @@ VARIANTS = {
     "window": ({"causal": True, "window": 512}, ()),
     "softcap": ({"causal": True, "softcap": 30.0}, ()),
     "padding": ({"causal": True}, ("padding",)),
+    "sinks": ({"causal": True}, ("sinks",)),
 }
 
 
@@ -54,19 +55,23 @@ def main() -> None:
             positions = (torch.arange(S) % (S // 4))[None]  # four documents
             keep = torch.ones(1, S, dtype=torch.bool)
             keep[:, -S // 8:] = False
-            extras = {"positions": positions, "padding": keep[:, None, None, :].expand(1, 1, S, S)}
+            extras = {"positions": positions, "padding": keep[:, None, None, :].expand(1, 1, S, S),
+                      "sinks": torch.randn(hq, generator=gen)}
             for name, (options, given) in VARIANTS.items():
                 call = {}
                 if "positions" in given:
                     call["position_ids"] = extras["positions"]
                 if "padding" in given:
                     call["mask"] = extras["padding"]
+                if "sinks" in given:
+                    call["sinks"] = extras["sinks"]
                 layers = {local: ulysses.DistributedAttention(dist.group.WORLD, local=local, **options)
                           for local in ("fused", "flex")}
                 runs = [functools.partial(layers[local], q, k, v, **call) for local in ("fused", "flex")]
                 compiled = functools.partial(_compiled_flex, q, k, v, hq, hkv, options, call)
                 failed = ""
                 if a.compiled:
+                    torch._dynamo.reset()  # each variant its own compiles, never past the recompile limit
                     try:
                         with torch.no_grad():
                             compiled()  # compiles
@@ -98,7 +103,8 @@ def _compiled_flex(q, k, v, hq, hkv, options, call):
     positions = call.get("position_ids")
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     return ulysses.flex.attention(qh, kh, vh, kv_map, mask, positions, options.get("causal", False), None,
-                                  options.get("window", 0), options.get("softcap", 0.0), compiled=True)
+                                  options.get("window", 0), options.get("softcap", 0.0), compiled=True,
+                                  sinks=call.get("sinks"))
 
 
 if __name__ == "__main__":

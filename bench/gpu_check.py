@@ -498,6 +498,9 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "build/gpu_check"))
     args = p.parse_args()
     device = torch.device(args.device)
+    # Every flex case compiles flex_attention anew (its own mask and score functions); past
+    # dynamo's limit of 8 per function the rest would run eagerly, S x S, in this one process.
+    torch._dynamo.config.recompile_limit = 64
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (use --device cpu)")
         return 1
