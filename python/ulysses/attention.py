@@ -197,10 +197,11 @@ class DistributedAttention(nn.Module):
         seq_lens = self._seq_lens(seq_lens)
         local = self._python_local(q)
         if local is not None:
-            if callable(self.local) and sinks is not None:  # Given on some ranks only, a local
-                _C.fail_together("DistributedAttention: a callable local attention takes no sinks; "  # raise
-                                 "use a kernel name (\"auto\", \"fused\", \"math\", \"flex\")",  # would hang
-                                 self.group_name, self.timeout_ms)  # the others.
+            # Sinks given on some ranks only: a local raise would hang the others.
+            if callable(self.local) and sinks is not None:
+                _C.fail_together("DistributedAttention: a callable local attention takes no sinks; "
+                                 "use a kernel name (\"auto\", \"fused\", \"math\", \"flex\")",
+                                 self.group_name, self.timeout_ms)
             if self.local == "flex" and not q.is_cuda and torch.is_grad_enabled() and any(
                     t.requires_grad for t in (q, k, v)):
                 _C.fail_together("DistributedAttention: local=\"flex\" runs forward only off CUDA (torch has no "
