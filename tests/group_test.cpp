@@ -3,7 +3,10 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <optional>
 #include <thread>
+#include <vector>
 
 #include "testing.h"
 
@@ -24,6 +27,32 @@ TEST(Group, AllGatherAndAllReduce) {
     g.all_reduce_sum(sum);
     EXPECT_TRUE(sum.equal(at::full({4}, 3.0)));
   });
+}
+
+// Note [Waiting for the last rank]: a rank that arrives first waits out the late rank's delay;
+// the late rank waits for nobody. Collectives before keep_collective_times are not counted.
+TEST(Group, WaitingSecondsCountTheWaitForTheLastRankOnly) {
+  constexpr double kDelay = 0.3;  // Rank 1 arrives this much later.
+  std::vector<double> waited(2, -1.0);
+  expect_ranks_succeed(2, [&](Group& g) {
+    at::Tensor x = at::ones({8});
+    if (g.rank() == 0) std::this_thread::sleep_for(std::chrono::duration<double>(kDelay));
+    g.all_reduce_sum(x);  // Not kept: rank 1 waits here, before keeping starts.
+    g.keep_collective_times();
+    g.barrier();
+    if (g.rank() == 1) std::this_thread::sleep_for(std::chrono::duration<double>(kDelay));
+    g.all_reduce_sum(x);
+    const std::optional<double> w = g.take_waiting_seconds();
+    ASSERT_TRUE(w.has_value());  // Threads of one process share the clock.
+    waited[g.rank()] = *w;
+    // Keeping went on: the next interval holds the two all_gathers of the take, and no sleep.
+    const std::optional<double> next = g.take_waiting_seconds();
+    ASSERT_TRUE(next.has_value());
+    EXPECT_LT(*next, kDelay / 2);
+  });
+  EXPECT_GT(waited[0], kDelay / 2);  // The barrier's ranks leave within far less than kDelay.
+  EXPECT_LT(waited[1], kDelay / 2);
+  EXPECT_GE(waited[1], 0.0);
 }
 
 TEST(Group, BufferCacheReusesSizesAndEvictsTheLeastRecentlyFreed) {

@@ -12,6 +12,7 @@
 #include <iomanip>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -481,8 +482,8 @@ double learning_rate(const TrainOptions& o, int64_t step) {
   return o.lr * warm * (0.1 + 0.45 * (1.0 + std::cos(M_PI * progress)));
 }
 
-// The progress lines: loss, tokens/s, share of time in collectives and every rank's peak RSS,
-// averaged over the steps since the previous line.
+// The progress lines: loss, tokens/s, share of time in collectives (and of it, the wait for the
+// last rank to arrive) and every rank's peak RSS, averaged over the steps since the previous line.
 class ProgressLog {
  public:
   ProgressLog(const Mesh& mesh, int64_t tokens_per_step)
@@ -501,12 +502,19 @@ class ProgressLog {
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     const double comm = comm_seconds() - comm0_;
+    std::optional<double> waiting = 0.0;  // Note [Waiting for the last rank].
+    for (const Group& g : groups_) {
+      const std::optional<double> w = g.take_waiting_seconds();
+      waiting = waiting && w ? std::optional<double>(*waiting + *w) : std::nullopt;
+    }
     at::Tensor rss = mesh_.world.all_gather(at::tensor({proc_status_bytes("VmHWM")}, at::kLong));
     if (mesh_.world.rank() == 0) {
       std::ostringstream line;
       line << "step " << step << "/" << steps << " loss " << std::fixed << std::setprecision(4)
            << loss << " tok/s " << std::setprecision(0) << tokens_per_step_ * steps_ / seconds
-           << " comm " << std::setprecision(1) << 100.0 * comm / seconds << "% peak_rss_mb";
+           << " comm " << std::setprecision(1) << 100.0 * comm / seconds << "%";
+      if (waiting) line << " (waiting " << 100.0 * *waiting / seconds << "%)";
+      line << " peak_rss_mb";
       for (int r = 0; r < mesh_.world.size(); ++r)
         line << (r ? "/" : " ") << mb(rss[r].item<int64_t>());
       std::cout << line.str() << std::endl;
@@ -521,6 +529,7 @@ class ProgressLog {
     return s;
   }
   void restart() {
+    for (const Group& g : groups_) g.keep_collective_times();
     start_ = std::chrono::steady_clock::now();
     comm0_ = comm_seconds();
     steps_ = 0;

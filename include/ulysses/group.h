@@ -27,6 +27,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
@@ -172,6 +173,14 @@ class Group {
   int64_t collective_count() const;
   // Wall-clock seconds spent inside collectives issued through this process group.
   double collective_seconds() const;
+  // From now on, keeps when each collective on this process group begins and ends, dropping
+  // what was kept (Note [Waiting for the last rank] in src/transport/group.cpp).
+  void keep_collective_times() const;
+  // Of this rank's collectives kept since then, the seconds spent waiting for the group's last
+  // rank to arrive; keeping starts anew. Two all_gathers, which every rank of the group issues
+  // alike; nullopt when the ranks do not share a clock (another host) or did not keep the same
+  // collectives.
+  std::optional<double> take_waiting_seconds() const;
   // Point-to-point messages and bytes sent by this rank through this process group.
   int64_t p2p_messages_sent() const;
   int64_t p2p_bytes_sent() const;

@@ -5,13 +5,17 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <list>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -98,6 +102,10 @@ struct GroupRuntime {
   std::mutex links_mu;
   std::unique_ptr<SharedMemoryLinks> links;  // Set up on first use; guarded by links_mu.
   ArmedAgreement armed;                      // Note [Reused agreement].
+  // Note [Waiting for the last rank]: when each kept collective began and ended.
+  std::atomic<bool> keep_times{false};
+  std::mutex times_mu;
+  std::vector<std::array<int64_t, 3>> times;  // {number, begun, ended} (steady_clock ns).
 };
 
 // Counts one collective and the time spent in it.
@@ -127,9 +135,12 @@ class CollectiveScope {
   // This collective's number on its process group (1 for the first), as logged by slow waits.
   int64_t number() const { return number_; }
   ~CollectiveScope() {
-    s_.collective_ns +=
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_)
-            .count();
+    const auto t1 = std::chrono::steady_clock::now();
+    s_.collective_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0_).count();
+    if (s_.keep_times.load()) {
+      std::lock_guard<std::mutex> lock(s_.times_mu);
+      s_.times.push_back({number_, t0_.time_since_epoch().count(), t1.time_since_epoch().count()});
+    }
   }
 
  private:
@@ -356,6 +367,50 @@ std::string Group::name() const { return pg_ ? pg_->getGroupName() : std::string
 int64_t Group::collective_count() const { return runtime_->collectives.load(); }
 int64_t Group::cached_buffer_bytes() const { return runtime_->buffers->cached(); }
 double Group::collective_seconds() const { return runtime_->collective_ns.load() * 1e-9; }
+
+// Note [Waiting for the last rank]
+// A collective cannot finish before its last rank arrives, so a rank's wall time inside it is
+// the wait for that rank plus the transfer itself. The wait says nothing about the transport: it
+// is a straggler, or, with more ranks than cores, a rank that has no core yet. Splitting the two
+// takes every rank's arrival times on one clock: steady_clock is the boot's monotonic clock, so
+// ranks that share a boot compare them directly, and ranks on other hosts get no split.
+void Group::keep_collective_times() const {
+  std::lock_guard<std::mutex> lock(runtime_->times_mu);
+  runtime_->times.clear();
+  runtime_->keep_times = true;
+}
+
+std::optional<double> Group::take_waiting_seconds() const {
+  std::vector<std::array<int64_t, 3>> times;
+  {
+    std::lock_guard<std::mutex> lock(runtime_->times_mu);
+    times.swap(runtime_->times);
+  }
+  std::sort(times.begin(), times.end());  // By number: threads may end them out of order.
+  const auto n = static_cast<int64_t>(times.size());
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::string boot;
+  std::getline(f, boot);
+  const int64_t host = boot.empty() ? 0 : static_cast<int64_t>(std::hash<std::string>{}(boot));
+  const at::Tensor keys = all_gather(at::tensor({host, n, times.empty() ? 0 : times[0][0]}));
+  for (int r = 0; r < size(); ++r) {  // Another boot, or other collectives: no common clock.
+    if (keys[r][0].item<int64_t>() != host || host == 0 || keys[r][1].item<int64_t>() != n ||
+        keys[r][2].item<int64_t>() != keys[0][2].item<int64_t>()) {
+      return std::nullopt;
+    }
+  }
+  if (n == 0) return 0.0;
+  std::vector<int64_t> begun;
+  for (const auto& t : times) begun.push_back(t[1]);
+  const at::Tensor last = std::get<0>(all_gather(at::tensor(begun, at::kLong)).max(0));
+  const int64_t* last_p = last.data_ptr<int64_t>();
+  int64_t waited = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t begun_at = times[i][1], ended_at = times[i][2];
+    waited += std::clamp<int64_t>(last_p[i] - begun_at, 0, ended_at - begun_at);
+  }
+  return static_cast<double>(waited) * 1e-9;
+}
 
 int64_t Group::p2p_messages_sent() const { return runtime_->p2p_messages.load(); }
 int64_t Group::p2p_bytes_sent() const { return runtime_->p2p_bytes.load(); }

@@ -103,6 +103,10 @@ def test_train_resume_equals_uninterrupted(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert len(losses(full.stdout)) == 6
     assert losses(resumed.stdout) == losses(full.stdout)[3:]
+    # Every progress line splits its collective time: the wait for the last rank is part of it.
+    shares = re.findall(r" comm ([0-9.]+)% \(waiting ([0-9.]+)%\) ", full.stdout)
+    assert len(shares) == 6, full.stdout
+    assert all(0 <= float(w) <= float(c) for c, w in shares), shares
 
 
 COMMON = ["--nproc", "2", "--seq-len", "48", "--pairs", "4", "--batch", "2", "--eval-every", "0"]
