@@ -232,6 +232,20 @@ TEST(DistributedAttention, SharedMaskIsGatheredOncePerStep) {
   });
 }
 
+// Whether the gathered ids split documents is read on the host once per step (a device wait on
+// a GPU): the context answers from what it read until the ids change.
+TEST(DistributedAttention, StepContextReadsWhetherIdsSplitDocumentsOncePerVersion) {
+  StepContext step(Group::solo());
+  at::Tensor ids = at::arange(6, at::kLong);  // One document.
+  EXPECT_FALSE(step.splits_documents(ids));
+  ids.data_ptr<int64_t>()[3] = 0;  // A write the version counter does not see: not read again.
+  EXPECT_TRUE(splits_documents(ids));
+  EXPECT_FALSE(step.splits_documents(ids));
+  ids.add_(0);  // A write it sees: read anew.
+  EXPECT_TRUE(step.splits_documents(ids));
+  EXPECT_FALSE(step.splits_documents(at::arange(6, at::kLong)));  // Another tensor.
+}
+
 // Runs `layers` calls of `q, k, v` (causal) and returns each call's collective count, with the
 // outputs and q's gradient summed over the calls.
 struct StepRun {

@@ -63,6 +63,9 @@ class StepContext {
                             const Group& ring);
   // all_gather_sequence(positions, -1, seq, group), computed once per (positions, version, seq).
   at::Tensor gathered_positions(const at::Tensor& positions, const SequencePartition& seq);
+  // splits_documents(positions) (attention.h), read once per (positions, version): on a GPU
+  // each read waits for the device, so a step's layers share one.
+  bool splits_documents(const at::Tensor& positions);
   // Collectives saved by reuse so far (for tests and logs).
   int64_t reuses() const { return reuses_; }
   const Group& group() const { return group_; }
@@ -87,7 +90,13 @@ class StepContext {
   std::vector<Entry> masks_;      // Rebuilt masks of this step.
   std::vector<Entry> positions_;  // Gathered position ids of this step.
   std::vector<Entry> documents_;  // Ring document ids of this step.
-  int64_t reuses_ = 0;            // Cache hits so far.
+  struct Split {
+    at::Tensor source;  // Held, as Entry::source.
+    int64_t version = 0;
+    bool splits = false;
+  };
+  std::vector<Split> splits_;  // splits_documents of this step's position ids.
+  int64_t reuses_ = 0;         // Cache hits so far.
   int64_t agreements_reused_ = 0;
 };
 

@@ -58,6 +58,14 @@ at::Tensor StepContext::ring_documents(const at::Tensor& positions, const RingLa
                 layout.seq_len(), [&] { return ring_document_ids(positions, layout, ring); });
 }
 
+bool StepContext::splits_documents(const at::Tensor& positions) {
+  for (const Split& s : splits_)
+    if (s.source.is_same(positions) && s.version == positions._version()) return s.splits;
+  splits_.push_back({positions, static_cast<int64_t>(positions._version()),
+                     ulysses::splits_documents(positions)});
+  return splits_.back().splits;
+}
+
 namespace {
 
 // Every ring rank must run the same ring: the ring ranks agree on the call's fingerprint (as the
@@ -350,7 +358,11 @@ std::vector<at::Tensor> attend(const AttentionCall& call,
   } else {
     // Ids that split no row into documents add no rule: the kernel runs as if none were given
     // (no document mask on SDPA). Every rank gathered the same ids, so every rank drops them.
-    if (h.args.positions && !splits_documents(*h.args.positions)) h.args.positions.reset();
+    // With a StepContext the gathered ids are one tensor for the step's layers: read once.
+    const auto splits = [&](const at::Tensor& p) {
+      return call.step ? call.step->splits_documents(p) : splits_documents(p);
+    };
+    if (h.args.positions && !splits(*h.args.positions)) h.args.positions.reset();
     o = call.local ? (*call.local)(h.args) : local_attention(h.args, call.kernel);
   }
   o = o.permute(from_bhsd(call.layout));
