@@ -133,6 +133,31 @@ TEST(Group, RoundsOfDifferentPurposesFailAlikeNamingEachRanks) {
                           "round B");
 }
 
+// Time blocked on a point-to-point transfer is communication time, as a collective's is (the
+// pipelined exchange and the ring run on Transfers): collective_seconds counts it, while
+// collective_count still counts collectives only.
+TEST(Group, WaitsForTransfersCountAsCollectiveTime) {
+  constexpr double kDelay = 0.3;  // The sender's lateness.
+  expect_ranks_succeed(2, [&](Group& g) {
+    g.barrier();
+    const double seconds = g.collective_seconds();
+    const int64_t count = g.collective_count();
+    Transfers io(g, c10::DeviceType::CPU);
+    at::Tensor got = at::zeros({4});
+    if (g.rank() == 0) {
+      const size_t n = io.receive(got, 1, 3);
+      io.wait(n);
+      EXPECT_TRUE(got.equal(at::full({4}, 2.0)));
+      EXPECT_GT(g.collective_seconds() - seconds, kDelay / 2);
+    } else {
+      std::this_thread::sleep_for(std::chrono::duration<double>(kDelay));
+      io.send(at::full({4}, 2.0), 0, 3);
+      io.wait();
+    }
+    EXPECT_EQ(g.collective_count(), count);
+  });
+}
+
 // The transport is chosen in one place (Group::batches): auto follows the backend (Gloo does
 // not coalesce: messages), the options override it; transfers posted either way arrive alike.
 TEST(Group, TransportFollowsTheBackendUnlessTheOptionsSayOtherwise) {

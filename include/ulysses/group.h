@@ -171,7 +171,8 @@ class Group {
   // Collectives issued through this process group (agree counts once per round): for tests
   // and benchmarks.
   int64_t collective_count() const;
-  // Wall-clock seconds spent inside collectives issued through this process group.
+  // Wall-clock seconds spent inside collectives issued through this process group, and blocked
+  // waiting for its point-to-point transfers (Transfers::wait: what no work hid).
   double collective_seconds() const;
   // From now on, keeps when each collective on this process group begins and ends, dropping
   // what was kept (Note [Waiting for the last rank] in src/transport/group.cpp).

@@ -95,7 +95,7 @@ struct GroupRuntime {
   explicit GroupRuntime(int64_t cache_bytes)
       : buffers(std::make_shared<BufferCache>(cache_bytes)) {}
   std::atomic<int64_t> collectives{0};    // Collectives issued.
-  std::atomic<int64_t> collective_ns{0};  // Wall time spent inside them.
+  std::atomic<int64_t> collective_ns{0};  // Wall time inside them and in point-to-point waits.
   std::atomic<int64_t> p2p_messages{0};   // Point-to-point sends posted.
   std::atomic<int64_t> p2p_bytes{0};      // Their bytes.
   std::shared_ptr<BufferCache> buffers;   // Shared with the deleters of tensors it lent.
@@ -484,7 +484,12 @@ void Transfers::wait(size_t n) {
     for (Transfer& t : transfers_)
       if (t.work == work) t.work.reset();
   }
+  // Time blocked here is communication not hidden behind work: counted with the collectives'.
+  const auto t0 = std::chrono::steady_clock::now();
   ulysses::wait(group_, "point-to-point", work, number_, device_);
+  group_.runtime_->collective_ns +=
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+          .count();
 }
 
 void Transfers::wait() {
