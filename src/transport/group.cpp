@@ -11,7 +11,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <list>
 #include <map>
 #include <mutex>
@@ -388,10 +387,7 @@ std::optional<double> Group::take_waiting_seconds() const {
   }
   std::sort(times.begin(), times.end());  // By number: threads may end them out of order.
   const auto n = static_cast<int64_t>(times.size());
-  std::ifstream f("/proc/sys/kernel/random/boot_id");
-  std::string boot;
-  std::getline(f, boot);
-  const int64_t host = boot.empty() ? 0 : static_cast<int64_t>(std::hash<std::string>{}(boot));
+  const int64_t host = detail::boot_key();
   const at::Tensor keys = all_gather(at::tensor({host, n, times.empty() ? 0 : times[0][0]}));
   for (int r = 0; r < size(); ++r) {  // Another boot, or other collectives: no common clock.
     if (keys[r][0].item<int64_t>() != host || host == 0 || keys[r][1].item<int64_t>() != n ||

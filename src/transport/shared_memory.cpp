@@ -15,21 +15,30 @@
 #include "ulysses/group.h"
 
 namespace ulysses::detail {
+
+int64_t boot_key() {
+  static const int64_t key = [] {
+    std::ifstream f("/proc/sys/kernel/random/boot_id");
+    std::string boot;
+    std::getline(f, boot);
+    return boot.empty() ? int64_t{0} : static_cast<int64_t>(std::hash<std::string>{}(boot));
+  }();
+  return key;
+}
+
 namespace {
 
 // What two ranks must share to map each other's outboxes as one host: [usable, boot, /dev/shm's
 // device and inode, network namespace inode]. usable = 0 where any of them cannot be read.
 std::vector<int64_t> host_key() {
-  std::ifstream f("/proc/sys/kernel/random/boot_id");
-  std::string boot;
-  std::getline(f, boot);
+  const int64_t boot = boot_key();
   struct stat shm {
   }, net{};
-  if (boot.empty() || ::stat("/dev/shm", &shm) != 0 || ::stat("/proc/self/ns/net", &net) != 0) {
+  if (boot == 0 || ::stat("/dev/shm", &shm) != 0 || ::stat("/proc/self/ns/net", &net) != 0) {
     return {0, 0, 0, 0, 0};
   }
-  return {1, static_cast<int64_t>(std::hash<std::string>{}(boot)), static_cast<int64_t>(shm.st_dev),
-          static_cast<int64_t>(shm.st_ino), static_cast<int64_t>(net.st_ino)};
+  return {1, boot, static_cast<int64_t>(shm.st_dev), static_cast<int64_t>(shm.st_ino),
+          static_cast<int64_t>(net.st_ino)};
 }
 
 std::string outbox_name(int64_t nonce, int rank) {

@@ -17,6 +17,10 @@ class Group;
 
 namespace ulysses::detail {
 
+// This boot's identity (a hash of its boot_id; 0 where it cannot be read), read once: ranks with
+// the same key share steady_clock and may share memory.
+int64_t boot_key();
+
 class SharedMemoryLinks {
  public:
   // Creates this rank's (empty) outbox and opens its co-located peers': two all_gathers, which
