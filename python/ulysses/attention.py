@@ -139,7 +139,7 @@ class DistributedAttention(nn.Module):
             raise ValueError(f"DistributedAttention: local must be one of {', '.join(_KERNELS)}, flex or a "
                              f"callable; got {local!r}")
         self.group_name = O.group_name(group)
-        O.with_cpu_backend(self.group_name)  # The agreement's integers stay on the host.
+        O.with_cpu_backend(self.group_name, timeout)  # The agreement's integers stay on the host.
         self.ring_name = O.group_name(ring_group) if ring_group is not None else None
         ring_pg = O.process_group(self.ring_name) if self.ring_name is not None else None
         self.ring_rank, self.ring_size = (ring_pg.rank(), ring_pg.size()) if ring_pg is not None else (0, 1)
@@ -148,7 +148,7 @@ class DistributedAttention(nn.Module):
                 raise ValueError("DistributedAttention: a ring runs the fused CPU kernel; local='flex' "
                                  "is for Ulysses groups")
             _C.check_ring_kernel("" if callable(local) else local)
-        self.rank, self.sp_size = O._rank_size(self.group_name)
+        self.rank, self.sp_size = O.rank_and_size(self.group_name)
         self.layout = layout.upper()
         try:
             self.seq_dim, self.head_dim = _C.layout_dims(self.layout)

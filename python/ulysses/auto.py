@@ -119,7 +119,7 @@ class AutoSP:
     def __init__(self, group: O.GroupLike = None, *, inner: str | Callable | None = None, debug: bool = False,
                  timeout: O.Timeout = None) -> None:
         self.group = O.group_name(group)
-        self.rank, self.size = O._rank_size(self.group)
+        self.rank, self.size = O.rank_and_size(self.group)
         self.timeout_ms = O.timeout_ms(timeout)
         self.inner, self.debug = inner, debug
         self.graphs: list[fx.GraphModule] = []

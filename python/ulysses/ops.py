@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -45,26 +46,62 @@ def group_name(group: GroupLike) -> str:
         group = dist.group.WORLD
         if group is None:
             raise ValueError("ulysses: no process group given and torch.distributed is not initialized")
+    if not group.group_name:  # "" names this rank alone: never what a ProcessGroup means.
+        raise ValueError(f"ulysses: the process group of rank {group.rank()} of {group.size()} has no name "
+                         "(group_name is ''); pass a group made by torch.distributed (init_process_group, "
+                         "new_group, a DeviceMesh)")
     return group.group_name
 
 
-def with_cpu_backend(name: str) -> None:
+# The Gloo backends with_cpu_backend added, by process group: their timeouts are ours to raise.
+_side_backends: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroupGloo] = weakref.WeakKeyDictionary()
+
+
+def _backend_timeout(pg: dist.ProcessGroup) -> datetime.timedelta | None:
+    """The longest timeout among the group's own backends (NCCL's is init_process_group's), or
+    None where no backend shows one."""
+    found = []
+    for device in pg._device_types:
+        timeout = getattr(getattr(pg._get_backend(device), "options", None), "_timeout", None)
+        if isinstance(timeout, datetime.timedelta):
+            found.append(timeout)
+    return max(found, default=None)
+
+
+def with_cpu_backend(name: str, timeout: Timeout = None) -> None:
     """Gives the group ``name`` a Gloo backend for CPU tensors when it has none (a group made
     NCCL-only), so that each call's agreement moves its few integers host to host instead of
     through the GPU with a device-to-host copy (Note [Metadata device] in group.cpp). The Gloo
     backend rendezvouses through the group's own store, under a prefix of ours, among the
     group's ranks alone: every rank of the group calls this at the same point (the
     DistributedAttention constructor does). A group made with ``"cpu:gloo,cuda:nccl"`` (and
-    DeviceMesh groups under such a world) already has one."""
+    DeviceMesh groups under such a world) already has one.
+
+    Its timeout is the longer of ``timeout`` (the caller's; None: DEFAULT_TIMEOUT) and the
+    group's own backends' (NCCL's default is 10 minutes), raised by a later caller's longer one:
+    a rank late by less than the job allows (a checkpoint, an evaluation, a first compile) must
+    not end the job here. The group keeps its name and description: registering a backend
+    clears them (c10d reads the name from one backend, and the new one has none), and an
+    unnamed group would read as this rank alone."""
     if not name:
         return
     pg = process_group(name)
+    wait = datetime.timedelta(milliseconds=timeout_ms(timeout))
+    if (own := _backend_timeout(pg)) is not None:
+        wait = max(wait, own)
+    if (ours := _side_backends.get(pg)) is not None:
+        if ours.options._timeout < wait:
+            ours.set_timeout(wait)
+        return
     if any(d.type == "cpu" for d in pg._device_types):
         return
     store = dist.distributed_c10d._world.pg_map[pg][1]
-    gloo = dist.ProcessGroupGloo(dist.PrefixStore("ulysses/cpu/", store), pg.rank(), pg.size(),
-                                 datetime.timedelta(milliseconds=_C.DEFAULT_TIMEOUT_MS))
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("ulysses/cpu/", store), pg.rank(), pg.size(), wait)
+    description = pg.group_desc
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    pg._set_group_name(GroupName(name))
+    pg._set_group_desc(description)
+    _side_backends[pg] = gloo
 
 
 def timeout_ms(timeout: Timeout) -> int:
@@ -87,7 +124,8 @@ def group_options(timeout) -> list[int]:
     return [timeout_ms(timeout)]
 
 
-def _rank_size(name: str) -> tuple[int, int]:
+def rank_and_size(name: str) -> tuple[int, int]:
+    """This rank's index in the group ``name`` and the group's size ((0, 1) for "")."""
     if not name:  # This rank alone.
         return 0, 1
     pg = process_group(name)
@@ -109,7 +147,7 @@ def _dims(layout: str) -> tuple[int, int]:
 
 @torch.library.register_fake("ulysses::sequence_lengths")
 def _(x, dim, group, group_options):
-    return torch.empty((_rank_size(group)[1],), dtype=torch.long, device="cpu")  # as the kernel
+    return torch.empty((rank_and_size(group)[1],), dtype=torch.long, device="cpu")  # as the kernel
 
 
 def sequence_lengths(x: torch.Tensor, dim: int, group: GroupLike = None, timeout: Timeout = None) -> list[int]:
@@ -121,7 +159,7 @@ def sequence_lengths(x: torch.Tensor, dim: int, group: GroupLike = None, timeout
 
 
 def _a2a_shapes(xs, heads, q_heads, kv_heads, seq_lens, layout, group, to_heads: bool):
-    rank, size = _rank_size(group)
+    rank, size = rank_and_size(group)
     plan = _plan(q_heads, kv_heads, size)
     sdim, hdim = _dims(layout)
     outs = []
@@ -182,13 +220,13 @@ def gather_heads(ys: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int,
 def _(parts, heads, q_heads, kv_heads, seq_lens, layout, group, group_options, agree=True,
       mask=None, positions=None, causal=False, scale=0.0, step=False, check_mask=True, window=0, softcap=0.0,
       sinks=None):
-    size = _rank_size(group)[1]
+    size = rank_and_size(group)[1]
     return _a2a_shapes(parts[::size], heads, q_heads, kv_heads, seq_lens, layout, group, True)
 
 
 @torch.library.register_fake("ulysses::gather_head_parts")
 def _(ys, heads, q_heads, kv_heads, seq_lens, layout, group, group_options):
-    rank, size = _rank_size(group)
+    rank, size = rank_and_size(group)
     counts = _plan(q_heads, kv_heads, size)
     sdim, hdim = _dims(layout)
     outs = []
@@ -230,7 +268,7 @@ def gather_head_parts(ys: Sequence[torch.Tensor], heads: Sequence[str], q_heads:
 
 @torch.library.register_fake("ulysses::scatter_projected")
 def _(x, weights, biases, heads, q_heads, kv_heads, seq_lens, group, group_options, agree=True):
-    rank, size = _rank_size(group)
+    rank, size = rank_and_size(group)
     counts = _plan(q_heads, kv_heads, size)
     outs = []
     for w, h in zip(weights, heads):
@@ -248,7 +286,7 @@ def _(grads, x, weights, biases, heads, q_heads, kv_heads, seq_lens, group, grou
 
 @torch.library.register_fake("ulysses::gather_projected")
 def _(y, weight, q_heads, kv_heads, seq_lens, group, group_options, agree=True):
-    rank, size = _rank_size(group)
+    rank, size = rank_and_size(group)
     counts = _plan(q_heads, kv_heads, size)["q_heads"]
     B, D, mine = y.shape[0], y.shape[3], seq_lens[rank]
     return [y.new_empty((B, mine, weight.shape[0]))] + \
@@ -310,7 +348,7 @@ def project_from_head_parts(parts: Sequence[torch.Tensor], weight: torch.Tensor,
 
 
 def _seq_shape(x, dim, seq_lens, group, gathered: bool):
-    rank, _ = _rank_size(group)
+    rank, _ = rank_and_size(group)
     shape = list(x.shape)
     shape[dim] = sum(seq_lens) if gathered else seq_lens[rank]
     return x.new_empty(shape)
@@ -347,7 +385,7 @@ def reduce_scatter_sequence(x: torch.Tensor, dim: int, seq_lens: Sequence[int],
 
 @torch.library.register_fake("ulysses::rebuild_mask")
 def _(mask, q_heads, kv_heads, seq_lens, group, group_options, key_len=-1):
-    rank, _ = _rank_size(group)
+    rank, _ = rank_and_size(group)
     shape = _C.rebuilt_mask_shape(list(mask.shape), q_heads, kv_heads, list(seq_lens), rank, key_len)
     return mask.new_empty(shape)
 
