@@ -60,7 +60,7 @@ def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
 def _attention_of(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> DistributedAttention:
     attention = module.__dict__.get("_ulysses_attention")
     if attention is None:
-        group = module.__dict__.get("_ulysses_group")  # set by sequence_parallel(); else the world
+        group = module.__dict__["_ulysses_group"]  # set by sequence_parallel()
         timeout = module.__dict__.get("_ulysses_timeout")
         attention = DistributedAttention(group, q_heads=query.shape[1], kv_heads=key.shape[1],
                                          layout="BHSD", causal=getattr(module, "is_causal", True),
@@ -80,6 +80,11 @@ def ulysses_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                                   "model's attention_dropout to 0")
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError("ulysses attention: position_bias is not supported")
+    if "_ulysses_group" not in module.__dict__:  # Every rank runs the same model: it raises alike.
+        raise ValueError(f"ulysses.hf: {type(module).__name__} ran attn_implementation='ulysses' outside a "
+                         "forward of ulysses.hf.sequence_parallel(model, group): call that first, so that "
+                         "every layer attends over the agreed split with global position ids (without "
+                         "it each rank would attend within its own shard)")
     attention = _attention_of(module, query, key)
     if is_causal is not None and bool(is_causal) != attention.causal:
         raise ValueError(f"ulysses attention: is_causal={is_causal} but the module's attention "
@@ -354,17 +359,31 @@ def _use_our_checkpoint(model: torch.nn.Module, settings: LongSequence) -> None:
             layer.__dict__["_gradient_checkpointing_func"] = ours  # a plain attribute, not a submodule
 
 
-def _sequence_rows(kwargs: dict, group: str, timeout) -> list[int]:
-    given = kwargs.get("ulysses_seq_lens")
-    if given:
-        return list(given)
+def _tokens(kwargs: dict) -> torch.Tensor:
+    """The forward's input_ids or inputs_embeds ``[B, S_r, ...]``."""
     x = kwargs.get("input_ids")
     if x is None:
         x = kwargs.get("inputs_embeds")
     if x is None:
         raise ValueError("ulysses.hf: the model needs input_ids or inputs_embeds (by keyword) under "
                          "sequence parallelism")
-    return O.sequence_lengths(x, 1, group, timeout)
+    return x
+
+
+def _sequence_rows(kwargs: dict, group: str, timeout) -> list[int]:
+    given = kwargs.get("ulysses_seq_lens")
+    if given:
+        return list(given)
+    return O.sequence_lengths(_tokens(kwargs), 1, group, timeout)
+
+
+def _global_positions(x: torch.Tensor, seq_lens: list[int], group: str) -> torch.Tensor:
+    """This shard's positions of the unsharded forward's default ``0..S-1``, ``[B, S_r]``: without
+    them transformers would number each shard from 0 (RoPE on local positions, and every shard
+    a document of its own). Built from the agreed split, so they match on every rank."""
+    rank = O.rank_and_size(group)[0]
+    start = sum(seq_lens[:rank])
+    return torch.arange(start, start + seq_lens[rank], device=x.device).expand(x.shape[0], -1)
 
 
 def _logit_rules(config) -> tuple[float, float]:
@@ -383,6 +402,8 @@ def _long_sequence_forward(model: PreTrainedModel, *args, ulysses_shift_labels: 
     settings: LongSequence = model.__dict__["_ulysses_long"]
     seq_lens = _sequence_rows(kwargs, model.__dict__["_ulysses_group"], model.__dict__["_ulysses_timeout"])
     kwargs["ulysses_seq_lens"] = seq_lens  # the layers skip learning them
+    if kwargs.get("position_ids") is None:
+        kwargs["position_ids"] = _global_positions(_tokens(kwargs), seq_lens, model.__dict__["_ulysses_group"])
     # The layers share this forward's gathered padding mask, rebuilt mask and position ids
     # (gathered once, not once per layer); a checkpoint's recompute reuses them too.
     kwargs["ulysses_step"] = StepContext()

@@ -165,6 +165,43 @@ def test_default_position_ids_add_no_document_rule(kind):
     assert seen == [kind == "packed"] * 4, seen
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("kind", ["plain", "padded"])
+def test_a_forward_without_position_ids_numbers_tokens_globally(kind, rows):
+    """Without position ids transformers numbers a shard's tokens 0..S_r-1: at B = 1 that used to
+    pass (RoPE on local positions, every shard a document of its own: loss 4.5490 against 4.5578
+    at P = 2). The forward of sequence_parallel gives this shard's part of 0..S-1 instead."""
+    base = make_model("llama")
+    batch = {key: t[:rows] for key, t in make_batch(kind).items()}
+    want = reference(copy.deepcopy(base), batch)
+    models = [copy.deepcopy(base) for _ in range(2)]
+
+    def body(rank, group):
+        model = uhf.sequence_parallel(models[rank], group)
+        sb = uhf.shard_batch(batch, group)
+        out = model(input_ids=sb["input_ids"], attention_mask=sb.get("attention_mask"))
+        loss, global_loss = uhf.sequence_parallel_loss(out.logits, sb["shift_labels"], group)
+        loss.backward()
+        uhf.all_reduce_gradients(model, group)
+        return global_loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    for got in run_ranks(2, body):
+        assert_matches(got, want)
+
+
+def test_the_implementation_outside_sequence_parallel_is_refused_on_every_rank():
+    """A model built with attn_implementation="ulysses" but never passed to sequence_parallel has
+    no agreed split to number its tokens by: each rank would attend within its own shard."""
+    models = [AutoModelForCausalLM.from_config(CONFIGS["llama"](), attn_implementation="ulysses") for _ in range(2)]
+    ids = make_batch("plain")["input_ids"]
+
+    def body(rank, group):
+        models[rank](input_ids=ids[:, 7 * rank:7 * rank + 7])
+
+    errors = run_ranks_errors(2, body)
+    assert errors[0] == errors[1] and "outside a forward of ulysses.hf.sequence_parallel" in errors[0], errors
+
+
 def test_qwen3_mqa_kv_replicated_over_three_ranks():
     base = make_model("qwen3")
     batch = make_batch("padded")
