@@ -159,7 +159,8 @@ TEST(Group, WaitsForTransfersCountAsCollectiveTime) {
 }
 
 // The transport is chosen in one place (Group::batches): auto follows the backend (Gloo does
-// not coalesce: messages), the options override it; transfers posted either way arrive alike.
+// not coalesce: messages), the options override it on CPU tensors, other devices' transfers are
+// always batched; transfers posted either way arrive alike.
 TEST(Group, TransportFollowsTheBackendUnlessTheOptionsSayOtherwise) {
   expect_ranks_succeed(2, [](Group& world) {
     using Transport = GroupOptions::Transport;
@@ -168,6 +169,8 @@ TEST(Group, TransportFollowsTheBackendUnlessTheOptionsSayOtherwise) {
       options.transport = t;
       const Group g = world.with_options(options);
       EXPECT_EQ(g.batches(c10::DeviceType::CPU), t == Transport::kBatched) << to_string(t);
+      // Off the CPU nothing is posted unbatched (NCCL would wait forever), messages included.
+      EXPECT_TRUE(g.batches(c10::DeviceType::CUDA)) << to_string(t);
       // Both ranks add a receive before their send: NCCL's order, posted batched or not.
       at::Tensor got = at::zeros({3});
       Transfers step(g, c10::DeviceType::CPU);

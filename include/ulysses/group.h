@@ -71,6 +71,7 @@ struct GroupOptions {
   // backend has them, as torch.distributed.batch_isend_irecv does), and whole-tensor
   // exchanges always take one collective. kAuto batches where the backend coalesces (NCCL)
   // and posts messages elsewhere (Gloo); ULYSSES_TRANSPORT=auto|messages|batched sets it.
+  // kMessages applies to CPU tensors only: transfers of other devices' tensors are batched.
   enum class Transport : int64_t { kAuto = 0, kMessages = 1, kBatched = 2 };
   Transport transport = transport_from_environment();
 

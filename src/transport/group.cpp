@@ -412,6 +412,9 @@ int64_t Group::p2p_messages_sent() const { return runtime_->p2p_messages.load();
 int64_t Group::p2p_bytes_sent() const { return runtime_->p2p_bytes.load(); }
 
 bool Group::batches(c10::DeviceType device) const {
+  // Off the CPU, unbatched point-to-point is never safe (NCCL runs it in posting order: a
+  // receive posted before its peer's send waits forever), whatever the options say.
+  if (device != c10::DeviceType::CPU) return true;
   switch (options_.transport) {
     case GroupOptions::Transport::kMessages:
       return false;
