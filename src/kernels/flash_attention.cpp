@@ -21,13 +21,26 @@ namespace {
 using detail::FlashGrads;
 using Problem = detail::FlashProblem;
 
-// The passes of the instruction set ATen runs on this CPU (ATEN_CPU_CAPABILITY overrides it).
+#if ULYSSES_FLASH_ISA_BUILDS
+// Whether this CPU runs the instructions of the build for `isa` (its flags in CMakeLists.txt).
+bool cpu_runs(const std::string& isa) {
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == "AVX2") return avx2;
+  return isa == "AVX512" && avx2 && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512dq");
+}
+#endif
+
+// The passes of the instruction set ATen runs on this CPU. ATEN_CPU_CAPABILITY may lower it,
+// and may name more than the CPU has (ATen takes it as given): never above what the CPU runs.
 const detail::FlashPasses& passes() {
   static const detail::FlashPasses chosen = [] {
 #if ULYSSES_FLASH_ISA_BUILDS
     const std::string isa = at::get_cpu_capability();
-    if (isa == "AVX512") return detail::AVX512::flash_passes();
-    if (isa == "AVX2") return detail::AVX2::flash_passes();
+    if (isa == "AVX512" && cpu_runs("AVX512")) return detail::AVX512::flash_passes();
+    if ((isa == "AVX512" || isa == "AVX2") && cpu_runs("AVX2")) return detail::AVX2::flash_passes();
 #endif
     return detail::DEFAULT::flash_passes();
   }();
