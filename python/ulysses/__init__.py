@@ -1,6 +1,7 @@
 """Ulysses sequence parallelism for transformer attention (C++ core, PyTorch front end).
 
-Loading the package registers the ``torch.ops.ulysses`` operators. Its names, by module:
+Loading the package registers the ``torch.ops.ulysses`` operators (and their fake kernels,
+``ulysses.fake_kernels``). Its names, by module:
 
 - ``ulysses.attention``: DistributedAttention, StepContext (the module and its per-step cache).
 - ``ulysses.ops``: all_gather_sequence, flash_attention, gather_head_parts, gather_heads,
@@ -8,6 +9,8 @@ Loading the package registers the ``torch.ops.ulysses`` operators. Its names, by
   rebuild_mask,
   reduce_scatter_sequence, scatter_head_parts, scatter_heads, scatter_projected,
   sequence_lengths, sum_over_group (the functional ops).
+- ``ulysses.groups``: GroupLike, group_name, with_cpu_backend (process groups as the ops take
+  them).
 - ``ulysses.plans``: plan, plan_sp_mesh (the pure planners).
 - ``ulysses.training``: all_reduce_gradients, shard_sequence (the training helpers; also
   shard_batch, sequence_parallel_loss and token_mean, which ``ulysses.hf`` re-exports).
@@ -23,7 +26,10 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _environment  # noqa: F401  (refuses another torch or a clashing package first)
 
 # isort: split
-from . import _C
+from . import (
+    _C,
+    fake_kernels,  # noqa: F401  (registers the ops' fake kernels)
+)
 from .attention import DistributedAttention, StepContext
 from .ops import (
     all_gather_sequence,

@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 from . import _C
+from . import groups as G
 from . import ops as O
+from .plans import head_plan
 
 LocalAttention = Callable[..., torch.Tensor]
 _KERNELS = tuple(_C.local_kernels())  # The C++ names (attention.h LocalKernel).
@@ -121,10 +123,10 @@ class DistributedAttention(nn.Module):
             None) and returning ``[B, Hq_r, S, Dv]``, differentiable by autograd.
     """
 
-    def __init__(self, group: O.GroupLike = None, *, q_heads: int | None = None, kv_heads: int | None = None,
+    def __init__(self, group: G.GroupLike = None, *, q_heads: int | None = None, kv_heads: int | None = None,
                  layout: str = "BSHD", causal: bool = False, scale: float | None = None,
-                 window: int | None = None, softcap: float | None = None, timeout: O.Timeout = None,
-                 ring_group: O.GroupLike = None, local: str | LocalAttention = "auto") -> None:
+                 window: int | None = None, softcap: float | None = None, timeout: G.Timeout = None,
+                 ring_group: G.GroupLike = None, local: str | LocalAttention = "auto") -> None:
         super().__init__()
         window = int(window or 0)
         softcap = float(softcap or 0.0)
@@ -138,17 +140,17 @@ class DistributedAttention(nn.Module):
         if not callable(local) and local not in _KERNELS + ("flex",):
             raise ValueError(f"DistributedAttention: local must be one of {', '.join(_KERNELS)}, flex or a "
                              f"callable; got {local!r}")
-        self.group_name = O.group_name(group)
-        O.with_cpu_backend(self.group_name, timeout)  # The agreement's integers stay on the host.
-        self.ring_name = O.group_name(ring_group) if ring_group is not None else None
-        ring_pg = O.process_group(self.ring_name) if self.ring_name is not None else None
+        self.group_name = G.group_name(group)
+        G.with_cpu_backend(self.group_name, timeout)  # The agreement's integers stay on the host.
+        self.ring_name = G.group_name(ring_group) if ring_group is not None else None
+        ring_pg = G.process_group(self.ring_name) if self.ring_name is not None else None
         self.ring_rank, self.ring_size = (ring_pg.rank(), ring_pg.size()) if ring_pg is not None else (0, 1)
         if self.ring_size > 1:
             if local == "flex":
                 raise ValueError("DistributedAttention: a ring runs the fused CPU kernel; local='flex' "
                                  "is for Ulysses groups")
             _C.check_ring_kernel("" if callable(local) else local)
-        self.rank, self.sp_size = O.rank_and_size(self.group_name)
+        self.rank, self.sp_size = G.rank_and_size(self.group_name)
         self.layout = layout.upper()
         try:
             self.seq_dim, self.head_dim = _C.layout_dims(self.layout)
@@ -160,7 +162,7 @@ class DistributedAttention(nn.Module):
         self.window = window
         self.softcap = softcap
         self.local = local
-        self.timeout_ms = O.timeout_ms(timeout)
+        self.timeout_ms = G.timeout_ms(timeout)
         self.q_heads, self.kv_heads = q_heads, kv_heads
         self._kv_maps: dict[tuple[int, int], list[int]] = {}  # This rank's kv map by head counts.
         if q_heads is not None:  # Fail fast on an invalid setup (kv heads may come later).
@@ -267,7 +269,7 @@ class DistributedAttention(nn.Module):
     def _kv_map(self, hq: int, hkv: int) -> list[int]:
         """This rank's local kv head of each local query head (for a callable local attention)."""
         if (hq, hkv) not in self._kv_maps:
-            self._kv_maps[(hq, hkv)] = list(O._plan(hq, hkv, self.sp_size)["kv_map"][self.rank])
+            self._kv_maps[(hq, hkv)] = list(head_plan(hq, hkv, self.sp_size)["kv_map"][self.rank])
         return self._kv_maps[(hq, hkv)]
 
     def _python_local(self, q: torch.Tensor) -> LocalAttention | None:

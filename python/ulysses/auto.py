@@ -51,7 +51,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.node import map_arg
 
 from . import _C
-from . import ops as O
+from . import groups as G
 
 _log = logging.getLogger("ulysses.autosp")
 
@@ -103,8 +103,8 @@ class Shard:
         return self.outer * seq_len * self.inner
 
 
-def autosp(group: O.GroupLike = None, *, inner: str | Callable | None = None, debug: bool = False,
-           timeout: O.Timeout = None) -> AutoSP:
+def autosp(group: G.GroupLike = None, *, inner: str | Callable | None = None, debug: bool = False,
+           timeout: G.Timeout = None) -> AutoSP:
     """A ``torch.compile`` backend making the model sequence-parallel over ``group``.
 
     ``inner``: the backend that compiles the rewritten graph (None: run it eagerly; e.g.
@@ -116,11 +116,11 @@ def autosp(group: O.GroupLike = None, *, inner: str | Callable | None = None, de
 class AutoSP:
     """The backend: one per SP group; graphs it rewrote are in ``graphs`` (for inspection)."""
 
-    def __init__(self, group: O.GroupLike = None, *, inner: str | Callable | None = None, debug: bool = False,
-                 timeout: O.Timeout = None) -> None:
-        self.group = O.group_name(group)
-        self.rank, self.size = O.rank_and_size(self.group)
-        self.timeout_ms = O.timeout_ms(timeout)
+    def __init__(self, group: G.GroupLike = None, *, inner: str | Callable | None = None, debug: bool = False,
+                 timeout: G.Timeout = None) -> None:
+        self.group = G.group_name(group)
+        self.rank, self.size = G.rank_and_size(self.group)
+        self.timeout_ms = G.timeout_ms(timeout)
         self.inner, self.debug = inner, debug
         self.graphs: list[fx.GraphModule] = []
 

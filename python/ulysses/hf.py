@@ -35,6 +35,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import _C, tiled
+from . import groups as G
 from . import ops as O
 from .attention import DistributedAttention, LocalAttention, StepContext
 from .training import (  # noqa: F401  (part of this module's API, as before)
@@ -242,13 +243,13 @@ class LongSequence:
     loss_tile_bytes: int = LOSS_TILE_BYTES
 
 
-def sequence_parallel(model: PreTrainedModel, group: O.GroupLike = None, *,
-                      timeout: O.Timeout = None, tiled_mlp: bool = False, tiled_loss: bool = False,
+def sequence_parallel(model: PreTrainedModel, group: G.GroupLike = None, *,
+                      timeout: G.Timeout = None, tiled_mlp: bool = False, tiled_loss: bool = False,
                       checkpoint: str | None = None, mlp_tile_tokens: int | None = None,
                       loss_tile_bytes: int = LOSS_TILE_BYTES,
                       local: str | LocalAttention = "auto") -> PreTrainedModel:
     """Makes ``model`` (a ``transformers`` PreTrainedModel) run attention through ulysses over
-    ``group`` (any form of ``ulysses.ops.GroupLike``; None: the default group). Turns the KV cache off
+    ``group`` (any form of ``ulysses.groups.GroupLike``; None: the default group). Turns the KV cache off
     (training; a cache of sharded keys would be wrong). Returns the model.
 
     Long sequences (``ulysses.tiled``; each exact):
@@ -277,7 +278,7 @@ def sequence_parallel(model: PreTrainedModel, group: O.GroupLike = None, *,
     if loss_tile_bytes < 1 or (mlp_tile_tokens is not None and mlp_tile_tokens < 1):
         raise ValueError("ulysses.hf: mlp_tile_tokens and loss_tile_bytes must be >= 1")
     _check_backend(model)
-    name = O.group_name(group)
+    name = G.group_name(group)
     model.set_attn_implementation(IMPLEMENTATION)
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and module.config._attn_implementation != IMPLEMENTATION:
@@ -381,7 +382,7 @@ def _global_positions(x: torch.Tensor, seq_lens: list[int], group: str) -> torch
     """This shard's positions of the unsharded forward's default ``0..S-1``, ``[B, S_r]``: without
     them transformers would number each shard from 0 (RoPE on local positions, and every shard
     a document of its own). Built from the agreed split, so they match on every rank."""
-    rank = O.rank_and_size(group)[0]
+    rank = G.rank_and_size(group)[0]
     start = sum(seq_lens[:rank])
     return torch.arange(start, start + seq_lens[rank], device=x.device).expand(x.shape[0], -1)
 
@@ -423,8 +424,8 @@ def _long_sequence_forward(model: PreTrainedModel, *args, ulysses_shift_labels: 
         # every rank alike, before the ranks part ways (its loss would raise, theirs would wait).
         group = model.__dict__["_ulysses_group"]
         problem = tiled.label_problem(hidden, head.weight.shape[0], ulysses_shift_labels, ulysses_ignore_index)
-        _C.check_together(f"ulysses.hf: {problem}" if problem else "", O.group_name(group),
-                          O.timeout_ms(model.__dict__["_ulysses_timeout"]), "ulysses.hf tiled loss labels")
+        _C.check_together(f"ulysses.hf: {problem}" if problem else "", G.group_name(group),
+                          G.timeout_ms(model.__dict__["_ulysses_timeout"]), "ulysses.hf tiled loss labels")
         scale, softcap = _logit_rules(model.config)
         rows = max(1, settings.loss_tile_bytes // (4 * head.weight.shape[0]))
         tiles = tiled.tile_count(hidden.shape[0] * max(seq_lens), rows)

@@ -5,6 +5,8 @@ every Ulysses x ring split with its cost (:func:`plan_sp_mesh`). Both are the C+
 
 from __future__ import annotations
 
+import functools
+
 from . import _C
 
 
@@ -17,6 +19,12 @@ def plan(q_heads: int, kv_heads: int | None = None, sp: int = 1, seq_len: int | 
     invalid setup (e.g. fewer query heads than ranks).
     """
     return _C.plan(q_heads, q_heads if kv_heads is None else kv_heads, sp, seq_len)
+
+
+@functools.lru_cache(maxsize=256)
+def head_plan(q_heads: int, kv_heads: int, sp: int) -> dict:
+    """:func:`plan` without tokens, cached: the fake kernels and the modules read it per call."""
+    return _C.plan(q_heads, kv_heads, sp)
 
 
 def plan_sp_mesh(sp: int, q_heads: int, kv_heads: int, seq_len: int, head_dim: int = 128,

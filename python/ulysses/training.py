@@ -12,13 +12,13 @@ from collections.abc import Mapping
 import torch
 
 from . import _C
-from . import ops as O
+from . import groups as G
 
 #: The label that adds no loss (transformers' spelling; C++ ``kIgnoreIndex``).
 IGNORE_INDEX: int = _C.IGNORE_INDEX
 
 
-def shard_batch(batch: Mapping[str, torch.Tensor], group: O.GroupLike = None, *,
+def shard_batch(batch: Mapping[str, torch.Tensor], group: G.GroupLike = None, *,
                 ignore_index: int = IGNORE_INDEX) -> dict:
     """This rank's shard of an unsharded causal-LM batch ``{"input_ids": [B, S], "labels":
     [B, S] (optional: input_ids), "attention_mask": [B, S] (optional), "position_ids": [B, S]
@@ -33,7 +33,7 @@ def shard_batch(batch: Mapping[str, torch.Tensor], group: O.GroupLike = None, *,
     model as ``ulysses_seq_lens=``: the forward then skips the small collective that learns
     every rank's token count).
     """
-    pg = O.process_group(O.group_name(group))
+    pg = G.process_group(G.group_name(group))
     rank, P = pg.rank(), pg.size()
     mask = batch.get("attention_mask")
     # The rule (targets before the cut, padding, the split) has one home: C++ sharding.h.
@@ -50,20 +50,20 @@ def shard_batch(batch: Mapping[str, torch.Tensor], group: O.GroupLike = None, *,
 GRADIENTS = ("summed", "averaged")
 
 
-def _for_gradients(loss: torch.Tensor, gradients: str, averaged_over: O.GroupLike) -> torch.Tensor:
+def _for_gradients(loss: torch.Tensor, gradients: str, averaged_over: G.GroupLike) -> torch.Tensor:
     """``loss`` scaled so that the gradients, reduced as ``gradients`` says, are the exact global
     mean's: "summed" (:func:`all_reduce_gradients`) as it is; "averaged" (DDP, FSDP2's
     ``fully_shard``: a mean over ``averaged_over``'s ranks) times that group's size."""
     if gradients == "summed":
         return loss
     if gradients == "averaged":
-        return loss * O.process_group(O.group_name(averaged_over)).size()
+        return loss * G.process_group(G.group_name(averaged_over)).size()
     raise ValueError(f"gradients must be one of {', '.join(map(repr, GRADIENTS))}; got {gradients!r}")
 
 
-def sequence_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group: O.GroupLike = None, *,
+def sequence_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group: G.GroupLike = None, *,
                            ignore_index: int = IGNORE_INDEX, gradients: str = "summed",
-                           averaged_over: O.GroupLike = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           averaged_over: G.GroupLike = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of this rank's ``logits [B, S_r, V]`` against its (already shifted)
     labels, normalised by the token count of the whole ``group`` (every rank whose tokens make up
     the global batch: SP x DP). Returns ``(loss to backpropagate on this rank, the global mean,
@@ -74,30 +74,30 @@ def sequence_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, gro
     ``"averaged"``: the parameters are wrapped by something that averages gradients over
     ``averaged_over`` (default: every rank), as DDP and FSDP2's ``fully_shard`` do; the loss is
     then multiplied by that group's size, and no other call is needed."""
-    loss, mean = torch.ops.ulysses.sharded_cross_entropy(logits, shift_labels, O.group_name(group),
-                                                         O.group_options(None), ignore_index)
+    loss, mean = torch.ops.ulysses.sharded_cross_entropy(logits, shift_labels, G.group_name(group),
+                                                         G.group_options(None), ignore_index)
     return _for_gradients(loss, gradients, averaged_over), mean
 
 
-def token_mean(token_sum: torch.Tensor, shift_labels: torch.Tensor, group: O.GroupLike = None, *,
+def token_mean(token_sum: torch.Tensor, shift_labels: torch.Tensor, group: G.GroupLike = None, *,
                ignore_index: int = IGNORE_INDEX, gradients: str = "summed",
-               averaged_over: O.GroupLike = None) -> tuple[torch.Tensor, torch.Tensor]:
+               averaged_over: G.GroupLike = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sequence_parallel_loss` for a summed token loss (``model(...,
     ulysses_shift_labels=...).loss`` under ``tiled_loss``): ``(token_sum / the group's token
     count, the global mean, detached)``, in one small agreement round (a rank whose loss failed
     fails every rank with its error). ``gradients`` and ``averaged_over`` as there."""
-    loss, mean = torch.ops.ulysses.token_mean(token_sum, shift_labels, O.group_name(group), O.group_options(None),
+    loss, mean = torch.ops.ulysses.token_mean(token_sum, shift_labels, G.group_name(group), G.group_options(None),
                                               ignore_index)
     return _for_gradients(loss, gradients, averaged_over), mean
 
 
-def all_reduce_gradients(model: torch.nn.Module, group: O.GroupLike = None) -> None:
+def all_reduce_gradients(model: torch.nn.Module, group: G.GroupLike = None) -> None:
     """Sums every parameter gradient over ``group`` (the SP x DP ranks whose losses were
     normalised together: ``ulysses.hf.sequence_parallel_loss``, ``ulysses.autosp``), in one flat
     collective."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if grads:  # One flat all-reduce per dtype (C++ sharding.h).
-        torch.ops.ulysses.all_reduce_gradients(grads, O.group_name(group), O.group_options(None))
+        torch.ops.ulysses.all_reduce_gradients(grads, G.group_name(group), G.group_options(None))
 
 
 def shard_sequence(x: torch.Tensor, dim: int, sp_rank: int, sp_size: int, ring: int = 1) -> torch.Tensor:

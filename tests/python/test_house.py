@@ -90,13 +90,87 @@ def test_each_floor_registers_its_own_ops(floor):
 def test_python_reads_the_rules_from_cpp():
     """The rules with a home in C++ are read through _C: no copy of their values in Python."""
     import ulysses
-    from ulysses import _C, attention, ops, tiled
+    from ulysses import _C, attention, groups, tiled
 
     assert tiled.IGNORE_INDEX == _C.IGNORE_INDEX == -100
-    assert ops.DEFAULT_TIMEOUT.total_seconds() * 1000 == _C.DEFAULT_TIMEOUT_MS
+    assert groups.DEFAULT_TIMEOUT.total_seconds() * 1000 == _C.DEFAULT_TIMEOUT_MS
     assert attention._KERNELS == tuple(_C.local_kernels())
     assert tiled._tile_bounds(7, 3) == _C.even_split(7, 3) == [(0, 3), (3, 5), (5, 7)]
     assert ulysses.plan(5, 5, 3, seq_len=7)["seq_lens"] == [3, 2, 2]  # The same rule for tokens.
     sources = "\n".join(p.read_text() for p in (ROOT / "python" / "ulysses").glob("*.py"))
     for copy in ("-100", "120_000", "seconds=120", '"fused", "sdpa"'):
         assert copy not in sources, f"python/ulysses repeats the C++ rule {copy!r}"
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str]:
+    """One cycle of the directed graph ``edges`` (as its nodes, first repeated last), or []."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(edges.get(node, ())):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (found := visit(target)):
+                return found
+        path.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node)):
+            return found
+    return []
+
+
+def _python_imports() -> dict[str, set[str]]:
+    """Each module of the package and the package modules it imports, at any depth of its code
+    (a function's import closes a cycle as surely as the module's, once the function runs)."""
+    import ast
+
+    package = ROOT / "python" / "ulysses"
+    modules = {p.stem for p in package.glob("*.py")} | {p.name for p in package.iterdir() if p.is_dir()
+                                                           and (p / "__init__.py").exists()}
+    edges: dict[str, set[str]] = {}
+    for path in package.rglob("*.py"):
+        name = path.relative_to(package).with_suffix("").parts[0]
+        found = edges.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("ulysses")):
+                parts = (node.module or "").removeprefix("ulysses").lstrip(".").split(".")
+                if parts[0]:
+                    found.add(parts[0])
+                else:  # from . import a, b
+                    found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name.split(".")[1] for alias in node.names
+                             if alias.name.startswith("ulysses."))
+        found &= modules
+        found.discard(name)
+        found.discard("__init__")
+    return edges
+
+
+def test_no_python_import_cycle():
+    cycle = _cycle(_python_imports())
+    assert not cycle, "python/ulysses imports in a cycle: " + " -> ".join(cycle)
+
+
+def test_no_include_cycle():
+    edges: dict[str, set[str]] = {}
+    files = [p for p in (ROOT / "include").rglob("*.h")] + [p for p in (ROOT / "src").rglob("*.*")]
+    for path in files:
+        key = str(path.relative_to(ROOT))
+        for target in _INCLUDE.findall(path.read_text()):
+            for base in ("include", "src"):
+                if (ROOT / base / target).exists():
+                    edges.setdefault(key, set()).add(f"{base}/{target}")
+    cycle = _cycle(edges)
+    assert not cycle, "headers include each other in a cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) == []
