@@ -121,7 +121,7 @@ def local_inputs(case: str, B: int, S: int, hq: int, D: int, dtype, device, seed
 
 def run_local(q, k, v, opts, kernel: str = "auto") -> torch.Tensor:
     """ulysses.local_attention (BHSD) on BSHD inputs, returning BSHD: the rule's kernel ("auto":
-    on CUDA, SDPA or FlexAttention, Note [Local attention on the GPU]) or the one named."""
+    on CUDA, SDPA or FlexAttention, Note [Local attention by case]) or the one named."""
     import ulysses
 
     hq, hkv = q.shape[2], k.shape[2]
@@ -204,8 +204,9 @@ def local_at_length(case: str, S: int, device: torch.device, kernel: str = "auto
     if kernel == "c++ rule":
         from ulysses import _C
 
-        name = _C.chosen_local_kernel(q.transpose(1, 2), opts.get("mask"), opts.get("positions"), opts["causal"],
-                                      opts.get("window", 0), opts.get("softcap", 0.0), opts.get("sinks"))
+        name = _C.chosen_local_kernel(q.device.type, q.dtype, "mask" in opts, "positions" in opts,
+                                      opts.get("window", 0), opts.get("softcap", 0.0), "sinks" in opts,
+                                      by_cpp=True)
         row = {"case": case, "S": S, "kernel": f"{name} (C++ API)"}
         kernel = name
     else:

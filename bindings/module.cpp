@@ -305,27 +305,29 @@ void bind_rules(py::module_& m) {
       "local_kernels",
       [] {
         std::vector<std::string> names;
-        for (LocalKernel k :
-             {LocalKernel::kAuto, LocalKernel::kFused, LocalKernel::kSdpa, LocalKernel::kMath})
-          names.push_back(to_string(k));
+        for (LocalKernel k : local_kernels()) names.push_back(to_string(k));
         return names;
       },
       "The names of the local-attention kernels (\"auto\" first).");
   m.def(
       "chosen_local_kernel",
-      [](const at::Tensor& q, const c10::optional<at::Tensor>& mask,
-         const c10::optional<at::Tensor>& positions, bool causal, int64_t window, double softcap,
-         const c10::optional<at::Tensor>& sinks, const std::string& kernel) {
-        LocalAttentionArgs a;
-        a.q = a.k = a.v = q;
-        a.mask = mask, a.positions = positions, a.sinks = sinks;
-        a.causal = causal, a.window = window, a.softcap = softcap;
-        return to_string(choose_local_kernel(a, parse_local_kernel(kernel)));
+      [](const std::string& device, at::ScalarType dtype, bool mask, bool documents, int64_t window,
+         double softcap, bool sinks, const std::string& kernel, bool by_cpp) {
+        KernelCase c;
+        c.device = c10::Device(device).type();
+        c.dtype = dtype;
+        c.mask = mask, c.documents = documents, c.window = window, c.softcap = softcap;
+        c.sinks = sinks;
+        const LocalKernel chosen = choose_local_kernel(c, parse_local_kernel(kernel));
+        return to_string(by_cpp ? kernel_run_by_cpp(chosen, c) : chosen);
       },
-      py::arg("q"), py::arg("mask"), py::arg("positions"), py::arg("causal"), py::arg("window"),
-      py::arg("softcap"), py::arg("sinks"), py::arg("kernel") = "auto",
-      "The kernel local attention runs for a call like this one (choose_local_kernel): the "
-      "rule's choice for \"auto\", else the kernel named (raises where it cannot run).");
+      py::arg("device"), py::arg("dtype"), py::arg("mask"), py::arg("documents"), py::arg("window"),
+      py::arg("softcap"), py::arg("sinks"), py::arg("kernel") = "auto", py::arg("by_cpp") = false,
+      "The kernel local attention runs for a case with these facts (Note [Local attention by "
+      "case], choose_local_kernel; `device` a device type name such as \"cuda\", `documents`: "
+      "position ids given): the rule's choice for \"auto\", else the kernel named (raises "
+      "where it cannot run). \"flex\" is Python's to run; `by_cpp`: the kernel the C++ API runs "
+      "in its place (kernel_run_by_cpp).");
   m.def("splits_documents", &splits_documents, py::arg("positions"),
         "Whether position ids [B, S] or [S] put tokens of one row in different documents (a 0 "
         "after the row's first token); ids that do not add no rule to attention.");

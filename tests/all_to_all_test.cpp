@@ -407,9 +407,42 @@ TEST(AllToAllErrors, RanksDisagreeOnLocalSequenceLength) {
                           "do not match the given SequencePartition(S=8, lengths=[4,4])");
 }
 
+// Note [No silent S x S]: where C++ runs a call's rules on SDPA off the CPU, their dense mask
+// [B, 1, S, S] (4 bytes an entry) may take kSquareMaxBytes: S = 16384 fits, one token more is
+// refused alike on every rank; on the CPU (the fused kernel) no bound.
+TEST(AllToAllErrors, RuleMaskAboveItsBoundOffTheCpu) {
+  const int64_t fits = 16384;
+  for (int64_t S : {fits, fits + 1}) {
+    for (bool on_cpu : {false, true}) {
+      auto errors = run_ranks(2, [&](Group& g) {
+        const auto seq = SequencePartition::even(S, 2);
+        at::Tensor q = at::empty({1, seq.length(g.rank()), 2, 8},
+                                 at::TensorOptions().device(on_cpu ? at::kCPU : at::kMeta));
+        CallOptions call;
+        call.attention = true;
+        call.local_kernel = static_cast<int64_t>(LocalKernel::kAuto);
+        call.causal = true;
+        call.window = 64;
+        agree_plan(
+            g, HeadPartition::make(2, 2, 2), Layout::kBSHD,
+            {{q, Heads::kQuery, "q"}, {q, Heads::kKeyValue, "k"}, {q, Heads::kKeyValue, "v"}},
+            c10::nullopt, call);
+      });
+      if (S == fits || on_cpu) {
+        EXPECT_EQ(errors, (std::vector<std::string>{"", ""})) << S << on_cpu;
+      } else {
+        expect_ranks_fail_alike(errors,
+                                "off the CPU the C++ API would run this call on SDPA with its "
+                                "causal, window and document rules as a dense mask [B=1, 1, "
+                                "S=16385, S] of 1073872900 bytes");
+      }
+    }
+  }
+}
+
 // Note [No silent S x S]: off the CPU (the meta device stands in for a GPU: no data moves in an
 // agreement), a softcap sends "auto" to the math kernel, whose fp32 scores [B, heads, S, S] of
-// the largest rank (7 heads over 2 ranks: 4) may take kMathScoresMaxBytes; one token more is
+// the largest rank (7 heads over 2 ranks: 4) may take kSquareMaxBytes; one token more is
 // refused alike on every rank. On the CPU (the fused kernel) and with SDPA's cases, no bound.
 TEST(AllToAllErrors, MathKernelScoresAboveTheirBoundOffTheCpu) {
   // 4 heads x S^2 x 4 bytes = 2^30 at S = 2^13.

@@ -138,5 +138,50 @@ TEST(LocalKernelRule, EachCaseRunsWhereTheRuleSaysAndExactly) {
   }
 }
 
+// The rule off the CPU, from facts alone (no device needed): on CUDA SDPA for a plain case and
+// FlexAttention for every rule, which C++ runs on SDPA with a dense mask, or on math for a
+// softcap or sinks; elsewhere SDPA, or math for a softcap or sinks. Each with its S x S buffer.
+TEST(LocalKernelRule, OffTheCpuEveryCaseHasOneKernelForPythonAndOneForCpp) {
+  struct Case {
+    const char* name;
+    std::function<void(KernelCase&)> set;
+    LocalKernel cuda, cuda_cpp, other;
+    SquareBuffer cuda_square, other_square;
+  };
+  using K = LocalKernel;
+  using B = SquareBuffer;
+  const std::vector<Case> cases = {
+      {"plain", [](KernelCase&) {}, K::kSdpa, K::kSdpa, K::kSdpa, B::kNone, B::kNone},
+      {"mask", [](KernelCase& c) { c.mask = true; }, K::kFlex, K::kSdpa, K::kSdpa, B::kNone,
+       B::kNone},
+      {"documents", [](KernelCase& c) { c.documents = true; }, K::kFlex, K::kSdpa, K::kSdpa,
+       B::kRuleMask, B::kRuleMask},
+      {"window", [](KernelCase& c) { c.window = 4; }, K::kFlex, K::kSdpa, K::kSdpa, B::kRuleMask,
+       B::kRuleMask},
+      {"softcap", [](KernelCase& c) { c.softcap = 2.0; }, K::kFlex, K::kMath, K::kMath, B::kScores,
+       B::kScores},
+      {"sinks", [](KernelCase& c) { c.sinks = true; }, K::kFlex, K::kMath, K::kMath, B::kScores,
+       B::kScores},
+  };
+  for (const Case& c : cases) {
+    KernelCase cuda, other, cpu;
+    cuda.device = c10::DeviceType::CUDA;
+    other.device = c10::DeviceType::Meta;
+    for (KernelCase* k : {&cuda, &other, &cpu}) c.set(*k);
+    EXPECT_EQ(to_string(choose_local_kernel(cuda, K::kAuto)), to_string(c.cuda)) << c.name;
+    EXPECT_EQ(to_string(kernel_run_by_cpp(c.cuda, cuda)), to_string(c.cuda_cpp)) << c.name;
+    EXPECT_EQ(to_string(choose_local_kernel(other, K::kAuto)), to_string(c.other)) << c.name;
+    EXPECT_EQ(square_buffer_off_cpu(cuda, K::kAuto), c.cuda_square) << c.name;
+    EXPECT_EQ(square_buffer_off_cpu(other, K::kAuto), c.other_square) << c.name;
+    EXPECT_EQ(square_buffer_off_cpu(cpu, K::kAuto), B::kNone) << c.name;
+    // Flex asked for by name: Python runs it; on the CPU C++ runs the fused kernel instead.
+    EXPECT_EQ(to_string(kernel_run_by_cpp(choose_local_kernel(cpu, K::kFlex), cpu)), "fused");
+  }
+  EXPECT_EQ(parse_local_kernel("flex"), K::kFlex);
+  KernelCase cuda;
+  cuda.device = c10::DeviceType::CUDA;
+  EXPECT_THROW(choose_local_kernel(cuda, K::kFused), c10::ValueError);  // CPU-only
+}
+
 }  // namespace
 }  // namespace ulysses

@@ -72,25 +72,64 @@ enum class LocalKernel {
   kFused,  // flash_attention: CPU; fp32, bf16, fp16 (computed in fp32); every mask and rule.
   kSdpa,   // at::scaled_dot_product_attention: any device; rules folded into a mask.
   kMath,   // math_attention: any device and dtype (fp64 exact); materialises the scores.
+  kFlex,   // torch's FlexAttention (Python's ulysses.flex): every rule as a block mask and a
+           // score function, memory linear in S. Python runs it; C++ runs kernel_run_by_cpp.
 };
-// "auto", "fused", "sdpa" or "math"; throws c10::ValueError naming the choices otherwise.
+// "auto", "fused", "sdpa", "math" or "flex"; throws c10::ValueError naming the choices
+// otherwise.
 LocalKernel parse_local_kernel(const std::string& name);
 std::string to_string(LocalKernel kernel);
-// Note [Local attention by case]: the kernel a case runs on. kAuto, on CPU: fp64 the math
-// kernel (exact in fp64); bf16 with no rule but causal (no mask, documents, window, global
-// rows, softcap or sinks) on a CPU without AVX512-BF16 torch's SDPA, whose bf16 GEMMs beat the
-// fused kernel's fp32 compute there; every other case (fp32, fp16, bf16 where the CPU
-// multiplies bf16, every rule) the fused kernel, which is the faster there and skips the tiles
-// its rules exclude. Other devices: SDPA, math for a softcap or sinks (SDPA has neither). A
-// requested kernel that cannot run the case raises c10::ValueError saying which kernels can.
+// Every kernel, kAuto first: the names Python accepts.
+std::vector<LocalKernel> local_kernels();
+
+// What the kernel rule reads of a call: facts every rank agrees on before any data moves
+// (position ids count as documents until gathered ones are known to split none).
+struct KernelCase {
+  c10::DeviceType device = c10::DeviceType::CPU;
+  at::ScalarType dtype = at::kFloat;
+  bool mask = false;       // A mask is given.
+  bool documents = false;  // Position ids (or global rows) that may split rows into documents.
+  int64_t window = 0;
+  double softcap = 0.0;
+  bool sinks = false;
+  // The facts of a local attention's arguments.
+  static KernelCase of(const LocalAttentionArgs& args);
+  // No rule but (optionally) causal: what SDPA runs without a mask (flash-eligible).
+  bool plain() const { return !mask && !documents && window == 0 && softcap == 0 && !sinks; }
+};
+
+// Note [Local attention by case]: the one rule that picks the kernel of every call, for C++
+// and for Python (which runs what it names). kAuto, on CPU: fp64 the math kernel (exact in
+// fp64); bf16 with no rule but causal on a CPU without AVX512-BF16 torch's SDPA, whose bf16
+// GEMMs beat the fused kernel's fp32 compute there; every other case (fp32, fp16, bf16 where
+// the CPU multiplies bf16, every rule) the fused kernel, which is the faster there and skips the
+// tiles its rules exclude. On CUDA: SDPA for a plain case (flash-eligible), FlexAttention for
+// every other (masks, documents, windows, softcap, sinks: memory in S, never S^2). Other
+// devices: SDPA, the math kernel for a softcap or sinks (SDPA has neither). A requested kernel
+// that cannot run the case raises c10::ValueError saying which kernels can.
+LocalKernel choose_local_kernel(const KernelCase& c, LocalKernel requested);
 LocalKernel choose_local_kernel(const LocalAttentionArgs& args, LocalKernel requested);
-// The kernel `requested` runs on off the CPU (the rule above, from facts every rank agrees on).
-LocalKernel choose_local_kernel_off_cpu(LocalKernel requested, bool softcap, bool sinks);
-// Note [No silent S x S]: off the CPU the math kernel holds fp32 scores [B, Hq_r, S, S] (and
-// their probabilities for the backward). Above this many bytes of scores an attention call is
-// refused in its agreement, alike on every rank (from the agreed S, batch and the largest
-// rank's query heads), before any data moves, naming the kernel to use instead.
-constexpr int64_t kMathScoresMaxBytes = int64_t{1} << 30;
+// The kernel C++ runs for the rule's `chosen`: flex is Python's, so C++ runs its case on the
+// fused kernel on CPU (math for fp64), and elsewhere on the math kernel for a softcap or sinks
+// and on SDPA with the rules as a dense mask otherwise, both bounded (Note [No silent S x S]).
+LocalKernel kernel_run_by_cpp(LocalKernel chosen, const KernelCase& c);
+
+// Note [No silent S x S]: where C++ runs a call off the CPU, the math kernel holds fp32 scores
+// [B, Hq_r, S, S] (and their probabilities for the backward), and SDPA for a case with rules a
+// dense mask [B, 1, S, S]. Above kSquareMaxBytes (counting 4 bytes an entry) an attention call
+// is refused in its agreement, alike on every rank (from the agreed S, batch and the largest
+// rank's query heads), before any data moves, naming the kernel to use instead; a local
+// attention call alone is refused likewise.
+enum class SquareBuffer : int64_t {
+  kNone = 0,      // Memory in S.
+  kScores = 1,    // The math kernel's scores, per query head.
+  kRuleMask = 2,  // SDPA's mask of the causal, window and document rules, shared by the heads.
+};
+constexpr int64_t kSquareMaxBytes = int64_t{1} << 30;
+// The S x S buffer C++ makes off the CPU when it runs `requested` for case `c`.
+SquareBuffer square_buffer_off_cpu(const KernelCase& c, LocalKernel requested);
+// Its bytes for `batch` rows, `heads` query heads (the largest rank's) and `seq_len` tokens.
+int64_t square_buffer_bytes(SquareBuffer buffer, int64_t batch, int64_t heads, int64_t seq_len);
 // Local attention on choose_local_kernel(args, kernel). Differentiable.
 at::Tensor local_attention(const LocalAttentionArgs& args, LocalKernel kernel = LocalKernel::kAuto);
 // SDPA with the kv map, causal and document rules as one mask.

@@ -109,11 +109,11 @@ class DistributedAttention(nn.Module):
             ranks. Inputs follow the zigzag layout (``ulysses.shard_sequence`` with
             ``ring=R``); a mask's rows are this shard's (or all S, or 1), its keys all S in
             global order (or 1). Eager mode, CPU tensors.
-        local: the local attention: ``"auto"`` (the library's rule, Note [Local attention by
-            case] in attention.h: on CPU the fused kernel, math for fp64, SDPA for plain bf16
-            where the CPU has no AVX512-BF16; on CUDA SDPA with no rule but causal, flex for
-            every other, Note [Local attention on the GPU]; SDPA on other devices, math there
-            for a softcap or sinks), ``"fused"``, ``"sdpa"``, ``"math"``, ``"flex"`` (torch's
+        local: the local attention: ``"auto"`` (the library's rule, in C++: Note [Local attention
+            by case] in include/ulysses/attention.h; on CPU the fused kernel, math for fp64, SDPA
+            for plain bf16 where the CPU has no AVX512-BF16; on CUDA SDPA with no rule but
+            causal, FlexAttention for every other; SDPA on other devices, math there for a
+            softcap or sinks), ``"fused"``, ``"sdpa"``, ``"math"``, ``"flex"`` (torch's
             FlexAttention with every rule as a block mask and score function, compiled on CUDA:
             ``ulysses.flex``; no ring), or a callable
             ``local(q, k, v, kv_map, mask, positions, causal, scale) -> o`` taking this rank's
@@ -137,8 +137,8 @@ class DistributedAttention(nn.Module):
                 raise ValueError(f"DistributedAttention: a callable local attention takes no {name}; give "
                                  f"local='auto', 'fused' or 'math' with {name}=, or apply it inside the "
                                  f"callable ({name}=None)")
-        if not callable(local) and local not in _KERNELS + ("flex",):
-            raise ValueError(f"DistributedAttention: local must be one of {', '.join(_KERNELS)}, flex or a "
+        if not callable(local) and local not in _KERNELS:
+            raise ValueError(f"DistributedAttention: local must be one of {', '.join(_KERNELS)} or a "
                              f"callable; got {local!r}")
         self.group_name = G.group_name(group)
         G.with_cpu_backend(self.group_name, timeout)  # The agreement's integers stay on the host.
@@ -146,9 +146,6 @@ class DistributedAttention(nn.Module):
         ring_pg = G.process_group(self.ring_name) if self.ring_name is not None else None
         self.ring_rank, self.ring_size = (ring_pg.rank(), ring_pg.size()) if ring_pg is not None else (0, 1)
         if self.ring_size > 1:
-            if local == "flex":
-                raise ValueError("DistributedAttention: a ring runs the fused CPU kernel; local='flex' "
-                                 "is for Ulysses groups")
             _C.check_ring_kernel("" if callable(local) else local)
         self.rank, self.sp_size = G.rank_and_size(self.group_name)
         self.layout = layout.upper()
@@ -197,7 +194,7 @@ class DistributedAttention(nn.Module):
         q, k, v = _under_autocast(q, k, v)
         hq, hkv = self._heads(q, k)
         seq_lens = self._seq_lens(seq_lens)
-        local = self._python_local(q)
+        local = self._python_local(q, mask, position_ids, sinks)
         if local is not None:
             # Sinks given on some ranks only: a local raise would hang the others.
             if callable(self.local) and sinks is not None:
@@ -272,14 +269,18 @@ class DistributedAttention(nn.Module):
             self._kv_maps[(hq, hkv)] = list(head_plan(hq, hkv, self.sp_size)["kv_map"][self.rank])
         return self._kv_maps[(hq, hkv)]
 
-    def _python_local(self, q: torch.Tensor) -> LocalAttention | None:
+    def _python_local(self, q: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None,
+                      sinks: torch.Tensor | None) -> LocalAttention | None:
         """The local attention this call runs in Python, on this rank's heads: the caller's
-        callable, flex, or ``"auto"``'s choice on CUDA (Note [Local attention on the GPU]); None
-        where the C++ orchestration runs it all. Reads the instance and q's device only, which
-        the call's agreement holds alike."""
+        callable, or FlexAttention where the kernel rule (C++, ``ops.local_kernel``) names it for
+        the call's facts, position ids counting as documents until gathered; None where the C++
+        orchestration runs it all. Reads facts the call's agreement holds alike."""
         if callable(self.local):
             return self.local
-        if self.local == "flex" or (self.local == "auto" and self.ring_size == 1 and O._on_gpu(q)):
+        # "auto" asks the rule, which never raises (a named kernel that cannot run the call is
+        # refused in the call's agreement, alike on every rank).
+        if self.local == "flex" or (self.local == "auto" and self.ring_size == 1 and O.local_kernel(
+                q, mask, positions, self.causal, self.window, self.softcap, sinks) == "flex"):
             return functools.partial(O.local_attention, kernel=self.local, window=self.window,
                                      softcap=self.softcap)
         return None

@@ -270,8 +270,8 @@ def sequence_parallel(model: PreTrainedModel, group: G.GroupLike = None, *,
     ``local`` is every layer's local attention, as ``DistributedAttention`` takes it: a kernel
     name (``"auto"``, ``"fused"``, ``"sdpa"``, ``"math"``, ``"flex"``) or a callable.
     """
-    if not callable(local) and local not in _C.local_kernels() + ["flex"]:
-        raise ValueError(f"ulysses.hf: local must be one of {_C.local_kernels() + ['flex']} or a callable; "
+    if not callable(local) and local not in _C.local_kernels():
+        raise ValueError(f"ulysses.hf: local must be one of {_C.local_kernels()} or a callable; "
                          f"got {local!r}")
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"ulysses.hf: checkpoint must be one of {CHECKPOINT_MODES}; got {checkpoint!r}")

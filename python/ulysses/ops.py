@@ -186,33 +186,32 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: S
     return out
 
 
-# Note [Local attention on the GPU]
-# The C++ rule (attention.h, Note [Local attention by case]) has torch's SDPA and the math kernel
-# off the CPU: any mask, document, window or global rows become a dense [B, 1, S, S] mask there
-# (no flash), and a softcap or sinks the math kernel's S x S scores (bounded: refused above
-# kMathScoresMaxBytes). From Python, "auto" on CUDA tensors takes SDPA for a call with no rule
-# but causal (flash-eligible) and FlexAttention (ulysses.flex: a block mask and a score function,
-# memory in S, never S^2) for every other. DistributedAttention runs it between attention_heads
-# and the exchange back; the choice reads agreed facts only (device, mask and sinks given, window,
-# softcap, position ids that split documents), so every rank makes it alike.
-def _on_gpu(q: torch.Tensor) -> bool:
-    """Whether "auto" takes the GPU's kernels for q (tests force it on CPU)."""
-    return q.is_cuda
+def _rule_device(q: torch.Tensor) -> str:
+    """The device type the kernel rule reads for q (tests stand "cuda" in for the CPU)."""
+    return q.device.type
 
 
-def gpu_local_kernel(mask: bool, documents: bool, window: int, softcap: float, sinks: bool) -> str:
-    """The kernel "auto" runs on CUDA for a call with these facts (``documents``: position ids
-    given): ``"sdpa"`` with no rule but causal, else ``"flex"`` (Note [Local attention on the GPU])."""
-    return "flex" if mask or documents or window or softcap or sinks else "sdpa"
+def _chosen_kernel(device: str, dtype: torch.dtype, mask: bool, documents: bool, window: int, softcap: float,
+                   sinks: bool, kernel: str) -> str:
+    # The C++ rule, read as a constant of the call's facts (torch.compile does not trace into C++).
+    return _C.chosen_local_kernel(device, dtype, mask, documents, window, softcap, sinks, kernel)
+
+
+# torch.compiler.assume_constant_result's mark, set without importing the compiler (torch._dynamo
+# costs every rank seconds of start-up; transformers marks its constants the same way).
+_chosen_kernel._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def local_kernel(q: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                  causal: bool = False, window: int = 0, softcap: float | None = None,
-                 sinks: torch.Tensor | None = None) -> str:
-    """The kernel ``local_attention(..., kernel="auto")`` runs for a call like this one (q BHSD)."""
-    if _on_gpu(q):
-        return gpu_local_kernel(mask is not None, positions is not None, window, softcap or 0.0, sinks is not None)
-    return _C.chosen_local_kernel(q, mask, positions, causal, window, float(softcap or 0.0), sinks)
+                 sinks: torch.Tensor | None = None, kernel: str = "auto") -> str:
+    """The kernel ``local_attention(..., kernel=kernel)`` runs for a call like this one (q BHSD):
+    the one rule, in C++ (Note [Local attention by case] in include/ulysses/attention.h). On
+    CUDA it names SDPA for a call with no rule but causal and ``"flex"`` (FlexAttention, which
+    Python runs) for every other; on CPU the fused kernel (math for fp64, SDPA for plain bf16
+    where the CPU has no AVX512-BF16)."""
+    return _chosen_kernel(_rule_device(q), q.dtype, mask is not None, positions is not None, int(window or 0),
+                          float(softcap or 0.0), sinks is not None, kernel)
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: Sequence[int],
@@ -222,14 +221,9 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: S
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Local attention (BHSD, as ``flash_attention``) on the exact kernel ``kernel`` names:
     ``"fused"`` (the CPU kernel), ``"sdpa"`` (torch's SDPA, any device), ``"math"`` (any dtype,
-    fp64 exact), ``"flex"`` (torch's FlexAttention, ``ulysses.flex``) or ``"auto"``, the library's
-    rule: on CPU the fused kernel, but math for fp64 and SDPA for bf16 with no rule but causal
-    where the CPU has no AVX512-BF16 (Note [Local attention by case] in
-    include/ulysses/attention.h); on CUDA SDPA with no rule but causal, flex for every other (Note
-    [Local attention on the GPU]); on other devices SDPA, or math for a softcap or sinks.
-    ``local_kernel`` names the choice."""
-    if kernel == "auto" and _on_gpu(q):
-        kernel = local_kernel(q, mask, positions, causal, window, softcap, sinks)
+    fp64 exact), ``"flex"`` (torch's FlexAttention, ``ulysses.flex``) or ``"auto"``, the
+    library's rule (:func:`local_kernel` names its choice)."""
+    kernel = local_kernel(q, mask, positions, causal, window, softcap, sinks, kernel)
     if kernel == "flex":
         from . import flex
 

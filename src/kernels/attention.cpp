@@ -113,7 +113,7 @@ at::Tensor restrict_mask(const c10::optional<at::Tensor>& mask, const at::Tensor
   return mask->masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
 }
 
-constexpr const char* kKernelNames[] = {"auto", "fused", "sdpa", "math"};
+constexpr const char* kKernelNames[] = {"auto", "fused", "sdpa", "math", "flex"};
 
 // No mask and no rule but (optionally) causal: what SDPA computes without a mask.
 bool plain_rules(const LocalAttentionArgs& a) {
@@ -157,48 +157,107 @@ at::Tensor sdpa_attention(const LocalAttentionArgs& a) {
 }
 
 LocalKernel parse_local_kernel(const std::string& name) {
-  for (int i = 0; i < 4; ++i)
-    if (name == kKernelNames[i]) return static_cast<LocalKernel>(i);
-  TORCH_CHECK_VALUE(false, "local attention must be \"auto\", \"fused\", \"sdpa\" or \"math\" ",
-                    "(or a callable, from Python); got \"", name, "\"");
+  for (LocalKernel k : local_kernels())
+    if (name == kKernelNames[static_cast<int>(k)]) return k;
+  TORCH_CHECK_VALUE(false, "local attention must be \"auto\", \"fused\", \"sdpa\", \"math\" ",
+                    "or \"flex\" (or a callable, from Python); got \"", name, "\"");
 }
 
 std::string to_string(LocalKernel kernel) { return kKernelNames[static_cast<int>(kernel)]; }
 
-LocalKernel choose_local_kernel(const LocalAttentionArgs& a, LocalKernel requested) {
-  const bool cpu = a.q.device().is_cpu(), fp64 = a.q.scalar_type() == at::kDouble;
-  if (!cpu) return choose_local_kernel_off_cpu(requested, a.softcap > 0, a.sinks.has_value());
-  if (requested == LocalKernel::kAuto) {
+std::vector<LocalKernel> local_kernels() {
+  return {LocalKernel::kAuto, LocalKernel::kFused, LocalKernel::kSdpa, LocalKernel::kMath,
+          LocalKernel::kFlex};
+}
+
+KernelCase KernelCase::of(const LocalAttentionArgs& a) {
+  KernelCase c;
+  c.device = a.q.device().type();
+  c.dtype = a.q.scalar_type();
+  c.mask = a.mask.has_value();
+  c.documents = a.positions.has_value() || a.rows.has_value();
+  c.window = a.window;
+  c.softcap = a.softcap;
+  c.sinks = a.sinks.has_value();
+  return c;
+}
+
+LocalKernel choose_local_kernel(const KernelCase& c, LocalKernel requested) {
+  const bool cpu = c.device == c10::DeviceType::CPU, fp64 = c.dtype == at::kDouble;
+  if (requested == LocalKernel::kFused) {
+    TORCH_CHECK_VALUE(cpu, "local attention \"fused\" runs on CPU tensors; got ",
+                      c10::DeviceTypeName(c.device, /*lower_case=*/true),
+                      ": use \"auto\" or \"sdpa\" there");
+    TORCH_CHECK_VALUE(!fp64, "local attention \"fused\" computes fp32, bf16 and fp16 (in fp32); ",
+                      "for fp64 use \"auto\" or \"math\" (exact in fp64)");
+  }
+  if (requested != LocalKernel::kAuto) return requested;
+  if (cpu) {
     if (fp64) return LocalKernel::kMath;
     // Ours is the faster for fp32 and fp16 (sdpa_over_fused >= 1 from S = 256 to 8192; SDPA's
     // fp16 is ~8x slower still) and for bf16 where it multiplies in bf16 (AVX512-BF16), and it
     // skips what rules exclude. bf16 with no rule on a CPU without AVX512-BF16: SDPA, whose
     // bf16 GEMMs (oneDNN) beat our fp32 compute there.
-    const bool sdpa_case = a.q.scalar_type() == at::kBFloat16 && !flash_attention_bf16_gemm() &&
-                           plain_rules(a) && a.softcap == 0 && !a.sinks;
+    const bool sdpa_case = c.dtype == at::kBFloat16 && !flash_attention_bf16_gemm() && c.plain();
     return sdpa_case ? LocalKernel::kSdpa : LocalKernel::kFused;
   }
-  if (requested == LocalKernel::kFused) {
-    TORCH_CHECK_VALUE(cpu, "local attention \"fused\" runs on CPU tensors; got ", a.q.device(),
-                      ": use \"auto\" or \"sdpa\" there");
-    TORCH_CHECK_VALUE(!fp64, "local attention \"fused\" computes fp32, bf16 and fp16 (in fp32); ",
-                      "for fp64 use \"auto\" or \"math\" (exact in fp64)");
-  }
-  return requested;
+  if (c.device == c10::DeviceType::CUDA) return c.plain() ? LocalKernel::kSdpa : LocalKernel::kFlex;
+  return c.softcap > 0 || c.sinks ? LocalKernel::kMath : LocalKernel::kSdpa;  // SDPA has neither.
 }
 
-LocalKernel choose_local_kernel_off_cpu(LocalKernel requested, bool softcap, bool sinks) {
-  TORCH_CHECK_VALUE(
-      requested != LocalKernel::kFused,
-      "local attention \"fused\" runs on CPU tensors: use \"auto\" or \"sdpa\" off the CPU");
-  if (requested != LocalKernel::kAuto) return requested;
-  return softcap || sinks ? LocalKernel::kMath : LocalKernel::kSdpa;  // SDPA has neither.
+LocalKernel choose_local_kernel(const LocalAttentionArgs& a, LocalKernel requested) {
+  return choose_local_kernel(KernelCase::of(a), requested);
 }
+
+LocalKernel kernel_run_by_cpp(LocalKernel chosen, const KernelCase& c) {
+  if (chosen != LocalKernel::kFlex) return chosen;
+  if (c.device == c10::DeviceType::CPU)
+    return c.dtype == at::kDouble ? LocalKernel::kMath : LocalKernel::kFused;
+  return c.softcap > 0 || c.sinks ? LocalKernel::kMath : LocalKernel::kSdpa;
+}
+
+SquareBuffer square_buffer_off_cpu(const KernelCase& c, LocalKernel requested) {
+  if (c.device == c10::DeviceType::CPU) return SquareBuffer::kNone;
+  const LocalKernel run = kernel_run_by_cpp(choose_local_kernel(c, requested), c);
+  if (run == LocalKernel::kMath) return SquareBuffer::kScores;
+  const bool rules = c.documents || c.window > 0;  // SDPA builds their mask; a given one is used.
+  return run == LocalKernel::kSdpa && rules ? SquareBuffer::kRuleMask : SquareBuffer::kNone;
+}
+
+int64_t square_buffer_bytes(SquareBuffer buffer, int64_t batch, int64_t heads, int64_t seq_len) {
+  switch (buffer) {
+    case SquareBuffer::kScores:
+      return batch * heads * seq_len * seq_len * 4;
+    case SquareBuffer::kRuleMask:
+      return batch * seq_len * seq_len * 4;
+    default:
+      return 0;
+  }
+}
+
+namespace {
+// Note [No silent S x S] for a local attention call run alone (an attention call was checked in
+// its agreement already, alike on every rank).
+void check_square_buffer(const LocalAttentionArgs& a, LocalKernel requested) {
+  const KernelCase c = KernelCase::of(a);
+  const SquareBuffer buffer = square_buffer_off_cpu(c, requested);
+  const int64_t S = std::max(a.q.size(-2), a.k.size(-2));
+  const int64_t bytes = square_buffer_bytes(buffer, a.q.size(0), a.q.size(1), S);
+  TORCH_CHECK_VALUE(bytes <= kSquareMaxBytes, "local attention: off the CPU C++ would run ",
+                    buffer == SquareBuffer::kScores ? "the math kernel, whose fp32 scores"
+                                                    : "SDPA with the rules as a dense mask, which",
+                    " [B=", a.q.size(0), ", S=", S, ", S] take ", bytes,
+                    " bytes, above the bound of ", kSquareMaxBytes,
+                    " (Note [No silent S x S]); run it from Python (FlexAttention, ulysses.flex), "
+                    "or on a shorter sequence");
+}
+}  // namespace
 
 at::Tensor local_attention(const LocalAttentionArgs& args, LocalKernel kernel) {
   check_softcap(args.softcap);
   check_sinks(args.sinks, args.q.size(1));
-  switch (choose_local_kernel(args, kernel)) {
+  check_square_buffer(args, kernel);
+  switch (kernel_run_by_cpp(choose_local_kernel(args, kernel), KernelCase::of(args))) {
     case LocalKernel::kFused:
       return flash_attention(args);
     case LocalKernel::kSdpa:

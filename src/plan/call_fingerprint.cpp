@@ -148,8 +148,7 @@ std::vector<Field> fields(const CallFingerprint& c, const std::vector<std::strin
       {"whether later calls of the step may reuse this call's agreement (whole q, k, v "
        "moved fused, no ring)",
        c.reuses_agreement, as_bool});
-  f.push_back(
-      {"whether the local attention runs the math kernel off the CPU", c.math_off_cpu, as_bool});
+  f.push_back({"the S x S buffer of the local attention off the CPU", c.square_off_cpu, as_int});
   f.push_back({"GroupOptions::pipeline_min_bytes", c.pipeline_min_bytes, as_int});
   f.push_back({"GroupOptions::message_bytes", c.message_bytes, as_int});
   f.push_back({"GroupOptions::shared_memory", c.shared_memory, as_bool});
@@ -175,7 +174,7 @@ std::vector<int64_t> CallFingerprint::encode() const {
   put(out, sinks);
   out.push_back(step_context);
   out.push_back(reuses_agreement);
-  out.push_back(math_off_cpu);
+  out.push_back(square_off_cpu);
   return out;
 }
 
@@ -203,7 +202,7 @@ CallFingerprint CallFingerprint::decode(const std::vector<int64_t>& values) {
   c.sinks = r.facts();
   c.step_context = r.next() != 0;
   c.reuses_agreement = r.next() != 0;
-  c.math_off_cpu = r.next() != 0;
+  c.square_off_cpu = r.next();
   TORCH_CHECK(r.done(), "CallFingerprint::decode: ", values.size(), " values, more than encoded");
   return c;
 }

@@ -45,9 +45,10 @@ struct CallFingerprint : AttentionRules {  // causal, scale, window, softcap.
   TensorFacts sinks;  // Attention sinks [Hq].
   bool step_context = false;
   bool reuses_agreement = false;  // CallOptions::reuses_agreement.
-  // Off the CPU, whether CallOptions::local_kernel picks the math kernel for this case (Note
-  // [No silent S x S], attention.h).
-  bool math_off_cpu = false;
+  // The S x S buffer C++ makes running CallOptions::local_kernel off the CPU (SquareBuffer:
+  // 0 none, 1 the math kernel's scores, 2 SDPA's rule mask; Note [No silent S x S],
+  // attention.h).
+  int64_t square_off_cpu = 0;
 
   // The integers the agreement round moves; decode(encode()) == *this.
   std::vector<int64_t> encode() const;

@@ -168,39 +168,55 @@ CallFingerprint call_fingerprint(const Group& group, const HeadPartition& heads,
   f.sinks = facts_of(call.sinks, first);
   f.step_context = call.step_context;
   f.reuses_agreement = call.reuses_agreement;
-  if (call.local_kernel >= 0 && first.device().type() != c10::DeviceType::CPU) {
-    f.math_off_cpu =
-        choose_local_kernel_off_cpu(static_cast<LocalKernel>(call.local_kernel), call.softcap > 0,
-                                    call.sinks.has_value()) == LocalKernel::kMath;
+  if (call.local_kernel >= 0) {  // C++ runs the local attention: Note [No silent S x S].
+    KernelCase c;
+    c.device = first.device().type();
+    c.dtype = first.scalar_type();
+    c.mask = call.mask.has_value();
+    c.documents = call.positions.has_value();
+    c.window = call.window;
+    c.softcap = call.softcap;
+    c.sinks = call.sinks.has_value();
+    f.square_off_cpu =
+        static_cast<int64_t>(square_buffer_off_cpu(c, static_cast<LocalKernel>(call.local_kernel)));
   }
   return f;
 }
 
 namespace {
 
-// Note [No silent S x S] (attention.h): off the CPU, an attention call whose local kernel would
-// be the math kernel with more than kMathScoresMaxBytes of scores on its largest rank is
-// refused. Every fact read here was agreed, so every rank raises the same error.
-void check_math_scores(const CallFingerprint& f, const HeadPartition& heads,
-                       const SequencePartition& seq, Layout layout) {
-  if (!f.math_off_cpu) return;
+// Note [No silent S x S] (attention.h): off the CPU, an attention call whose local attention C++
+// would run on an S x S buffer of more than kSquareMaxBytes on its largest rank is refused.
+// Every fact read here was agreed, so every rank raises the same error.
+void check_square_buffer(const CallFingerprint& f, const HeadPartition& heads,
+                         const SequencePartition& seq, Layout layout) {
+  const auto buffer = static_cast<SquareBuffer>(f.square_off_cpu);
+  if (buffer == SquareBuffer::kNone) return;
   const TensorFacts& q = f.tensors[0];
   int64_t most_heads = 0;
   for (int r = 0; r < heads.sp_size(); ++r)
     most_heads = std::max(most_heads, heads.q_range(r).size());
   const int64_t S = seq.seq_len(), B = q.sizes[batch_dim(layout)];
-  const int64_t bytes = B * most_heads * S * S * 4;
-  const char* why = f.softcap > 0   ? "SDPA has no softcap"
-                    : f.sinks.given ? "SDPA has no sinks"
-                                    : "local=\"math\" was asked for";
-  TORCH_CHECK_VALUE(
-      bytes <= kMathScoresMaxBytes,
-      "DistributedAttention: off the CPU this call would run the math "
-      "kernel (",
-      why, "), whose fp32 scores [B=", B, ", heads=", most_heads, ", S=", S, ", S] take ", bytes,
-      " bytes, above its bound of ", kMathScoresMaxBytes,
-      " (Note [No silent S x S]); use local=\"flex\" (Python: FlexAttention, a softcap as a score "
-      "function; not sinks), a shorter sequence, or more ranks");
+  const int64_t bytes = square_buffer_bytes(buffer, B, most_heads, S);
+  if (buffer == SquareBuffer::kScores) {
+    const char* why = f.softcap > 0   ? "SDPA has no softcap"
+                      : f.sinks.given ? "SDPA has no sinks"
+                                      : "local=\"math\" was asked for";
+    TORCH_CHECK_VALUE(bytes <= kSquareMaxBytes,
+                      "DistributedAttention: off the CPU this call would run the math kernel (",
+                      why, "), whose fp32 scores [B=", B, ", heads=", most_heads, ", S=", S,
+                      ", S] take ", bytes, " bytes, above its bound of ", kSquareMaxBytes,
+                      " (Note [No silent S x S]); use local=\"flex\" (Python: FlexAttention, a "
+                      "softcap and sinks as a score function), a shorter sequence, or more ranks");
+  }
+  TORCH_CHECK_VALUE(bytes <= kSquareMaxBytes,
+                    "DistributedAttention: off the CPU the C++ API would run this call on SDPA "
+                    "with its causal, window and document rules as a dense mask [B=",
+                    B, ", 1, S=", S, ", S] of ", bytes, " bytes, above its bound of ",
+                    kSquareMaxBytes,
+                    " (Note [No silent S x S]); the rule picks FlexAttention there, which "
+                    "Python's ulysses.DistributedAttention runs: call it from Python, or run a "
+                    "shorter sequence or more ranks");
 }
 
 }  // namespace
@@ -239,7 +255,7 @@ Sharding agree_plan(const Group& group, const HeadPartition& heads, Layout layou
     check_mask_shapes(sizes, prints[0].tensors[0].sizes[batch_dim(layout)], heads.q_heads(), agreed,
                       "mask");
   }
-  check_math_scores(prints[0], heads, agreed, layout);
+  check_square_buffer(prints[0], heads, agreed, layout);
   return Sharding{heads, agreed, layout};
 }
 

@@ -6,6 +6,7 @@ in fp32 and bf16, uneven heads, GQA and MQA (kv replicated) included."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -110,18 +111,27 @@ def test_flex_sinks_given_on_one_rank_fail_alike():
 
 @pytest.mark.parametrize("P", [1, 2, 3])
 def test_auto_on_the_gpu_rule_takes_sdpa_when_plain_and_flex_otherwise(P, monkeypatch):
-    """local="auto" on CUDA (Note [Local attention on the GPU]), forced on CPU: SDPA for a call
-    with no rule but causal (default position ids included), flex for every other; exact."""
+    """local="auto" on CUDA (the C++ rule, Note [Local attention by case]), its device forced on
+    CPU: SDPA for a call with no rule but causal, FlexAttention for every other, run by Python;
+    position ids count as documents until the gathered ones split none (then SDPA). Exact."""
     import ulysses.ops as ops
 
     hq, hkv = 6, 3
     q, k, v, extras = _inputs(hq, hkv)
     extras["default_positions"] = torch.arange(S).expand(B, S)  # one document a row: plain
     lens = seq_lens(S, P)
-    chosen = []
-    choose = ops.gpu_local_kernel
-    monkeypatch.setattr(ops, "_on_gpu", lambda q: True)
-    monkeypatch.setattr(ops, "gpu_local_kernel", lambda *facts: chosen.append(choose(*facts)) or chosen[-1])
+    chosen: list[tuple[str, str]] = []  # (case, kernel), every rank's calls of the rule
+    choose = ops.local_kernel
+    case = threading.local()  # each thread rank's current case
+
+    def recorded(*args, **kwargs):
+        kernel = choose(*args, **kwargs)
+        if kernel != "math":  # not the reference's
+            chosen.append((case.name, kernel))
+        return kernel
+
+    monkeypatch.setattr(ops, "_rule_device", lambda q: "cuda")
+    monkeypatch.setattr(ops, "local_kernel", recorded)
     cases = VARIANTS + [("default_positions", {"causal": True}, ("default_positions",))]
 
     def body(rank, group):
@@ -133,6 +143,7 @@ def test_auto_on_the_gpu_rule_takes_sdpa_when_plain_and_flex_otherwise(P, monkey
             x = [shard(t.float(), 1, rank, lens) for t in (q, k, v)]
             call = {n: t.float() if t.is_floating_point() else t for n, t in call.items()}
             want = ulysses.DistributedAttention(group, local="math", **options)(*x, **call)
+            case.name = name
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # flex's "called without torch.compile" off CUDA
                 got = ulysses.DistributedAttention(group, **options)(*x, **call)
@@ -141,5 +152,8 @@ def test_auto_on_the_gpu_rule_takes_sdpa_when_plain_and_flex_otherwise(P, monkey
 
     for errors in run_ranks(P, body):
         assert max(errors.values()) <= 1e-5, errors
-    want = {"plain": "sdpa", "causal": "sdpa", "default_positions": "sdpa"}
-    assert chosen == [want.get(name, "flex") for name, _, _ in cases for _ in range(P)], chosen
+    # Before the exchange (the call's facts), then after it where Python runs the kernel.
+    want = {"plain": ["sdpa"], "causal": ["sdpa"], "default_positions": ["flex", "sdpa"]}
+    for name, _, _ in cases:
+        got = [kernel for n, kernel in chosen if n == name]
+        assert sorted(got) == sorted(want.get(name, ["flex", "flex"]) * P), (name, got)
