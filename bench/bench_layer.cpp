@@ -12,7 +12,9 @@
 #include "bench_util.h"
 #include "ulysses/all_to_all.h"
 #include "ulysses/attention.h"
+#include "ulysses/collective_recorder.h"
 #include "ulysses/distributed_attention.h"
+#include "ulysses/mesh.h"
 #include "ulysses/ring_attention.h"
 
 namespace ulysses::cli {
@@ -167,14 +169,14 @@ bench::Record stacked_layers(const Group& g, const Group& other, int64_t S, int6
   int64_t collectives[2] = {0, 0};
   auto run = [&](bool shared) {
     const Group& on = shared ? g : other;
-    const int64_t before = on.collective_count();
+    const int64_t before = on.recorder().collectives();
     c10::optional<StepContext> step;
     if (shared) step.emplace(g);
     at::Tensor x = q;
     for (auto& layer : shared ? stack : other_stack)
       x = layer(x, k, v, {c10::nullopt, c10::nullopt, step ? &*step : nullptr});
     x.sum().backward();
-    collectives[shared] = on.collective_count() - before;
+    collectives[shared] = on.recorder().collectives() - before;
   };
   const auto t = bench::time_side_by_side(g, {[&] { run(false); }, [&] { run(true); }}, 1, repeats);
   bench::Record r;

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "ulysses/collective_recorder.h"
 #include "ulysses/distributed_attention.h"
 #include "ulysses/flash_attention.h"
 #include "ulysses/group.h"
@@ -190,7 +191,7 @@ void bind_shape_rules(py::module_& m) {
 void bind_groups_and_hooks(py::module_& m) {
   m.def(
       "collective_count",
-      [](const std::string& group) { return Group::resolve(group).collective_count(); },
+      [](const std::string& group) { return Group::resolve(group).recorder().collectives(); },
       py::arg("group"));
   m.def(
       "fail_together",

@@ -10,6 +10,7 @@
 
 #include "args.h"
 #include "ulysses/group.h"
+#include "ulysses/mesh.h"
 
 namespace ulysses::cli {
 

@@ -10,6 +10,7 @@
 
 #include "testing.h"
 #include "ulysses/attention.h"
+#include "ulysses/collective_recorder.h"
 #include "ulysses/mask.h"
 
 namespace ulysses {
@@ -598,12 +599,14 @@ TEST(AllToAllPipeline, ChosenBySizeAlikeOnEveryRank) {
         options.transport = transport;
         options.shared_memory = false;  // Counts messages: none through /dev/shm.
         const Group h = g.with_options(options);
-        const int64_t collectives = h.collective_count(), messages = h.p2p_messages_sent();
+        const int64_t collectives = h.recorder().collectives(),
+                      messages = h.recorder().p2p_messages();
         at::Tensor y = scatter_heads(x, Heads::kQuery, plan, h);
         const bool pipelined = min_bytes <= 746 && transport == GroupOptions::Transport::kMessages;
-        EXPECT_EQ(h.collective_count() - collectives, pipelined ? 0 : 1) << min_bytes;
+        EXPECT_EQ(h.recorder().collectives() - collectives, pipelined ? 0 : 1) << min_bytes;
         // One message per token to each of the two peers (a token's 2 or 3 heads exceed 32 bytes).
-        EXPECT_EQ(h.p2p_messages_sent() - messages, pipelined ? 2 * mine.size() : 0) << min_bytes;
+        EXPECT_EQ(h.recorder().p2p_messages() - messages, pipelined ? 2 * mine.size() : 0)
+            << min_bytes;
         const Range heads = part.q_range(g.rank());
         EXPECT_TRUE(y.equal(X.narrow(2, heads.begin, heads.size()))) << min_bytes;
       }
@@ -626,10 +629,10 @@ TEST(AllToAllSharedMemory, BlocksBypassMessages) {
     auto plan =
         agree_plan(g, HeadPartition::make(c.hq, c.hkv, c.P), c.layout, {{x, Heads::kQuery, "x"}});
     scatter_heads(x, Heads::kQuery, plan, g);  // Sets the links up.
-    const int64_t bytes = g.p2p_bytes_sent(), collectives = g.collective_count();
+    const int64_t bytes = g.recorder().p2p_bytes(), collectives = g.recorder().collectives();
     at::Tensor y = scatter_heads(x, Heads::kQuery, plan, g);
-    EXPECT_EQ(g.p2p_bytes_sent() - bytes, 2 * (4 + 1) * 8);
-    EXPECT_EQ(g.collective_count(), collectives);
+    EXPECT_EQ(g.recorder().p2p_bytes() - bytes, 2 * (4 + 1) * 8);
+    EXPECT_EQ(g.recorder().collectives(), collectives);
     EXPECT_TRUE(y.equal(scatter_heads(x, Heads::kQuery, plan, plain)));
     EXPECT_TRUE(gather_heads(y, Heads::kQuery, plan, g).equal(x));
   });
@@ -648,9 +651,9 @@ TEST(SequenceCollectives, GatherAndScatterMatchTheFullTensorForwardAndBackward) 
     at::Tensor gathered = all_gather_sequence(x, 1, seq, g);
     EXPECT_TRUE(gathered.equal(full));
     at::Tensor w = seeded_randn({2, S, 5}, 2 + g.rank());  // Each rank's own upstream gradient.
-    const int64_t before = g.collective_count();
+    const int64_t before = g.recorder().collectives();
     (gathered * w).sum().backward();
-    EXPECT_EQ(g.collective_count() - before, 1);
+    EXPECT_EQ(g.recorder().collectives() - before, 1);
     at::Tensor w_sum =
         seeded_randn({2, S, 5}, 2) + seeded_randn({2, S, 5}, 3) + seeded_randn({2, S, 5}, 4);
     EXPECT_LT(rel_error(x.grad(), w_sum.narrow(1, mine.begin, mine.size())), 1e-6);
@@ -661,9 +664,9 @@ TEST(SequenceCollectives, GatherAndScatterMatchTheFullTensorForwardAndBackward) 
         seeded_randn({2, S, 5}, 5) + seeded_randn({2, S, 5}, 6) + seeded_randn({2, S, 5}, 7);
     EXPECT_LT(rel_error(scattered, y_sum.narrow(1, mine.begin, mine.size())), 1e-6);
     at::Tensor v = seeded_randn({2, mine.size(), 5}, 8 + g.rank());
-    const int64_t before_scatter = g.collective_count();
+    const int64_t before_scatter = g.recorder().collectives();
     (scattered * v).sum().backward();
-    EXPECT_EQ(g.collective_count() - before_scatter, 1);
+    EXPECT_EQ(g.recorder().collectives() - before_scatter, 1);
     at::Tensor v_full = at::cat(
         {seeded_randn({2, 4, 5}, 8), seeded_randn({2, 3, 5}, 9), seeded_randn({2, 3, 5}, 10)}, 1);
     EXPECT_LT(rel_error(y.grad(), v_full), 1e-6);

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "testing.h"
+#include "ulysses/collective_recorder.h"
 #include "ulysses/mask.h"
 
 namespace ulysses {
@@ -215,9 +216,9 @@ TEST(DistributedAttention, SharedMaskIsGatheredOncePerStep) {
     at::Tensor mask = seeded_randn({1, 1, 4, 8}, 4).gt(0);
     std::vector<DistributedAttention> layers(3, DistributedAttention(g));
     auto run = [&](StepContext* ctx) {
-      const int64_t before = g.collective_count();
+      const int64_t before = g.recorder().collectives();
       for (auto& layer : layers) layer(q, k, v, {mask, c10::nullopt, ctx});
-      return g.collective_count() - before;
+      return g.recorder().collectives() - before;
     };
     // Per layer: agree on the call, scatter, gather = 3. Per mask rebuild: agree + all-gather
     // = 2. Head counts captured from the first call are checked in the call's agreement.
@@ -258,9 +259,9 @@ StepRun run_layers(Group& g, std::vector<DistributedAttention>& layers, const at
   at::Tensor qq = q.detach().clone().requires_grad_();
   at::Tensor total = at::zeros_like(q);
   for (auto& layer : layers) {
-    const int64_t before = g.collective_count();
+    const int64_t before = g.recorder().collectives();
     total = total + layer(qq, k, v, {c10::nullopt, c10::nullopt, step});
-    r.counts.push_back(g.collective_count() - before);
+    r.counts.push_back(g.recorder().collectives() - before);
   }
   total.pow(2).sum().backward();
   r.out = total.detach();
@@ -315,9 +316,9 @@ TEST(DistributedAttention, ACallThatChangesMidStepAgreesAgain) {
     for (int64_t tokens : sizes) {
       at::Tensor q = seeded_randn({1, tokens, 3, 4}, 1 + g.rank());
       for (auto& layer : layers) {
-        const int64_t before = g.collective_count();
+        const int64_t before = g.recorder().collectives();
         at::Tensor got = layer(q, q, q, {c10::nullopt, c10::nullopt, &step});
-        counts.push_back(g.collective_count() - before);
+        counts.push_back(g.recorder().collectives() - before);
         EXPECT_TRUE(got.equal(wants[counts.size() - 1])) << tokens << " tokens";
       }
     }

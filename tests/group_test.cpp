@@ -9,6 +9,9 @@
 #include <vector>
 
 #include "testing.h"
+#include "transport/transfers.h"
+#include "ulysses/collective_recorder.h"
+#include "ulysses/mesh.h"
 
 namespace ulysses {
 namespace {
@@ -38,15 +41,15 @@ TEST(Group, WaitingSecondsCountTheWaitForTheLastRankOnly) {
     at::Tensor x = at::ones({8});
     if (g.rank() == 0) std::this_thread::sleep_for(std::chrono::duration<double>(kDelay));
     g.all_reduce_sum(x);  // Not kept: rank 1 waits here, before keeping starts.
-    g.keep_collective_times();
+    g.recorder().keep_times();
     g.barrier();
     if (g.rank() == 1) std::this_thread::sleep_for(std::chrono::duration<double>(kDelay));
     g.all_reduce_sum(x);
-    const std::optional<double> w = g.take_waiting_seconds();
+    const std::optional<double> w = g.recorder().take_waiting_seconds(g);
     ASSERT_TRUE(w.has_value());  // Threads of one process share the clock.
     waited[g.rank()] = *w;
     // Keeping went on: the next interval holds the two all_gathers of the take, and no sleep.
-    const std::optional<double> next = g.take_waiting_seconds();
+    const std::optional<double> next = g.recorder().take_waiting_seconds(g);
     ASSERT_TRUE(next.has_value());
     EXPECT_LT(*next, kDelay / 2);
   });
@@ -140,21 +143,21 @@ TEST(Group, WaitsForTransfersCountAsCollectiveTime) {
   constexpr double kDelay = 0.3;  // The sender's lateness.
   expect_ranks_succeed(2, [&](Group& g) {
     g.barrier();
-    const double seconds = g.collective_seconds();
-    const int64_t count = g.collective_count();
+    const double seconds = g.recorder().seconds();
+    const int64_t count = g.recorder().collectives();
     Transfers io(g, c10::DeviceType::CPU);
     at::Tensor got = at::zeros({4});
     if (g.rank() == 0) {
       const size_t n = io.receive(got, 1, 3);
       io.wait(n);
       EXPECT_TRUE(got.equal(at::full({4}, 2.0)));
-      EXPECT_GT(g.collective_seconds() - seconds, kDelay / 2);
+      EXPECT_GT(g.recorder().seconds() - seconds, kDelay / 2);
     } else {
       std::this_thread::sleep_for(std::chrono::duration<double>(kDelay));
       io.send(at::full({4}, 2.0), 0, 3);
       io.wait();
     }
-    EXPECT_EQ(g.collective_count(), count);
+    EXPECT_EQ(g.recorder().collectives(), count);
   });
 }
 
@@ -168,9 +171,9 @@ TEST(Group, TransportFollowsTheBackendUnlessTheOptionsSayOtherwise) {
       GroupOptions options = world.options();
       options.transport = t;
       const Group g = world.with_options(options);
-      EXPECT_EQ(g.batches(c10::DeviceType::CPU), t == Transport::kBatched) << to_string(t);
+      EXPECT_EQ(batches(g, c10::DeviceType::CPU), t == Transport::kBatched) << to_string(t);
       // Off the CPU nothing is posted unbatched (NCCL would wait forever), messages included.
-      EXPECT_TRUE(g.batches(c10::DeviceType::CUDA)) << to_string(t);
+      EXPECT_TRUE(batches(g, c10::DeviceType::CUDA)) << to_string(t);
       // Both ranks add a receive before their send: NCCL's order, posted batched or not.
       at::Tensor got = at::zeros({3});
       Transfers step(g, c10::DeviceType::CPU);

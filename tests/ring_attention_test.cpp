@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "testing.h"
+#include "ulysses/collective_recorder.h"
 #include "ulysses/distributed_attention.h"
 #include "ulysses/flash_attention.h"
 
@@ -358,14 +359,14 @@ TEST(RingAttention, StepsAndBytesMatchThePlanner) {
     AttentionOptions opts;
     opts.causal = true;
     DistributedAttention attention(ulysses, ring, opts);
-    const int64_t bytes0 = ring.p2p_bytes_sent(), messages0 = ring.p2p_messages_sent();
+    const int64_t bytes0 = ring.recorder().p2p_bytes(), messages0 = ring.recorder().p2p_messages();
     attention(q, k, v).sum().backward();
     LayerShape shape;
     shape.q_heads = hq, shape.kv_heads = hkv, shape.seq_len = S, shape.head_dim = D;
     for (const MeshCost& c : plan_sp_mesh(U * R, shape)) {
       if (c.ulysses != U) continue;
-      EXPECT_EQ(ring.p2p_messages_sent() - messages0, c.ring_messages) << where(world, q);
-      EXPECT_EQ(ring.p2p_bytes_sent() - bytes0, c.ring_bytes) << where(world, q);
+      EXPECT_EQ(ring.recorder().p2p_messages() - messages0, c.ring_messages) << where(world, q);
+      EXPECT_EQ(ring.recorder().p2p_bytes() - bytes0, c.ring_bytes) << where(world, q);
     }
   });
 }

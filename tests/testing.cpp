@@ -11,6 +11,8 @@
 #include <sstream>
 #include <thread>
 
+#include "ulysses/mesh.h"
+
 namespace py = pybind11;
 
 namespace ulysses::testing {

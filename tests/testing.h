@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ulysses/group.h"
+#include "ulysses/mesh.h"
 #include "ulysses/partition.h"
 
 namespace ulysses::testing {

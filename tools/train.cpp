@@ -21,6 +21,8 @@
 #include "model.h"
 #include "proc_status.h"
 #include "train_data.h"
+#include "ulysses/collective_recorder.h"
+#include "ulysses/mesh.h"
 #include "ulysses/sharding.h"
 
 namespace ulysses::cli {
@@ -504,7 +506,7 @@ class ProgressLog {
     const double comm = comm_seconds() - comm0_;
     std::optional<double> waiting = 0.0;  // Note [Waiting for the last rank].
     for (const Group& g : groups_) {
-      const std::optional<double> w = g.take_waiting_seconds();
+      const std::optional<double> w = g.recorder().take_waiting_seconds(g);
       waiting = waiting && w ? std::optional<double>(*waiting + *w) : std::nullopt;
     }
     at::Tensor rss = mesh_.world.all_gather(at::tensor({proc_status_bytes("VmHWM")}, at::kLong));
@@ -525,11 +527,11 @@ class ProgressLog {
  private:
   double comm_seconds() const {
     double s = 0;
-    for (const Group& g : groups_) s += g.collective_seconds();
+    for (const Group& g : groups_) s += g.recorder().seconds();
     return s;
   }
   void restart() {
-    for (const Group& g : groups_) g.keep_collective_times();
+    for (const Group& g : groups_) g.recorder().keep_times();
     start_ = std::chrono::steady_clock::now();
     comm0_ = comm_seconds();
     steps_ = 0;

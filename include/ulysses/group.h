@@ -2,10 +2,10 @@
 //
 // A Group wraps a c10d::ProcessGroup made by torch.distributed (init_process_group, new_group,
 // DeviceMesh) and found by its group name, or handed over by a C++ caller. Gloo carries CPU
-// tensors, NCCL CUDA tensors: the ProcessGroup dispatches by the tensors' device.
+// tensors, NCCL CUDA tensors: the ProcessGroup dispatches by the tensors' device. Every handle
+// of one process group shares its runtime: a cache of freed buffers, the recorder of what its
+// collectives cost (collective_recorder.h), and the state its exchanges keep between calls.
 //
-// World = DP x SP mesh; SP groups are consecutive ranks:
-//   sp_group(w) = { (w / P) * P + i : 0 <= i < P },   dp_group(w) = { w % P + j * P : j }.
 // Note [Waits]: who bounds a wait depends on where the tensors live.
 // - CPU tensors (Gloo): the op waits on the host, at most GroupOptions::timeout, and logs which
 //   collective and peers it waits for after GroupOptions::log_wait_fraction of it: a dead or
@@ -13,13 +13,12 @@
 // - Device tensors (NCCL): the op enqueues its collectives and returns; Work::wait() with no
 //   timeout orders the current stream after them without holding the host. NCCL's watchdog
 //   bounds them, with the timeout given to init_process_group (a timed wait there would block
-//   the host until the kernel ends and, on expiry, abort the communicator). `agree` is the
-//   fail-fast step: ranks exchange the outcome of their local checks before
-// any data moves, so an invalid setup raises the same error on every rank.
+//   the host until the kernel ends and, on expiry, abort the communicator).
+// `agree` is the fail-fast step: ranks exchange the outcome of their local checks before any
+// data moves, so an invalid setup raises the same error on every rank.
 #pragma once
 
 #include <ATen/ATen.h>
-#include <c10/util/ArrayRef.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <chrono>
@@ -34,7 +33,8 @@
 
 namespace ulysses {
 
-// Options of a Group handle.
+// Options of a Group handle. The environment (ULYSSES_SHARED_MEMORY, ULYSSES_TRANSPORT) fills in
+// what is left unset, read where a call uses it.
 struct GroupOptions {
   // Longest wait for any collective, in milliseconds; > 0. A peer silent this long is an error.
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};
@@ -61,45 +61,34 @@ struct GroupOptions {
   // ranks' blocks still go as messages. Ranks in other network namespaces count as other
   // hosts. The first such exchange of a group sets its links up with two all_gathers, counted
   // once per group (docs/benchmarks.md has its speed). Where /dev/shm cannot hold a rank's
-  // outbox, its blocks go as messages instead (one warning), exact. On by default; off when
+  // outbox, its blocks go as messages instead (one warning), exact. Unset: on, unless
   // ULYSSES_SHARED_MEMORY is 0.
-  bool shared_memory = shared_memory_from_environment();
-  // How point-to-point transfers are posted (Transfers). NCCL matches sends and receives
-  // between two ranks in the order they are posted, whatever their tags, and runs unbatched
-  // ones one by one on a stream: a receive posted before its peer's send waits forever there.
-  // Batched, the transfers of one step are posted together (one coalesced group where the
-  // backend has them, as torch.distributed.batch_isend_irecv does), and whole-tensor
-  // exchanges always take one collective. kAuto batches where the backend coalesces (NCCL)
-  // and posts messages elsewhere (Gloo); ULYSSES_TRANSPORT=auto|messages|batched sets it.
-  // kMessages applies to CPU tensors only: transfers of other devices' tensors are batched.
+  std::optional<bool> shared_memory;
+  // How point-to-point transfers are posted. NCCL matches sends and receives between two ranks
+  // in the order they are posted, whatever their tags, and runs unbatched ones one by one on a
+  // stream: a receive posted before its peer's send waits forever there. Batched, the transfers
+  // of one step are posted together (one coalesced group where the backend has them, as
+  // torch.distributed.batch_isend_irecv does), and whole-tensor exchanges always take one
+  // collective. kAuto: ULYSSES_TRANSPORT=auto|messages|batched when set, else batched where the
+  // backend coalesces (NCCL) and messages elsewhere (Gloo). Messages apply to CPU tensors only:
+  // transfers of other devices' tensors are always batched.
   enum class Transport : int64_t { kAuto = 0, kMessages = 1, kBatched = 2 };
-  Transport transport = transport_from_environment();
-
-  static bool shared_memory_from_environment();
-  static Transport transport_from_environment();
+  Transport transport = Transport::kAuto;
 };
 
 // "auto", "messages" or "batched"; parse_transport raises c10::ValueError on any other text.
 std::string to_string(GroupOptions::Transport transport);
 GroupOptions::Transport parse_transport(const std::string& text);
 
-class Group;
-class Transfers;
+class CollectiveRecorder;
+// The state every handle of one process group shares (src/transport/group_runtime.h).
+class GroupRuntime;
 
-namespace detail {
-struct GroupRuntime;
-class SharedMemoryLinks;
-class ArmedAgreement;
-SharedMemoryLinks& shared_memory_links(const Group& group);
-// The group's armed agreement (Note [Reused agreement], distributed_attention.h).
-ArmedAgreement& armed_agreement(const Group& group);
-}  // namespace detail
-
-// A handle to one process group: cheap to copy (copies share the connection and counters).
+// A handle to one process group: cheap to copy (copies share the connection and its runtime).
 class Group {
  public:
-  // Wraps `process_group` (never null). Runtime state (buffer cache, collective counters) is
-  // shared by every handle of the same process group.
+  // Wraps `process_group` (never null). Runtime state (buffer cache, recorder) is shared by
+  // every handle of the same process group.
   static Group from_process_group(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
                                   const GroupOptions& options = {});
   // The process group torch.distributed registered under `name` (its `group_name`; see
@@ -107,22 +96,20 @@ class Group {
   static Group resolve(const std::string& name, const GroupOptions& options = {});
   // A group of this rank alone: every collective is a local copy.
   static Group solo(const GroupOptions& options = {});
-  // The group a dispatcher op names: "" is solo(); `options` as the ops carry GroupOptions
-  // (src/transport/op_options.h).
-  static Group from_op(const std::string& name, c10::IntArrayRef options);
 
   int rank() const { return rank_; }
   int size() const { return size_; }
   const GroupOptions& options() const { return options_; }
-  // The same group with other options (same connection, counters and buffers).
+  // The same group with other options (same connection and runtime).
   Group with_options(const GroupOptions& options) const;
   // The c10d group name ("" for solo()).
   std::string name() const;
-  // The name dispatcher ops find this group by (from_op): its c10d name, registered with c10d
-  // first if the process group was handed over without one; "" for solo().
-  std::string op_name() const;
   // The wrapped process group (null for solo()).
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
+  // What this process group's collectives and transfers cost so far (every handle's).
+  CollectiveRecorder& recorder() const;
+  // The state every handle of this process group shares.
+  GroupRuntime& runtime() const { return *runtime_; }
 
   // Splits the flat buffer `input` into chunks of `input_splits` elements, sends chunk j to
   // rank j, and receives rank j's chunk for us into `output` at the offsets of
@@ -134,13 +121,8 @@ class Group {
   // pages costs more than the copy into them). Smaller buffers and other devices use the
   // default (caching) allocator.
   at::Tensor new_buffer(at::IntArrayRef shape, const at::TensorOptions& options) const;
-
-  // Whether point-to-point transfers of `device` tensors go batched (GroupOptions::transport):
-  // the one place the choice is made.
-  bool batches(c10::DeviceType device) const;
-  // Whether a wait for a collective of `device` tensors is timed and logged here (CPU tensors:
-  // GroupOptions::timeout), or left to the stream and the process group (Note [Waits]).
-  static bool waits_on_host(c10::DeviceType device) { return device == c10::DeviceType::CPU; }
+  // Bytes of freed buffers the group's cache holds now (see GroupOptions::buffer_cache_bytes).
+  int64_t cached_buffer_bytes() const;
 
   // Every rank's `input` (same shape on every rank), stacked: [P, *input.shape].
   at::Tensor all_gather(const at::Tensor& input) const;
@@ -169,81 +151,14 @@ class Group {
   bool operator==(const Group& other) const { return runtime_ == other.runtime_; }
   bool operator!=(const Group& other) const { return runtime_ != other.runtime_; }
 
-  // Collectives issued through this process group (agree counts once per round): for tests
-  // and benchmarks.
-  int64_t collective_count() const;
-  // Wall-clock seconds spent inside collectives issued through this process group, and blocked
-  // waiting for its point-to-point transfers (Transfers::wait: what no work hid).
-  double collective_seconds() const;
-  // From now on, keeps when each collective on this process group begins and ends, dropping
-  // what was kept (Note [Waiting for the last rank] in src/transport/group.cpp).
-  void keep_collective_times() const;
-  // Of this rank's collectives kept since then, the seconds spent waiting for the group's last
-  // rank to arrive; keeping starts anew. Two all_gathers, which every rank of the group issues
-  // alike; nullopt when the ranks do not share a clock (another host) or did not keep the same
-  // collectives.
-  std::optional<double> take_waiting_seconds() const;
-  // Point-to-point messages and bytes sent by this rank through this process group.
-  int64_t p2p_messages_sent() const;
-  int64_t p2p_bytes_sent() const;
-  // Bytes of freed buffers the group's cache holds now (see GroupOptions::buffer_cache_bytes).
-  int64_t cached_buffer_bytes() const;
-
  private:
-  friend detail::SharedMemoryLinks& detail::shared_memory_links(const Group& group);
-  friend detail::ArmedAgreement& detail::armed_agreement(const Group& group);
-  friend class Transfers;
-  Group(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::shared_ptr<detail::GroupRuntime> runtime,
-        int rank, int size, GroupOptions options);
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;      // Null only for solo().
-  std::shared_ptr<detail::GroupRuntime> runtime_;  // Never null.
-  int rank_ = 0;                                   // In [0, size_).
-  int size_ = 1;                                   // >= 1.
+  Group(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::shared_ptr<GroupRuntime> runtime, int rank,
+        int size, GroupOptions options);
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;  // Null only for solo().
+  std::shared_ptr<GroupRuntime> runtime_;      // Never null.
+  int rank_ = 0;                               // In [0, size_).
+  int size_ = 1;                               // >= 1.
   GroupOptions options_;
-};
-
-// The point-to-point transfers of one step (a ring step's key/value blocks, a projected
-// exchange's slabs), posted as the group's transport says (GroupOptions::transport): messages
-// go out as they are added, so packing the next overlaps this one's transfer; batched ones
-// wait for post() and go together. Callers add every transfer of the step, call post(), and
-// wait; code written so runs unchanged on both. Transfers of one tag between two ranks arrive
-// in order, and both ranks add their transfers between them in the same order (NCCL ignores
-// tags). A Transfers that dies unwaited waits in its destructor, so buffers never go while
-// the backend still uses them.
-class Transfers {
- public:
-  Transfers(const Group& group, c10::DeviceType device);
-  Transfers(const Transfers&) = delete;
-  Transfers& operator=(const Transfers&) = delete;
-  ~Transfers();
-  // A send of `t` (contiguous; kept alive until done) to rank `to`.
-  void send(const at::Tensor& t, int to, int tag);
-  // A receive into `t` (contiguous) from rank `from`; returns its number for wait(n).
-  size_t receive(const at::Tensor& t, int from, int tag);
-  // Posts what batching held back. Messages went out already.
-  void post();
-  // Waits for transfer `n` (posting first), each wait at most the group's timeout on CPU.
-  void wait(size_t n);
-  // Waits for every transfer.
-  void wait();
-  bool batched() const { return batched_; }
-
- private:
-  struct Transfer {
-    at::Tensor tensor;
-    int peer;
-    int tag;
-    bool send;
-    c10::intrusive_ptr<c10d::Work> work;  // Null until posted, and again once waited.
-  };
-  void post(Transfer& t);
-  Group group_;
-  c10::DeviceType device_;
-  bool batched_;
-  size_t posted_ = 0;       // Transfers [0, posted_) are posted.
-  bool coalesced_ = false;  // Batched, on a backend that coalesces: a post shares one work.
-  std::vector<Transfer> transfers_;
-  int64_t number_ = 0;  // The first transfer's number among the group's point-to-point sends.
 };
 
 // Runs `prepare` (work that can fail on this rank alone, e.g. parsing its arguments) and
@@ -256,27 +171,5 @@ auto fail_together_on_error(const Group& group, Fn&& prepare) {
     group.fail_together(std::current_exception());
   }
 }
-
-// World = DP x SP. SP groups are consecutive blocks of `sp_size` ranks; DP groups take one
-// rank of each SP group.
-struct Mesh {
-  // Creates this rank's group for a partition of the world's ranks into disjoint groups. Every
-  // rank calls it with the same partition (as torch.distributed.new_subgroups_by_enumeration).
-  using Split = std::function<Group(const std::vector<std::vector<int>>& partition)>;
-  // The SP and DP partitions of `world_size` ranks for SP groups of `sp_size` ranks.
-  static std::vector<std::vector<int>> sp_partition(int world_size, int sp_size);
-  static std::vector<std::vector<int>> dp_partition(int world_size, int sp_size);
-  // Builds the sub-groups of this rank through `split`. world.size() must be a multiple of
-  // sp_size, and sp_size of ring_size; a sub-group equal to the world (or of one rank) is made
-  // without calling `split`. With ring_size R > 1 each SP group splits further into Ulysses
-  // groups of U = sp_size / R consecutive ranks and ring groups of R ranks at stride U (see
-  // ring_attention.h); with R = 1, ulysses is the SP group and ring a solo group.
-  static Mesh create(const Group& world, int sp_size, const Split& split, int ring_size = 1);
-  Group world;
-  Group sp;
-  Group dp;
-  Group ulysses;
-  Group ring;
-};
 
 }  // namespace ulysses

@@ -1,6 +1,7 @@
-// The Ulysses x ring split of an SP group: what one attention layer costs each rank under
-// every split U x R = sp (ring_attention.h has the layout), and the recommended one. Pure: no
-// tensors, no collectives.
+// How ranks make a mesh: the partitions of a world into SP, DP, Ulysses and ring groups (mesh.h
+// builds the groups), and the Ulysses x ring split of an SP group: what one attention layer
+// costs each rank under every split U x R = sp (ring_attention.h has the layout), and the
+// recommended one. Pure: no tensors, no collectives.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +9,19 @@
 #include <vector>
 
 namespace ulysses {
+
+// The size rule of a mesh: `world_size` ranks in SP groups of `sp_size`, each of ring groups of
+// `ring_size` (1: no ring); throws c10::ValueError naming the sizes (prefixed by `who`) unless
+// sp_size divides world_size and ring_size divides sp_size.
+void check_mesh_sizes(int64_t world_size, int64_t sp_size, int64_t ring_size, const char* who);
+
+// The partitions of `world_size` ranks (check_mesh_sizes): SP groups of `sp_size` consecutive
+// ranks; DP groups of one rank of each SP group; within each SP group, Ulysses groups of
+// U = sp_size / ring_size consecutive ranks and ring groups of `ring_size` ranks at stride U.
+std::vector<std::vector<int>> sp_partition(int world_size, int sp_size);
+std::vector<std::vector<int>> dp_partition(int world_size, int sp_size);
+std::vector<std::vector<int>> ulysses_partition(int world_size, int sp_size, int ring_size);
+std::vector<std::vector<int>> ring_partition(int world_size, int sp_size, int ring_size);
 
 // The cost of one attention layer under a U x R split, per rank (see plan_sp_mesh).
 struct MeshCost {

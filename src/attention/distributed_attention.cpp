@@ -9,6 +9,7 @@
 #include "attention/ops.h"
 #include "attention/orchestration.h"
 #include "transport/agreement.h"
+#include "transport/group_runtime.h"
 #include "transport/ops.h"
 #include "ulysses/attention.h"
 #include "ulysses/mask.h"
@@ -290,7 +291,7 @@ AttentionHeads attend_heads(const AttentionCall& call,
   c10::optional<RingLayout> ring_layout;
   std::vector<at::Tensor> heads;
   StepContext* step = call.step;
-  detail::ArmedAgreement& armed = detail::armed_agreement(group);
+  detail::ArmedAgreement& armed = group.runtime().armed;
   if (armed.armed()) {  // Alike on every rank: each moves by the armed plan.
     if (auto moved = exchange_as_agreed(call, qkv, hq, hkv, options, armed)) {
       heads = std::move(*moved);

@@ -47,7 +47,7 @@ using StepHandle = c10::optional<c10::intrusive_ptr<StepContextHolder>>;
 at::Tensor rebuild_mask_op(const at::Tensor& mask, int64_t q_heads, int64_t kv_heads,
                            c10::IntArrayRef seq_lens, const std::string& group_name,
                            c10::IntArrayRef group_options, int64_t key_len) {
-  const Group group = Group::from_op(group_name, group_options);
+  const Group group = group_of_op(group_name, group_options);
   const Sharding plan = plan_of(q_heads, kv_heads, seq_lens, "BHSD", group.size());
   return unaliased(as_4d_mask(detail::rebuild_mask_kernel(mask, plan, group, key_len)), {mask});
 }
@@ -56,7 +56,7 @@ at::Tensor rebuild_mask_backward_op(const at::Tensor& grad, c10::IntArrayRef mas
                                     int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_lens,
                                     const std::string& group_name, c10::IntArrayRef group_options,
                                     int64_t key_len) {
-  const Group group = Group::from_op(group_name, group_options);
+  const Group group = group_of_op(group_name, group_options);
   const Sharding plan = plan_of(q_heads, kv_heads, seq_lens, "BHSD", group.size());
   at::NoGradGuard no_grad;
   return unaliased(rebuild_mask_backward(grad, mask_sizes.vec(), plan, group, key_len), {grad});
@@ -89,7 +89,7 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_op(const at::Tensor& q, const 
                                                      int64_t ulysses, const std::string& ring_group,
                                                      c10::IntArrayRef group_options, int64_t window,
                                                      double softcap, const OptTensor& sinks) {
-  const Group ring = Group::from_op(ring_group, group_options);
+  const Group ring = group_of_op(ring_group, group_options);
   const RingLayout layout = RingLayout::make(seq_len, ulysses, ring.size());
   check_sinks(sinks, q.size(1));
   // Eager only (no fake kernel): the outputs keep the kernel's strides, which the backward's
@@ -107,7 +107,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ring_attention_backwa
     const OptTensor& docs, bool causal, double scale, int64_t seq_len, int64_t ulysses,
     const std::string& ring_group, c10::IntArrayRef group_options, bool mask_grad, int64_t window,
     double softcap) {
-  const Group ring = Group::from_op(ring_group, group_options);
+  const Group ring = group_of_op(ring_group, group_options);
   const RingLayout layout = RingLayout::make(seq_len, ulysses, ring.size());
   auto g = ring_attention_backward(
       grad_out, local_args(q, k, v, kv_map, mask, {}, op_rules(causal, scale, window, softcap)),
@@ -152,7 +152,7 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_autograd(
 
 at::Tensor ring_document_ids_op(const at::Tensor& positions, int64_t seq_len, int64_t ulysses,
                                 const std::string& ring_group, c10::IntArrayRef group_options) {
-  const Group ring = Group::from_op(ring_group, group_options);
+  const Group ring = group_of_op(ring_group, group_options);
   at::NoGradGuard no_grad;
   return unaliased(
       ring_document_ids(positions, RingLayout::make(seq_len, ulysses, ring.size()), ring),
@@ -167,8 +167,8 @@ AttentionCall attention_call(int64_t q_heads, int64_t kv_heads, c10::IntArrayRef
                              const c10::optional<std::string>& ring_group, const StepHandle& step,
                              bool mask_rebuilt, int64_t window, double softcap,
                              const OptTensor& sinks) {
-  AttentionCall call(Group::from_op(group_name, group_options));
-  if (ring_group) call.ring = Group::from_op(*ring_group, group_options);
+  AttentionCall call(group_of_op(group_name, group_options));
+  if (ring_group) call.ring = group_of_op(*ring_group, group_options);
   call.q_heads = q_heads;
   call.kv_heads = kv_heads;
   if (!seq_lens.empty()) call.seq = SequencePartition::from_lengths(seq_lens.vec());
@@ -236,7 +236,7 @@ at::Tensor call_rebuild_mask(const at::Tensor& mask, const Sharding& plan, const
                              int64_t key_len) {
   static const auto op = op_handle<decltype(rebuild_mask_op)>("ulysses::rebuild_mask");
   return op.call(mask, plan.heads.q_heads(), plan.heads.kv_heads(), plan.seq.lengths(),
-                 group.op_name(), options_to_ints(group.options()), key_len);
+                 op_group_name(group), options_to_ints(group.options()), key_len);
 }
 
 std::tuple<at::Tensor, at::Tensor> call_ring_attention(const LocalAttentionArgs& a,
@@ -246,7 +246,7 @@ std::tuple<at::Tensor, at::Tensor> call_ring_attention(const LocalAttentionArgs&
   TORCH_CHECK_VALUE(!a.positions && !a.rows,
                     "ring_attention: packed documents come as `docs` (ring_document_ids)");
   return op.call(a.q, a.k, a.v, a.kv_map, a.mask, docs.defined() ? OptTensor(docs) : OptTensor(),
-                 a.causal, a.scale, layout.seq_len(), layout.ulysses(), ring.op_name(),
+                 a.causal, a.scale, layout.seq_len(), layout.ulysses(), op_group_name(ring),
                  options_to_ints(ring.options()), a.window, a.softcap, a.sinks);
 }
 

@@ -9,6 +9,7 @@
 
 #include "attention/ops.h"
 #include "transport/message_tags.h"
+#include "transport/transfers.h"
 #include "ulysses/flash_attention.h"
 #include "ulysses/mask.h"
 

@@ -9,6 +9,49 @@
 
 namespace ulysses {
 
+void check_mesh_sizes(int64_t world_size, int64_t sp_size, int64_t ring_size, const char* who) {
+  TORCH_CHECK_VALUE(sp_size >= 1 && world_size % sp_size == 0, who, ": world size (", world_size,
+                    ") must be a multiple of the sequence-parallel size (", sp_size, ")");
+  TORCH_CHECK_VALUE(ring_size >= 1 && sp_size % ring_size == 0, who, ": the ring size (", ring_size,
+                    ") must divide the sequence-parallel size (", sp_size, ")");
+}
+
+std::vector<std::vector<int>> sp_partition(int world_size, int sp_size) {
+  std::vector<std::vector<int>> groups(world_size / sp_size);
+  for (int w = 0; w < world_size; ++w) groups[w / sp_size].push_back(w);
+  return groups;
+}
+
+std::vector<std::vector<int>> dp_partition(int world_size, int sp_size) {
+  std::vector<std::vector<int>> groups(sp_size);
+  for (int w = 0; w < world_size; ++w) groups[w % sp_size].push_back(w);
+  return groups;
+}
+
+std::vector<std::vector<int>> ulysses_partition(int world_size, int sp_size, int ring_size) {
+  const int U = sp_size / ring_size;
+  std::vector<std::vector<int>> groups;
+  for (int base = 0; base < world_size; base += sp_size) {
+    for (int r = 0; r < ring_size; ++r) {
+      groups.emplace_back();
+      for (int u = 0; u < U; ++u) groups.back().push_back(base + r * U + u);
+    }
+  }
+  return groups;
+}
+
+std::vector<std::vector<int>> ring_partition(int world_size, int sp_size, int ring_size) {
+  const int U = sp_size / ring_size;
+  std::vector<std::vector<int>> groups;
+  for (int base = 0; base < world_size; base += sp_size) {
+    for (int u = 0; u < U; ++u) {
+      groups.emplace_back();
+      for (int r = 0; r < ring_size; ++r) groups.back().push_back(base + r * U + u);
+    }
+  }
+  return groups;
+}
+
 std::string MeshCost::describe() const {
   std::ostringstream os;
   os << ulysses << "x" << ring;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "dispatch/op_util.h"
+#include "transport/op_options.h"
 #include "ulysses/group.h"
 #include "ulysses/ring_attention.h"
 #include "ulysses/sharding.h"
@@ -52,8 +53,8 @@ std::tuple<at::Tensor, at::Tensor> sharded_cross_entropy_op(const at::Tensor& lo
                                                             const std::string& group_name,
                                                             c10::IntArrayRef group_options,
                                                             int64_t ignore_index) {
-  const ShardedLoss loss = sharded_cross_entropy(
-      logits, targets, Group::from_op(group_name, group_options), ignore_index);
+  const ShardedLoss loss =
+      sharded_cross_entropy(logits, targets, group_of_op(group_name, group_options), ignore_index);
   return {loss.loss, at::scalar_tensor(loss.global_loss, loss.loss.options())};
 }
 
@@ -63,13 +64,13 @@ std::tuple<at::Tensor, at::Tensor> token_mean_op(const at::Tensor& token_sum,
                                                  c10::IntArrayRef group_options,
                                                  int64_t ignore_index) {
   const ShardedLoss loss =
-      token_mean(token_sum, targets, Group::from_op(group_name, group_options), ignore_index);
+      token_mean(token_sum, targets, group_of_op(group_name, group_options), ignore_index);
   return {loss.loss, at::scalar_tensor(loss.global_loss, loss.loss.options())};
 }
 
 void all_reduce_gradients_op(at::TensorList grads, const std::string& group_name,
                              c10::IntArrayRef group_options) {
-  all_reduce_gradients(grads.vec(), Group::from_op(group_name, group_options));
+  all_reduce_gradients(grads.vec(), group_of_op(group_name, group_options));
 }
 
 }  // namespace

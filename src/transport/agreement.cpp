@@ -8,6 +8,8 @@
 
 #include <sstream>
 
+#include "transport/environment.h"
+#include "transport/transfers.h"
 #include "ulysses/attention.h"
 #include "ulysses/mask_decision.h"
 
@@ -159,8 +161,8 @@ CallFingerprint call_fingerprint(const Group& group, const HeadPartition& heads,
   // different paths (or cut messages differently) and wait on each other.
   f.pipeline_min_bytes = group.options().pipeline_min_bytes;
   f.message_bytes = group.options().message_bytes;
-  f.shared_memory = group.options().shared_memory;
-  f.batched = group.batches(first.device().type());
+  f.shared_memory = uses_shared_memory(group.options());
+  f.batched = batches(group, first.device().type());
   for (const TensorSpec& spec : tensors) f.tensors.push_back(facts_of(spec.tensor, first));
   f.mask = facts_of(call.mask, first);
   f.positions = facts_of(call.positions, first);

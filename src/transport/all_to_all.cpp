@@ -10,10 +10,13 @@
 #include <sstream>
 
 #include "transport/agreement.h"
+#include "transport/environment.h"
+#include "transport/group_runtime.h"
 #include "transport/message_tags.h"
 #include "transport/ops.h"
 #include "transport/shared_memory.h"
 #include "transport/slabs.h"
+#include "transport/transfers.h"
 #include "transport/wire.h"
 #include "ulysses/attention.h"
 #include "ulysses/mask_decision.h"
@@ -206,7 +209,7 @@ class SharedTransfer {
         out_(out),
         plan_(plan),
         group_(group),
-        links_(detail::shared_memory_links(group)),
+        links_(group.runtime().links(group)),
         io_(group, c10::DeviceType::CPU),
         element_(in.tensors[0].element_size()) {
     for (int j = 0; j < group.size(); ++j)
@@ -354,7 +357,7 @@ void exchange_pipelined(const BlockTensors& in, const BlockTensors& out, const E
   };
   Transfers io(group, c10::DeviceType::CPU);  // Posted as added (never batched here).
   std::unique_ptr<SharedTransfer> shared;
-  if (group.options().shared_memory)
+  if (uses_shared_memory(group.options()))
     shared = std::make_unique<SharedTransfer>(in, out, plan, group);
   auto by_messages = [&](int peer) { return !shared || !shared->colocated(peer); };
   std::vector<Arrival> arrivals;
@@ -416,7 +419,7 @@ std::vector<at::Tensor> exchange(const std::vector<at::Tensor>& xs, HeadForm fro
                                  layout, parts_out, group);
   const int64_t bytes_per_rank = plan.total_elements() * xs[0].element_size() / group.size();
   // Batched transport: collectives and batched transfers only (GroupOptions::transport).
-  if (xs[0].device().is_cpu() && !group.batches(c10::DeviceType::CPU) &&
+  if (xs[0].device().is_cpu() && !batches(group, c10::DeviceType::CPU) &&
       bytes_per_rank >= group.options().pipeline_min_bytes) {
     exchange_pipelined(in, out, plan, group);
   } else {

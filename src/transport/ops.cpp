@@ -59,7 +59,7 @@ CallOptions call_options(const std::vector<std::string>& names, const OptTensor&
 
 at::Tensor sequence_lengths_op(const at::Tensor& x, int64_t dim, const std::string& group_name,
                                c10::IntArrayRef group_options) {
-  const Group group = Group::from_op(group_name, group_options);
+  const Group group = group_of_op(group_name, group_options);
   auto all = group.agree(
       [&] {
         TORCH_CHECK_VALUE(x.dim() > 0,
@@ -85,7 +85,7 @@ std::vector<at::Tensor> scatter_heads_op(at::TensorList xs, Strings heads, int64
                                          const OptTensor& mask, const OptTensor& positions,
                                          bool causal, double scale, bool step, bool check_mask,
                                          int64_t window, double softcap, const OptTensor& sinks) {
-  const Group group = Group::from_op(group_name, group_options);
+  const Group group = group_of_op(group_name, group_options);
   if (!agree) {  // The library's own call (a backward, or the C++ API after agree_plan).
     const std::vector<Heads> tensor_heads = parse_heads(heads);
     const Sharding plan = plan_of(q_heads, kv_heads, seq_lens, layout, group.size());
@@ -121,7 +121,7 @@ std::vector<at::Tensor> scatter_heads_autograd(
   });
   if (!needs_grad(xs)) return outs;
   // The kernel checked the arguments on every rank: parsing them again cannot fail.
-  const Group group = Group::from_op(group_name, group_options);
+  const Group group = group_of_op(group_name, group_options);
   const Sharding plan = plan_of(q_heads, kv_heads, seq_lens, layout, group.size());
   detail::attach_backward(
       xs.vec(), outs, "ScatterHeadsBackward",
@@ -138,7 +138,7 @@ std::vector<at::Tensor> scatter_head_parts_op(
     c10::IntArrayRef group_options, bool agree, const OptTensor& mask, const OptTensor& positions,
     bool causal, double scale, bool step, bool check_mask, int64_t window, double softcap,
     const OptTensor& sinks) {
-  const Group group = Group::from_op(group_name, group_options);
+  const Group group = group_of_op(group_name, group_options);
   const auto P = static_cast<size_t>(group.size());
   std::vector<std::vector<at::Tensor>> nested;
   std::vector<TensorSpec> specs;
@@ -183,7 +183,7 @@ std::vector<at::Tensor> scatter_head_parts_autograd(
                    agree, mask, positions, causal, scale, step, check_mask, window, softcap, sinks);
   });
   if (!needs_grad(parts)) return outs;
-  const Group group = Group::from_op(group_name, group_options);
+  const Group group = group_of_op(group_name, group_options);
   const Sharding plan = plan_of(q_heads, kv_heads, seq_lens, layout, group.size());
   detail::attach_backward(
       parts.vec(), outs, "ScatterHeadPartsBackward",
@@ -198,7 +198,7 @@ std::vector<at::Tensor> gather_kernel(at::TensorList ys, Strings heads, int64_t 
                                       int64_t kv_heads, c10::IntArrayRef seq_lens,
                                       const std::string& layout, const std::string& group_name,
                                       c10::IntArrayRef group_options, HeadForm form) {
-  const Group group = Group::from_op(group_name, group_options);
+  const Group group = group_of_op(group_name, group_options);
   const std::vector<Heads> tensor_heads = parse_heads(heads);
   TORCH_CHECK_VALUE(tensor_heads.size() == ys.size(), "gather_heads: ", ys.size(), " tensors but ",
                     tensor_heads.size(), " head tensor_heads");
@@ -236,7 +236,7 @@ std::vector<at::Tensor> gather_autograd(at::TensorList ys, Strings heads, int64_
     return op.call(ys, heads, q_heads, kv_heads, seq_lens, layout, group_name, group_options);
   });
   if (!needs_grad(ys)) return outs;
-  const Group group = Group::from_op(group_name, group_options);
+  const Group group = group_of_op(group_name, group_options);
   const Sharding plan = plan_of(q_heads, kv_heads, seq_lens, layout, group.size());
   detail::attach_backward(
       ys.vec(), outs, parts ? "GatherHeadPartsBackward" : "GatherHeadsBackward",
@@ -265,7 +265,7 @@ constexpr const char* op_name(SequenceCollective which) {
 template <SequenceCollective which>
 at::Tensor sequence_op(const at::Tensor& x, int64_t dim, c10::IntArrayRef seq_lens,
                        const std::string& group_name, c10::IntArrayRef group_options, bool agree) {
-  const Group group = Group::from_op(group_name, group_options);
+  const Group group = group_of_op(group_name, group_options);
   const auto seq = SequencePartition::from_lengths(seq_lens.vec());
   return unaliased(detail::sequence_collective_kernel(x, dim, seq, group, which, shapes_of(agree)),
                    {x});
@@ -285,7 +285,7 @@ at::Tensor sequence_autograd(const at::Tensor& x, int64_t dim, c10::IntArrayRef 
   std::vector<at::Tensor> outs{
       below_autograd([&] { return op.call(x, dim, seq_lens, group_name, group_options, agree); })};
   if (!needs_grad({x})) return outs[0];
-  const Group group = Group::from_op(group_name, group_options);
+  const Group group = group_of_op(group_name, group_options);
   const auto seq = SequencePartition::from_lengths(seq_lens.vec());
   detail::attach_backward(
       {x}, outs,
@@ -302,7 +302,7 @@ at::Tensor sequence_autograd(const at::Tensor& x, int64_t dim, c10::IntArrayRef 
 
 at::Tensor sum_over_group_op(const at::Tensor& x, const std::string& group_name,
                              c10::IntArrayRef group_options) {
-  const Group group = Group::from_op(group_name, group_options);
+  const Group group = group_of_op(group_name, group_options);
   at::Tensor out = x.contiguous().clone();
   group.all_reduce_sum(out);
   return out;
@@ -341,7 +341,7 @@ std::vector<at::Tensor> call_scatter_heads(const std::vector<at::Tensor>& xs,
                                            const Sharding& plan, const Group& group) {
   static const auto op = op_handle<decltype(scatter_heads_op)>("ulysses::scatter_heads");
   return op.call(xs, heads_names(tensor_heads), plan.heads.q_heads(), plan.heads.kv_heads(),
-                 plan.seq.lengths(), to_string(plan.layout), group.op_name(),
+                 plan.seq.lengths(), to_string(plan.layout), op_group_name(group),
                  options_to_ints(group.options()), /*agree=*/false, {}, {}, false, 0.0, false, true,
                  0, 0.0, {});
 }
@@ -353,7 +353,7 @@ std::vector<at::Tensor> call_scatter_head_parts(const std::vector<std::vector<at
   std::vector<at::Tensor> flat;
   for (const auto& p : parts) flat.insert(flat.end(), p.begin(), p.end());
   return op.call(flat, heads_names(tensor_heads), plan.heads.q_heads(), plan.heads.kv_heads(),
-                 plan.seq.lengths(), to_string(plan.layout), group.op_name(),
+                 plan.seq.lengths(), to_string(plan.layout), op_group_name(group),
                  options_to_ints(group.options()), /*agree=*/false, {}, {}, false, 0.0, false, true,
                  0, 0.0, {});
 }
@@ -370,7 +370,7 @@ std::vector<at::Tensor> call_scatter_agreed(const std::vector<std::vector<at::Te
   for (const auto& t : qkv) flat.insert(flat.end(), t.begin(), t.end());
   return (form == HeadForm::kParts ? by_part : whole)
       .call(flat, heads_names(tensor_heads), q_heads, kv_heads, seq.lengths(), to_string(layout),
-            group.op_name(), options_to_ints(group.options()), /*agree=*/true, options.mask,
+            op_group_name(group), options_to_ints(group.options()), /*agree=*/true, options.mask,
             options.positions, options.causal, options.scale, options.step_context,
             options.mask_check == CallOptions::MaskCheck::kAgreement, options.window,
             options.softcap, options.sinks);
@@ -384,7 +384,7 @@ std::vector<at::Tensor> call_gather_heads(const std::vector<at::Tensor>& ys,
       op_handle<decltype(gather_heads_op)>("ulysses::gather_head_parts");
   return (form == HeadForm::kParts ? gather_parts : gather)
       .call(ys, heads_names(tensor_heads), plan.heads.q_heads(), plan.heads.kv_heads(),
-            plan.seq.lengths(), to_string(plan.layout), group.op_name(),
+            plan.seq.lengths(), to_string(plan.layout), op_group_name(group),
             options_to_ints(group.options()));
 }
 
@@ -395,7 +395,7 @@ at::Tensor call_sequence_collective(const at::Tensor& x, int64_t dim, const Sequ
   static const auto gather = op_handle<Op>(op_name(SequenceCollective::kAllGather));
   static const auto scatter = op_handle<Op>(op_name(SequenceCollective::kReduceScatter));
   return (which == SequenceCollective::kAllGather ? gather : scatter)
-      .call(x, dim, seq.lengths(), group.op_name(), options_to_ints(group.options()),
+      .call(x, dim, seq.lengths(), op_group_name(group), options_to_ints(group.options()),
             shapes == ShapeAgreement::kAgree);
 }
 

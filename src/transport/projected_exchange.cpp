@@ -9,6 +9,7 @@
 #include "transport/message_tags.h"
 #include "transport/ops.h"
 #include "transport/slabs.h"
+#include "transport/transfers.h"
 #include "transport/wire.h"
 #include "ulysses/all_to_all.h"
 

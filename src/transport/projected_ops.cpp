@@ -49,7 +49,7 @@ std::vector<at::Tensor> scatter_projected_op(const at::Tensor& x, at::TensorList
                                              c10::IntArrayRef seq_lens,
                                              const std::string& group_name,
                                              c10::IntArrayRef group_options, bool agree) {
-  const Group group = Group::from_op(group_name, group_options);
+  const Group group = group_of_op(group_name, group_options);
   std::vector<HeadProjection> projections;
   auto parse = [&] {
     projections = projections_of(weights, biases, heads);
@@ -65,7 +65,7 @@ std::vector<at::Tensor> scatter_projected_backward_op(
     at::TensorList grads, const at::Tensor& x, at::TensorList weights, const OptTensors& biases,
     Strings heads, int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_lens,
     const std::string& group_name, c10::IntArrayRef group_options) {
-  const Group group = Group::from_op(group_name, group_options);
+  const Group group = group_of_op(group_name, group_options);
   return detail::scatter_projected_backward_kernel(
       grads.vec(), x, projections_of(weights, biases, heads),
       plan_of(q_heads, kv_heads, seq_lens, "BSHD", group.size()), group);
@@ -109,7 +109,7 @@ std::vector<at::Tensor> gather_projected_op(const at::Tensor& y, const at::Tenso
                                             c10::IntArrayRef seq_lens,
                                             const std::string& group_name,
                                             c10::IntArrayRef group_options, bool agree) {
-  const Group group = Group::from_op(group_name, group_options);
+  const Group group = group_of_op(group_name, group_options);
   auto parse = [&] {
     Sharding plan = plan_of(q_heads, kv_heads, seq_lens, "BSHD", group.size());
     detail::check_gather_projected(y, weight, plan, group);
@@ -129,7 +129,7 @@ std::tuple<at::Tensor, at::Tensor> gather_projected_backward_op(
     const at::Tensor& grad, const at::Tensor& y, const at::Tensor& weight, at::TensorList parts,
     int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_lens, const std::string& group_name,
     c10::IntArrayRef group_options) {
-  const Group group = Group::from_op(group_name, group_options);
+  const Group group = group_of_op(group_name, group_options);
   const auto d = detail::gather_projected_backward_kernel(
       grad, y, weight, parts.vec(), plan_of(q_heads, kv_heads, seq_lens, "BSHD", group.size()),
       group);
@@ -200,7 +200,7 @@ std::vector<at::Tensor> call_scatter_projected(const at::Tensor& x,
     heads.push_back(heads_name(p.heads));
   }
   return op.call(x, weights, biases, heads, plan.heads.q_heads(), plan.heads.kv_heads(),
-                 plan.seq.lengths(), group.op_name(), options_to_ints(group.options()),
+                 plan.seq.lengths(), op_group_name(group), options_to_ints(group.options()),
                  /*agree=*/false);
 }
 
@@ -208,7 +208,7 @@ at::Tensor call_gather_projected(const at::Tensor& y, const at::Tensor& weight,
                                  const Sharding& plan, const Group& group) {
   static const auto op = op_handle<decltype(gather_projected_op)>("ulysses::gather_projected");
   return op.call(y, weight, plan.heads.q_heads(), plan.heads.kv_heads(), plan.seq.lengths(),
-                 group.op_name(), options_to_ints(group.options()), /*agree=*/false)[0];
+                 op_group_name(group), options_to_ints(group.options()), /*agree=*/false)[0];
 }
 
 }  // namespace detail

@@ -17,7 +17,7 @@ FLOORS = ["plan", "dispatch", "kernels", "transport", "attention", "training"]
 PUBLIC = {
     "plan": ["partition.h", "exchange_plan.h", "mask_decision.h", "attention_rules.h", "mesh_plan.h"],
     "kernels": ["attention.h", "flash_attention.h"],
-    "transport": ["group.h", "all_to_all.h"],
+    "transport": ["group.h", "collective_recorder.h", "mesh.h", "all_to_all.h"],
     "attention": ["mask.h", "ring_attention.h", "distributed_attention.h"],
     "training": ["sharding.h", "tiled.h"],
 }

@@ -1,0 +1,51 @@
+// Waiting for c10d work (Note [Waits], group.h), and issuing it without Python state: what every
+// collective and point-to-point transfer of the transport floor goes through.
+#pragma once
+
+#include <ATen/ThreadLocalPythonObjects.h>
+#include <c10/core/DeviceType.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <cstdint>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <vector>
+
+#include "ulysses/group.h"
+
+namespace ulysses {
+
+// Clears this thread's stashed Python objects while a collective is issued. A c10d Work copies
+// the issuing thread's state, and every backward stashes a Python object there (autograd's
+// contextvars context). The backend's worker thread often drops the last reference to a Work,
+// and the decref then needs the GIL; at interpreter exit that thread is ended inside a noexcept
+// destructor, and the process aborts ("terminate called without an active exception"). Without
+// Python objects a Work never touches the GIL.
+class NoPythonObjectsInWork {
+ public:
+  NoPythonObjectsInWork() : saved_(at::impl::ThreadLocalPythonObjects::get_state()) {
+    at::impl::ThreadLocalPythonObjects::set_state({});
+  }
+  ~NoPythonObjectsInWork() { at::impl::ThreadLocalPythonObjects::set_state(std::move(saved_)); }
+  NoPythonObjectsInWork(const NoPythonObjectsInWork&) = delete;
+  NoPythonObjectsInWork& operator=(const NoPythonObjectsInWork&) = delete;
+
+ private:
+  at::impl::ThreadLocalPythonObjects saved_;
+};
+
+// Whether a wait for work on `device` tensors is timed and logged on the host (CPU tensors:
+// GroupOptions::timeout), or left to the stream and the process group (Note [Waits]).
+inline bool waits_on_host(c10::DeviceType device) { return device == c10::DeviceType::CPU; }
+
+// Waits for `work` (collective number `number` of `g`, named `op`), turning a backend failure
+// into an error that says where it happened. A wait longer than GroupOptions::
+// log_wait_fraction of the timeout is logged once, naming the collective, its number on this
+// group and the peers it needs (for an all-to-all, those it exchanges a non-empty chunk with:
+// `out_splits` and `in_splits`): with a frozen or lagging rank every other rank says what it is
+// stuck in long before the timeout ends the job. Device tensors (Note [Waits]): the wait orders
+// the current stream after the work and returns; the process group enforces its own timeout.
+void wait(const Group& g, const char* op, const c10::intrusive_ptr<c10d::Work>& work,
+          int64_t number, c10::DeviceType device, const std::vector<int64_t>* out_splits = nullptr,
+          const std::vector<int64_t>* in_splits = nullptr);
+
+}  // namespace ulysses
