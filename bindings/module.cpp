@@ -130,7 +130,7 @@ void bind_plans(py::module_& m) {
       "first (see ulysses plan).");
 }
 
-// The shape rules Python checks with: masks, projections, layouts.
+// The shape rules Python checks with: masks and layouts.
 void bind_shape_rules(py::module_& m) {
   m.def(
       "rebuilt_mask_shape",
@@ -148,27 +148,6 @@ void bind_shape_rules(py::module_& m) {
         "The instruction set the fused kernel runs in (\"AVX512\", \"AVX2\" or \"DEFAULT\").");
   m.def("check_softcap", &check_softcap, py::arg("softcap"),
         "The logit-softcap rule (raises ValueError unless 0, or finite and > 0).");
-  auto to_ranges = [](const std::vector<std::pair<int64_t, int64_t>>& rs) {
-    std::vector<Range> out;
-    for (auto [a, b] : rs) out.push_back({a, b});
-    return out;
-  };
-  m.def(
-      "check_head_projection",
-      [to_ranges](const std::vector<int64_t>& x, const std::vector<int64_t>& weight,
-                  const c10::optional<std::vector<int64_t>>& bias,
-                  const std::vector<std::pair<int64_t, int64_t>>& ranges) {
-        check_head_projection(x, weight, bias, to_ranges(ranges));
-      },
-      py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("ranges"));
-  m.def(
-      "check_projection_from_parts",
-      [to_ranges](const std::vector<std::vector<int64_t>>& parts,
-                  const std::vector<int64_t>& weight,
-                  const std::vector<std::pair<int64_t, int64_t>>& ranges) {
-        check_projection_from_parts(parts, weight, to_ranges(ranges));
-      },
-      py::arg("parts"), py::arg("weight"), py::arg("ranges"));
   m.def("mask_shared_across_heads", &mask_shared_across_heads, py::arg("sizes"),
         "True when a mask of these sizes is one mask for every head (see mask_decision.h).");
   m.def(

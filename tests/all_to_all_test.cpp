@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "testing.h"
+#include "transport/agreement.h"
 #include "ulysses/attention.h"
 #include "ulysses/collective_recorder.h"
 #include "ulysses/mask.h"

@@ -17,7 +17,6 @@
 #include <string>
 #include <vector>
 
-#include "ulysses/attention_rules.h"
 #include "ulysses/exchange_plan.h"
 #include "ulysses/group.h"
 #include "ulysses/partition.h"
@@ -45,51 +44,18 @@ struct Sharding {
   }
   int64_t total(Heads h) const { return h == Heads::kQuery ? heads.q_heads() : heads.kv_heads(); }
 };
-// The former name of Sharding (it is not a plan: ExchangePlan is), kept for callers.
-using AllToAllPlan = Sharding;
-
-// The options of a call that every rank must hold alike besides its tensors: for an attention
-// call its mask and position ids (facts, not data), causal flag, scale and whether a
-// StepContext is used. A bare exchange leaves the defaults.
-struct CallOptions : AttentionRules {   // causal, scale, window, softcap.
-  bool attention = false;               // The tensors are q, k, v (k's head dim is q's).
-  c10::optional<at::Tensor> mask;       // Checked against every rank's shape (mask_decision.h).
-  c10::optional<at::Tensor> positions;  // [B, S_r] (positions_for_call expands [S_r]).
-  c10::optional<at::Tensor> sinks;      // Attention sinks [Hq] (attention.h); facts, not data.
-  bool step_context = false;
-  // With a StepContext: a later call on the group like this one reuses this call's agreement
-  // (Note [Reused agreement], distributed_attention.h). Whole q, k, v moved fused, no ring.
-  bool reuses_agreement = false;
-  // An attention call's local kernel (LocalKernel as an integer); -1: the caller's own, or no
-  // attention. Agreed: off the CPU it decides the refusal of Note [No silent S x S].
-  int64_t local_kernel = -1;
-  // Set when the call computes on a CPU-only kernel (it names it): other devices are refused
-  // in the agreement, alike on every rank, before data moves.
-  const char* cpu_only = nullptr;
-  // Who checks the mask's shape: the agreement, or the caller (the ring's rules).
-  enum class MaskCheck { kAgreement, kCaller } mask_check = MaskCheck::kAgreement;
-};
 
 // Checks `tensors` on every rank and agrees on the plan in one small collective: each must be a
 // floating-point 4-D tensor in `layout` with all Hq (or Hkv) heads, one batch size, on one
-// device, and every rank must hold the same CallFingerprint (call_fingerprint.h): head counts,
-// layout, batch, head dims, dtypes, device types, the given `seq` (if any), the call's options
-// and the group handle's exchange options (GroupOptions::pipeline_min_bytes, message_bytes).
+// device, and every rank must hold the same head counts, layout, batch, head dims, dtypes,
+// device types, the given `seq` (if any) and the group handle's exchange options
+// (GroupOptions::pipeline_min_bytes, message_bytes, shared_memory, transport).
 // Local sequence lengths are gathered (or checked against `seq` when given); a mask's shape is
 // checked against every rank's (mask_decision.h). Any violation raises the same error on every
 // rank before data moves, naming the argument and every rank's value.
 Sharding agree_plan(const Group& group, const HeadPartition& heads, Layout layout,
                     const std::vector<TensorSpec>& tensors,
-                    const c10::optional<SequencePartition>& seq = c10::nullopt,
-                    const CallOptions& call = {});
-
-// Raises c10::ValueError naming the first of `tensors` that is not 4-D (in `layout`).
-void check_4d(const std::vector<TensorSpec>& tensors, Layout layout);
-
-// Position ids in the one form a call agrees on: [S_r] (the same positions for every batch
-// row) expanded to q's [B, S_r]; [B, S_r] and anything else as given.
-c10::optional<at::Tensor> positions_for_call(const c10::optional<at::Tensor>& positions,
-                                             const at::Tensor& q, Layout layout);
+                    const c10::optional<SequencePartition>& seq = c10::nullopt);
 
 // [S_r, all heads] -> [S, this rank's heads] (in `plan.layout`). Differentiable.
 at::Tensor scatter_heads(const at::Tensor& x, Heads heads, const Sharding& plan,
@@ -126,15 +92,6 @@ std::vector<at::Tensor> gather_head_parts(const at::Tensor& y, Heads heads, cons
 std::vector<at::Tensor> gather_head_parts(const std::vector<at::Tensor>& ys,
                                           const std::vector<Heads>& heads, const Sharding& plan,
                                           const Group& group);
-// A stand-in for the whole tensor that `parts` split (one part per rank, by `partition`'s
-// ranges of `heads` in `layout`): one element expanded to the whole shape, with the parts'
-// dtype, device and requires-grad, for agree_plan to check and agree on without the data.
-// Raises c10::ValueError naming `who` when the parts do not fit the partition (a local check:
-// run it where a failure reaches every rank, e.g. inside Group::agree or fail_together).
-at::Tensor stand_in_for_parts(const std::vector<at::Tensor>& parts, Heads heads,
-                              const HeadPartition& partition, Layout layout,
-                              const std::string& who);
-
 // The projections that make and take parts (BSHD): one GEMM per rank instead of one in all,
 // the same FLOPs. `ranges` are the head ranges by rank (Sharding::ranges).
 // Input projection: part j = (x @ weight[rows of heads R[j]]^T + bias[same]) viewed
@@ -182,15 +139,6 @@ at::Tensor gather_projected(const at::Tensor& y, const at::Tensor& weight, const
 Sharding agree_projection_plan(const Group& group, const HeadPartition& heads, const at::Tensor& x,
                                const std::vector<HeadProjection>& projections,
                                const c10::optional<SequencePartition>& seq = c10::nullopt);
-
-// The shape rules of the two projections (raising c10::ValueError with the shapes), for
-// callers that project otherwise (Python's traceable F.linear form).
-void check_head_projection(const std::vector<int64_t>& x, const std::vector<int64_t>& weight,
-                           const c10::optional<std::vector<int64_t>>& bias,
-                           const std::vector<Range>& ranges);
-void check_projection_from_parts(const std::vector<std::vector<int64_t>>& parts,
-                                 const std::vector<int64_t>& weight,
-                                 const std::vector<Range>& ranges);
 
 // Gathers the sequence shards of `x` along `dim` into the full sequence:
 // [.., S_r, ..] -> [.., S, ..] in rank order. Backward: reduce_scatter_sequence.

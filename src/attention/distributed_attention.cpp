@@ -10,6 +10,7 @@
 #include "attention/orchestration.h"
 #include "transport/agreement.h"
 #include "transport/group_runtime.h"
+#include "transport/head_parts.h"
 #include "transport/ops.h"
 #include "ulysses/attention.h"
 #include "ulysses/mask.h"

@@ -225,6 +225,12 @@ void check_square_buffer(const CallFingerprint& f, const HeadPartition& heads,
 
 Sharding agree_plan(const Group& group, const HeadPartition& heads, Layout layout,
                     const std::vector<TensorSpec>& tensors,
+                    const c10::optional<SequencePartition>& seq) {
+  return agree_plan(group, heads, layout, tensors, seq, CallOptions{});
+}
+
+Sharding agree_plan(const Group& group, const HeadPartition& heads, Layout layout,
+                    const std::vector<TensorSpec>& tensors,
                     const c10::optional<SequencePartition>& seq, const CallOptions& call) {
   const int P = group.size();
   const int64_t sdim = seq_dim(layout);

@@ -10,6 +10,7 @@
 
 #include "plan/call_fingerprint.h"
 #include "ulysses/all_to_all.h"
+#include "ulysses/attention_rules.h"
 
 namespace ulysses {
 
@@ -58,6 +59,42 @@ class ArmedAgreement {
 };
 
 }  // namespace detail
+
+// The options of a call that every rank must hold alike besides its tensors: for an attention
+// call its mask and position ids (facts, not data), causal flag, scale and whether a
+// StepContext is used. A bare exchange leaves the defaults.
+struct CallOptions : AttentionRules {   // causal, scale, window, softcap.
+  bool attention = false;               // The tensors are q, k, v (k's head dim is q's).
+  c10::optional<at::Tensor> mask;       // Checked against every rank's shape (mask_decision.h).
+  c10::optional<at::Tensor> positions;  // [B, S_r] (positions_for_call expands [S_r]).
+  c10::optional<at::Tensor> sinks;      // Attention sinks [Hq] (attention.h); facts, not data.
+  bool step_context = false;
+  // With a StepContext: a later call on the group like this one reuses this call's agreement
+  // (Note [Reused agreement], distributed_attention.h). Whole q, k, v moved fused, no ring.
+  bool reuses_agreement = false;
+  // An attention call's local kernel (LocalKernel as an integer); -1: the caller's own, or no
+  // attention. Agreed: off the CPU it decides the refusal of Note [No silent S x S].
+  int64_t local_kernel = -1;
+  // Set when the call computes on a CPU-only kernel (it names it): other devices are refused
+  // in the agreement, alike on every rank, before data moves.
+  const char* cpu_only = nullptr;
+  // Who checks the mask's shape: the agreement, or the caller (the ring's rules).
+  enum class MaskCheck { kAgreement, kCaller } mask_check = MaskCheck::kAgreement;
+};
+
+// agree_plan for one call with its options: also every rank's CallFingerprint (call_fingerprint.h)
+// of them must match, and a mask's shape is checked against every rank's (mask_decision.h).
+Sharding agree_plan(const Group& group, const HeadPartition& heads, Layout layout,
+                    const std::vector<TensorSpec>& tensors,
+                    const c10::optional<SequencePartition>& seq, const CallOptions& call);
+
+// Raises c10::ValueError naming the first of `tensors` that is not 4-D (in `layout`).
+void check_4d(const std::vector<TensorSpec>& tensors, Layout layout);
+
+// Position ids in the one form a call agrees on: [S_r] (the same positions for every batch
+// row) expanded to q's [B, S_r]; [B, S_r] and anything else as given.
+c10::optional<at::Tensor> positions_for_call(const c10::optional<at::Tensor>& positions,
+                                             const at::Tensor& q, Layout layout);
 
 // This rank's CallFingerprint of a call after its local checks (those of agree_plan that need
 // no other rank; raises naming the argument): what agree_plan moves.

@@ -17,8 +17,7 @@ GroupOptions options_from_ints(c10::IntArrayRef values) {
   GroupOptions o;
   TORCH_CHECK_VALUE(values.size() <= 5, "Group: group_options has at most 5 values ([timeout ms, ",
                     "pipeline_min_bytes, message_bytes, shared_memory (-1: unset), transport]); ",
-                    "got ",
-                    values.size());
+                    "got ", values.size());
   if (values.size() > 0) o.timeout = std::chrono::milliseconds(values[0]);
   if (values.size() > 1) o.pipeline_min_bytes = values[1];
   if (values.size() > 2) o.message_bytes = values[2];

@@ -17,6 +17,7 @@
 
 #include "dispatch/autograd.h"
 #include "dispatch/op_util.h"
+#include "transport/head_parts.h"
 #include "transport/op_options.h"
 #include "ulysses/all_to_all.h"
 #include "ulysses/group.h"

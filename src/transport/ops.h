@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "transport/agreement.h"
 #include "ulysses/all_to_all.h"
 #include "ulysses/group.h"
 #include "ulysses/partition.h"
