@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "plan/fnv1a.h"
 #include "ulysses/collective_recorder.h"
 #include "ulysses/distributed_attention.h"
 #include "ulysses/flash_attention.h"
@@ -239,6 +240,11 @@ void bind_groups_and_hooks(py::module_& m) {
       "One agreement round over `group` on values every rank must hold alike (at most 96): "
       "where any differ, every rank raises the same ValueError naming the first (`names`) with "
       "rank 0's value and the differing rank's.");
+  m.def(
+      "text_digest", [](const std::string& text) { return Fnv1a().add(text).non_negative(); },
+      py::arg("text"),
+      "A non-negative 63-bit FNV-1a digest of `text` (src/plan/fnv1a.h): what an agreement round "
+      "compares in place of a text.");
   m.def(
       "cpp_distributed_attention",
       [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
