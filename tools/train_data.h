@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,29 @@ class TextData {
   std::vector<uint8_t> bytes_;
   int64_t seq_len_;
   uint64_t seed_;
+};
+
+// The training data, whichever source was chosen: the text file at `path`, or ("") the
+// retrieval task.
+class Data {
+ public:
+  Data(const std::string& path, int64_t seq_len, int64_t pairs, bool shuffle, uint64_t seed) {
+    if (path.empty()) {
+      retrieval_ = std::make_unique<RetrievalTask>(seq_len, pairs, shuffle, seed);
+    } else {
+      text_ = std::make_unique<TextData>(path, seq_len, seed);
+    }
+  }
+  int64_t vocab() const { return retrieval_ ? retrieval_->vocab() : text_->vocab(); }
+  TokenBatch batch(int split, int64_t step, int64_t first, int64_t count) const {
+    return retrieval_ ? retrieval_->batch(split, step, first, count)
+                      : text_->batch(split, step, first, count);
+  }
+  bool is_retrieval() const { return retrieval_ != nullptr; }
+
+ private:
+  std::unique_ptr<RetrievalTask> retrieval_;
+  std::unique_ptr<TextData> text_;
 };
 
 }  // namespace ulysses::cli

@@ -13,6 +13,9 @@ class Fnv1a {
  public:
   static constexpr uint64_t kOffsetBasis = 14695981039346656037ull;
   static constexpr uint64_t kPrime = 1099511628211ull;
+  Fnv1a() = default;
+  // Another offset basis (only to check hashes made with one; FNV-1a's is kOffsetBasis).
+  explicit Fnv1a(uint64_t offset_basis) : h_(offset_basis) {}
   // Hashes `n` more bytes at `data`.
   Fnv1a& add(const void* data, size_t n) {
     const auto* bytes = static_cast<const unsigned char*>(data);

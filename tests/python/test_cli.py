@@ -131,6 +131,40 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path):
     assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
 
 
+def _fnv1a(data: bytes, basis: int = 14695981039346656037) -> int:
+    """FNV-1a, 64 bits (independently of src/plan/fnv1a.h): a checkpoint's file hash."""
+    h = basis
+    for b in data:
+        h = ((h ^ b) * 1099511628211) % 2**64
+    return h
+
+
+def test_checkpoints_hash_with_fnv1a_and_format_1_still_loads(tmp_path):
+    """Format 2 hashes with FNV-1a's own offset basis; format 1 (earlier releases) used one a digit
+    short. A format-1 checkpoint still resumes, checked by its own basis, and is still refused
+    when a file does not match it."""
+    ckpt = tmp_path / "ckpt"
+    assert run(ULYSSES, "train", *COMMON, "--steps", "2", "--save", str(ckpt)).returncode == 0
+    state = (ckpt / "state.txt").read_text().splitlines()
+    assert state[0] == "ulysses-checkpoint 2"
+    files = [line.split() for line in state if line.startswith("file ")]
+    assert all(int(h, 16) == _fnv1a((ckpt / name).read_bytes()) for _, name, _, h in files), files
+
+    def as_format_1(basis: int) -> None:
+        lines = ["ulysses-checkpoint 1"] + [
+            line if not line.startswith("file ") else
+            " ".join(line.split()[:3] + [f"{_fnv1a((ckpt / line.split()[1]).read_bytes(), basis):x}"])
+            for line in state[1:]]
+        (ckpt / "state.txt").write_text("\n".join(lines) + "\n")
+
+    as_format_1(1469598103934665603)
+    resumed = run(ULYSSES, "train", *COMMON, "--steps", "3", "--resume", str(ckpt))
+    assert resumed.returncode == 0 and "at step 2" in resumed.stdout, resumed.stdout + resumed.stderr
+    as_format_1(14695981039346656037)  # format 2's hashes under format 1's name: refused
+    refused = run(ULYSSES, "train", *COMMON, "--steps", "3", "--resume", str(ckpt))
+    assert refused.returncode == 1 and "is truncated or corrupted" in refused.stderr, refused.stderr
+
+
 def test_corrupted_checkpoint_is_the_same_clear_error_on_every_rank(tmp_path):
     ckpt = tmp_path / "ckpt"
     assert run(ULYSSES, "train", *COMMON, "--steps", "2", "--save", str(ckpt)).returncode == 0
