@@ -23,6 +23,7 @@
 #include "ulysses/group.h"
 #include "ulysses/mask.h"
 #include "ulysses/mask_decision.h"
+#include "ulysses/mesh_plan.h"
 #include "ulysses/partition.h"
 #include "ulysses/ring_attention.h"
 #include "ulysses/sharding.h"
@@ -108,6 +109,10 @@ void bind_plans(py::module_& m) {
       },
       py::arg("seq_len"), py::arg("ulysses"), py::arg("ring"),
       "Tokens of every ring rank (all its Ulysses ranks together) in the zigzag layout.");
+  m.def("check_mesh_sizes", &check_mesh_sizes, py::arg("world_size"), py::arg("sp_size"),
+        py::arg("ring_size"), py::arg("who"),
+        "The mesh size rule: the SP size divides the world, the ring size the SP size (raises "
+        "ValueError naming the sizes, prefixed by `who`).");
   m.def(
       "plan_sp_mesh",
       [](int64_t sp, int64_t q_heads, int64_t kv_heads, int64_t seq_len, int64_t head_dim,

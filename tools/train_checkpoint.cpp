@@ -60,10 +60,9 @@ int64_t load_checkpoint(Transformer& model, torch::optim::AdamW& optimizer, cons
   std::getline(in, config);  // Rest of the step line.
   std::getline(in, config);
   const int version = magic == kCheckpointMagic ? 2 : magic == kCheckpointMagicV1 ? 1 : 0;
-  TORCH_CHECK_VALUE(
-      version > 0 && key == "step" && step >= 0 && config.rfind("config ", 0) == 0,
-      "train: '", (dir / "state.txt").string(),
-      "' is not a ulysses checkpoint state file (or is corrupted)");
+  TORCH_CHECK_VALUE(version > 0 && key == "step" && step >= 0 && config.rfind("config ", 0) == 0,
+                    "train: '", (dir / "state.txt").string(),
+                    "' is not a ulysses checkpoint state file (or is corrupted)");
   config = config.substr(7);
   TORCH_CHECK_VALUE(config == config_line(o), "train: checkpoint '", o.resume, "' was saved with '",
                     config, "' but this run has '", config_line(o), "'");
@@ -76,9 +75,10 @@ int64_t load_checkpoint(Transformer& model, torch::optim::AdamW& optimizer, cons
     std::error_code ec;
     const uintmax_t actual = fs::file_size(path, ec);
     TORCH_CHECK_VALUE(!ec, "train: checkpoint file '", path.string(), "' is missing");
-    TORCH_CHECK_VALUE(actual == size && file_hash(path, version) == hash, "train: checkpoint file '",
-                      path.string(), "' is truncated or corrupted (", actual, " bytes, expected ",
-                      size, ", or its contents changed); resume from another checkpoint");
+    TORCH_CHECK_VALUE(actual == size && file_hash(path, version) == hash,
+                      "train: checkpoint file '", path.string(), "' is truncated or corrupted (",
+                      actual, " bytes, expected ", size,
+                      ", or its contents changed); resume from another checkpoint");
     files.push_back(path);
   }
   TORCH_CHECK_VALUE(files.size() == 2, "train: '", (dir / "state.txt").string(),

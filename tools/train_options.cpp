@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "commands.h"
+#include "ulysses/mesh_plan.h"
+#include "ulysses/partition.h"
 
 namespace ulysses::cli {
 namespace {
@@ -132,14 +134,13 @@ Data check_before_launch(const TrainOptions& o) {
   const int world = std::getenv("RANK") && world_env ? std::atoi(world_env) : o.nproc;
   try {
     const int sp = sp_size_of(o, world);
-    TORCH_CHECK_VALUE(sp % o.ring == 0, "train: --ring ", o.ring,
-                      " must divide the sequence-parallel size (", sp, ")");
-    TORCH_CHECK_VALUE(o.model.q_heads % o.model.kv_heads == 0, "train: --q-heads ", o.model.q_heads,
-                      " must be a multiple of --kv-heads ", o.model.kv_heads);
+    check_mesh_sizes(world, sp, o.ring, "train");
+    check_head_counts(o.model.q_heads, o.model.kv_heads, "train: ", "--q-heads", "--kv-heads");
     TORCH_CHECK_VALUE(o.model.dim % o.model.q_heads == 0 && o.model.head_dim() % 2 == 0,
                       "train: --dim ", o.model.dim, " must split into ", o.model.q_heads,
                       " heads of an even size");
-    return Data(o.data, o.seq_len, o.pairs, o.shuffle, o.seed);  // The task's rules, or the --data file's.
+    return Data(o.data, o.seq_len, o.pairs, o.shuffle,
+                o.seed);  // The task's rules, or the --data file's.
   } catch (const c10::Error& e) {
     std::string what = e.what_without_backtrace();
     if (what.rfind("train: ", 0) == 0) what.erase(0, 7);

@@ -55,6 +55,13 @@ std::ostream& operator<<(std::ostream& os, const Range& r);
 // some are empty when n < parts), each scaled by `scale`.
 std::vector<Range> even_split(int64_t n, int64_t parts, int64_t scale = 1);
 
+// The head-count rule of an attention: both counts >= 1 and `q_heads` a multiple of
+// `kv_heads`. Throws c10::ValueError "<who><q_name> (Hq) must be a multiple of <kv_name> (Hkv)"
+// (or that both must be >= 1): callers name the counts as their users give them.
+void check_head_counts(int64_t q_heads, int64_t kv_heads, const std::string& who,
+                       const std::string& q_name = "query heads",
+                       const std::string& kv_name = "kv heads");
+
 // How the heads of one attention instance are split over an SP group of `sp_size` ranks.
 // Computed identically on every rank from (Hq, Hkv, P); compare with ==, print with <<.
 class HeadPartition {

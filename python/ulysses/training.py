@@ -105,8 +105,7 @@ def shard_sequence(x: torch.Tensor, dim: int, sp_rank: int, sp_size: int, ring: 
     ``sp_size`` = Ulysses x ``ring`` ranks: the sequence is cut into 2R even chunks, ring rank r
     holds chunks r and 2R-1-r (zigzag: equal causal work), split evenly over its Ulysses ranks
     (SP rank = r * U + u). ``ring=1`` is Ulysses' contiguous even split."""
-    if ring < 1 or sp_size % ring:
-        raise ValueError(f"shard_sequence: ring ({ring}) must divide the SP size ({sp_size})")
+    _C.check_mesh_sizes(sp_size, sp_size, ring, "shard_sequence")  # The C++ rule (mesh_plan.h).
     index = _C.ring_shard_index(x.shape[dim], sp_size // ring, ring, sp_rank)
     return x.index_select(dim, torch.tensor(index, dtype=torch.long, device=x.device))
 

@@ -60,9 +60,7 @@ std::string MeshCost::describe() const {
 
 std::vector<MeshCost> plan_sp_mesh(int64_t sp, const LayerShape& s) {
   TORCH_CHECK_VALUE(sp >= 1, "plan_sp_mesh: SP size must be >= 1; got ", sp);
-  TORCH_CHECK_VALUE(s.q_heads >= 1 && s.kv_heads >= 1 && s.q_heads % s.kv_heads == 0,
-                    "plan_sp_mesh: q heads (", s.q_heads,
-                    ") must be a positive multiple of kv heads (", s.kv_heads, ")");
+  check_head_counts(s.q_heads, s.kv_heads, "plan_sp_mesh: ");
   TORCH_CHECK_VALUE(s.seq_len >= 0 && s.head_dim >= 1 && s.batch >= 1 && s.elem_bytes >= 1,
                     "plan_sp_mesh: sequence length, head dim, batch and element size must be "
                     "positive");

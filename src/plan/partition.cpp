@@ -75,14 +75,18 @@ std::vector<Range> even_split(int64_t n, int64_t parts, int64_t scale) {
   return out;
 }
 
+void check_head_counts(int64_t q_heads, int64_t kv_heads, const std::string& who,
+                       const std::string& q_name, const std::string& kv_name) {
+  TORCH_CHECK_VALUE(q_heads >= 1 && kv_heads >= 1, who, "head counts must be >= 1; got ", q_name,
+                    " ", q_heads, ", ", kv_name, " ", kv_heads);
+  TORCH_CHECK_VALUE(q_heads % kv_heads == 0, who, q_name, " (", q_heads, ") must be a multiple of ",
+                    kv_name, " (", kv_heads, ")");
+}
+
 HeadPartition HeadPartition::make(int64_t q_heads, int64_t kv_heads, int64_t sp_size) {
   TORCH_CHECK_VALUE(sp_size >= 1, "HeadPartition: sequence-parallel size must be >= 1; got ",
                     sp_size);
-  TORCH_CHECK_VALUE(q_heads >= 1 && kv_heads >= 1,
-                    "HeadPartition: head counts must be >= 1; got q_heads=", q_heads,
-                    ", kv_heads=", kv_heads);
-  TORCH_CHECK_VALUE(q_heads % kv_heads == 0, "HeadPartition: query heads (", q_heads,
-                    ") must be a multiple of kv heads (", kv_heads, ")");
+  check_head_counts(q_heads, kv_heads, "HeadPartition: ");
   TORCH_CHECK_VALUE(q_heads >= sp_size, "HeadPartition: query heads (", q_heads,
                     ") must be >= sequence-parallel size (", sp_size,
                     "); each rank needs at least one query head; use an SP group of at most ",

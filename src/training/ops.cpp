@@ -16,6 +16,7 @@
 #include "dispatch/op_util.h"
 #include "transport/op_options.h"
 #include "ulysses/group.h"
+#include "ulysses/mesh_plan.h"
 #include "ulysses/ring_attention.h"
 #include "ulysses/sharding.h"
 
@@ -30,9 +31,9 @@ std::vector<at::Tensor> shard_batch_op(const at::Tensor& input_ids, const OptTen
                                        const OptTensor& attention_mask,
                                        const OptTensor& position_ids, int64_t rank, int64_t world,
                                        int64_t ring, int64_t ignore_index) {
-  TORCH_CHECK_VALUE(world >= 1 && ring >= 1 && world % ring == 0 && rank >= 0 && rank < world,
-                    "shard_batch: need 0 <= rank < world and ring dividing world; got rank ", rank,
-                    ", world ", world, ", ring ", ring);
+  check_mesh_sizes(world, world, ring, "shard_batch");
+  TORCH_CHECK_VALUE(rank >= 0 && rank < world, "shard_batch: need 0 <= rank < world; got rank ",
+                    rank, ", world ", world);
   TORCH_CHECK_VALUE(input_ids.dim() == 2, "shard_batch: input_ids must be [B, S]; got ",
                     input_ids.sizes());
   const TokenBatch global{input_ids, labels.value_or(at::Tensor()),

@@ -46,7 +46,7 @@ def test_plan_beyond_the_head_count_recommends_a_ring_split():
 def test_plan_invalid_heads_fails_with_message():
     r = run(ULYSSES, "plan", "--q-heads", "3", "--kv-heads", "2", "--sp", "2")
     assert r.returncode == 1
-    assert "q heads (3) must be a positive multiple of kv heads (2)" in r.stderr
+    assert "query heads (3) must be a multiple of kv heads (2)" in r.stderr
 
 
 def test_demo_4_ranks():
@@ -311,8 +311,8 @@ def test_mesh_error_names_what_the_user_gave():
 
 @pytest.mark.parametrize("args,message", [
     (["--nproc", "4", "--dp", "3"], "--dp 3 must divide the number of ranks (4)"),
-    (["--nproc", "4", "--ring", "3"], "--ring 3 must divide the sequence-parallel size (4)"),
-    (["--nproc", "2", "--q-heads", "6", "--kv-heads", "4"], "--q-heads 6 must be a multiple of --kv-heads 4"),
+    (["--nproc", "4", "--ring", "3"], "the ring size (3) must divide the sequence-parallel size (4)"),
+    (["--nproc", "2", "--q-heads", "6", "--kv-heads", "4"], "--q-heads (6) must be a multiple of --kv-heads (4)"),
     (["--nproc", "2", "--dim", "100", "--q-heads", "8"], "--dim 100 must split into 8 heads"),
     (["--nproc", "2", "--seq-len", "32"], "retrieval task: seq-len (32)"),
     (["--nproc", "2", "--data", "/nonexistent/file.txt"], "cannot read --data file"),
