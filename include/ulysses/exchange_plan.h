@@ -25,6 +25,8 @@ enum class Heads {
   kQuery,     // Hq heads: Q, O, query-head masks.
   kKeyValue,  // Hkv heads: K, V.
 };
+// "query" or "kv": a kind of heads as messages name it ("8 query heads").
+inline const char* heads_word(Heads h) { return h == Heads::kQuery ? "query" : "kv"; }
 
 // One block of one tensor, exchanged with one peer.
 struct ExchangeBlock {

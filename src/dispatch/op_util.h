@@ -19,7 +19,7 @@ using Strings = c10::ArrayRef<std::string>;
 using OptTensor = c10::optional<at::Tensor>;
 using OptTensors = c10::List<c10::optional<at::Tensor>>;
 
-// The ops spell head tensor_heads "q" and "kv".
+// The ops' codec of head kinds: "q" and "kv" (Python writes them).
 inline std::vector<Heads> parse_heads(Strings names) {
   std::vector<Heads> tensor_heads;
   for (const std::string& n : names) {
@@ -30,11 +30,11 @@ inline std::vector<Heads> parse_heads(Strings names) {
   return tensor_heads;
 }
 
-inline std::string heads_name(Heads heads) { return heads == Heads::kQuery ? "q" : "kv"; }
+inline std::string heads_arg(Heads heads) { return heads == Heads::kQuery ? "q" : "kv"; }
 
-inline std::vector<std::string> heads_names(const std::vector<Heads>& tensor_heads) {
+inline std::vector<std::string> heads_args(const std::vector<Heads>& tensor_heads) {
   std::vector<std::string> names;
-  for (Heads h : tensor_heads) names.push_back(heads_name(h));
+  for (Heads h : tensor_heads) names.push_back(heads_arg(h));
   return names;
 }
 

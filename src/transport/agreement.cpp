@@ -4,10 +4,10 @@
 #include "transport/agreement.h"
 
 #include <c10/util/Exception.h>
-#include <c10/util/hash.h>
 
 #include <sstream>
 
+#include "plan/fnv1a.h"
 #include "transport/environment.h"
 #include "transport/transfers.h"
 #include "ulysses/attention.h"
@@ -16,20 +16,7 @@
 namespace ulysses {
 namespace {
 
-using detail::heads_word;
 using detail::shape_str;
-
-// A non-negative 63-bit FNV-1a hash of `values`: ranks compare a given split through it.
-int64_t fingerprint(const std::vector<int64_t>& values) {
-  uint64_t h = 14695981039346656037ull;
-  for (int64_t v : values) {
-    for (int byte = 0; byte < 8; ++byte) {
-      h ^= (static_cast<uint64_t>(v) >> (8 * byte)) & 0xff;
-      h *= 1099511628211ull;
-    }
-  }
-  return static_cast<int64_t>(h >> 1);
-}
 
 }  // namespace
 
@@ -156,7 +143,7 @@ CallFingerprint call_fingerprint(const Group& group, const HeadPartition& heads,
   f.kv_heads = heads.kv_heads();
   f.sp_size = group.size();
   f.layout = static_cast<int64_t>(layout);
-  f.seq_split = seq ? fingerprint(seq->lengths()) : -1;
+  f.seq_split = seq ? Fnv1a().add(seq->lengths()).non_negative() : -1;  // Compared as a hash.
   // How the exchanges run depends on the group handle's options: ranks that differ would take
   // different paths (or cut messages differently) and wait on each other.
   f.pipeline_min_bytes = group.options().pipeline_min_bytes;

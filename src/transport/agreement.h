@@ -23,9 +23,6 @@ inline std::string shape_str(at::IntArrayRef sizes) {
   return os.str();
 }
 
-// Head kinds as messages name them.
-inline const char* heads_word(Heads h) { return h == Heads::kQuery ? "query" : "kv"; }
-
 // The exchange an SP group's attention calls move by without an agreement round, held by the
 // group's runtime so that every rank arms, misses and disarms alike, whatever each call's
 // arguments (Note [Reused agreement], distributed_attention.h). Calls on one group are issued

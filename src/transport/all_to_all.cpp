@@ -11,7 +11,6 @@
 namespace ulysses {
 namespace {
 
-using detail::heads_word;
 using detail::shape_str;
 
 // The sequence -> heads exchange of `xs` on this rank (elements per (token, head) read from

@@ -7,7 +7,6 @@
 namespace ulysses {
 namespace {
 
-using detail::heads_word;
 using detail::shape_str;
 
 // The first of `parts` (one per rank) that does not hold its rank's heads `ranges[j]` in

@@ -341,7 +341,7 @@ std::vector<at::Tensor> call_scatter_heads(const std::vector<at::Tensor>& xs,
                                            const std::vector<Heads>& tensor_heads,
                                            const Sharding& plan, const Group& group) {
   static const auto op = op_handle<decltype(scatter_heads_op)>("ulysses::scatter_heads");
-  return op.call(xs, heads_names(tensor_heads), plan.heads.q_heads(), plan.heads.kv_heads(),
+  return op.call(xs, heads_args(tensor_heads), plan.heads.q_heads(), plan.heads.kv_heads(),
                  plan.seq.lengths(), to_string(plan.layout), op_group_name(group),
                  options_to_ints(group.options()), /*agree=*/false, {}, {}, false, 0.0, false, true,
                  0, 0.0, {});
@@ -353,7 +353,7 @@ std::vector<at::Tensor> call_scatter_head_parts(const std::vector<std::vector<at
   static const auto op = op_handle<decltype(scatter_head_parts_op)>("ulysses::scatter_head_parts");
   std::vector<at::Tensor> flat;
   for (const auto& p : parts) flat.insert(flat.end(), p.begin(), p.end());
-  return op.call(flat, heads_names(tensor_heads), plan.heads.q_heads(), plan.heads.kv_heads(),
+  return op.call(flat, heads_args(tensor_heads), plan.heads.q_heads(), plan.heads.kv_heads(),
                  plan.seq.lengths(), to_string(plan.layout), op_group_name(group),
                  options_to_ints(group.options()), /*agree=*/false, {}, {}, false, 0.0, false, true,
                  0, 0.0, {});
@@ -370,7 +370,7 @@ std::vector<at::Tensor> call_scatter_agreed(const std::vector<std::vector<at::Te
   std::vector<at::Tensor> flat;
   for (const auto& t : qkv) flat.insert(flat.end(), t.begin(), t.end());
   return (form == HeadForm::kParts ? by_part : whole)
-      .call(flat, heads_names(tensor_heads), q_heads, kv_heads, seq.lengths(), to_string(layout),
+      .call(flat, heads_args(tensor_heads), q_heads, kv_heads, seq.lengths(), to_string(layout),
             op_group_name(group), options_to_ints(group.options()), /*agree=*/true, options.mask,
             options.positions, options.causal, options.scale, options.step_context,
             options.mask_check == CallOptions::MaskCheck::kAgreement, options.window,
@@ -384,7 +384,7 @@ std::vector<at::Tensor> call_gather_heads(const std::vector<at::Tensor>& ys,
   static const auto gather_parts =
       op_handle<decltype(gather_heads_op)>("ulysses::gather_head_parts");
   return (form == HeadForm::kParts ? gather_parts : gather)
-      .call(ys, heads_names(tensor_heads), plan.heads.q_heads(), plan.heads.kv_heads(),
+      .call(ys, heads_args(tensor_heads), plan.heads.q_heads(), plan.heads.kv_heads(),
             plan.seq.lengths(), to_string(plan.layout), op_group_name(group),
             options_to_ints(group.options()));
 }

@@ -103,8 +103,6 @@ at::Tensor columns(const at::Tensor& w, const Sharding& plan, int j, int64_t D) 
   return w.narrow(1, r.begin * D, r.size() * D);
 }
 
-const char* heads_name(Heads h) { return h == Heads::kQuery ? "query" : "kv"; }
-
 // This rank's checks of scatter_projected's inputs against `heads` (x holding `tokens`
 // tokens); returns each projection's head dim.
 std::vector<int64_t> check_input_projections(const char* op, const at::Tensor& x,
@@ -121,7 +119,7 @@ std::vector<int64_t> check_input_projections(const char* op, const at::Tensor& x
     const int64_t H = p.heads == Heads::kQuery ? heads.q_heads() : heads.kv_heads();
     TORCH_CHECK_VALUE(p.weight.defined() && p.weight.dim() == 2 && p.weight.size(1) == x.size(2) &&
                           p.weight.size(0) % H == 0 && p.weight.size(0) > 0,
-                      op, ": projection ", t, "'s weight must be [", H, " ", heads_name(p.heads),
+                      op, ": projection ", t, "'s weight must be [", H, " ", heads_word(p.heads),
                       " heads x D, ", x.size(2), "]; got ",
                       p.weight.defined() ? c10::str(p.weight.sizes()) : "undefined");
     TORCH_CHECK_VALUE(!p.bias || (p.bias->dim() == 1 && p.bias->size(0) == p.weight.size(0)), op,

@@ -197,7 +197,7 @@ std::vector<at::Tensor> call_scatter_projected(const at::Tensor& x,
   for (const HeadProjection& p : projections) {
     weights.push_back(p.weight);
     biases.push_back(p.bias);
-    heads.push_back(heads_name(p.heads));
+    heads.push_back(heads_arg(p.heads));
   }
   return op.call(x, weights, biases, heads, plan.heads.q_heads(), plan.heads.kv_heads(),
                  plan.seq.lengths(), op_group_name(group), options_to_ints(group.options()),
