@@ -66,38 +66,32 @@ class StepContext {
   // splits_documents(positions) (attention.h), read once per (positions, version): on a GPU
   // each read waits for the device, so a step's layers share one.
   bool splits_documents(const at::Tensor& positions);
-  // Collectives saved by reuse so far (for tests and logs).
+  // Collectives saved by the cache so far (rebuilt masks, gathered ids served again).
   int64_t reuses() const { return reuses_; }
+  // Agreement rounds this context's calls skipped (Note [Reused agreement]).
+  int64_t agreements_reused() const { return agreements_reused_; }
   const Group& group() const { return group_; }
 
-  // Agreement rounds this context's calls skipped (Note [Reused agreement]): for tests and logs.
-  int64_t agreements_reused() const { return agreements_reused_; }
-  void count_agreement_reused() { ++agreements_reused_; }
-
  private:
-  struct Entry {
-    at::Tensor source;                 // Held so its identity cannot be reused while cached.
-    int64_t version = 0;               // source's version counter when cached.
-    std::vector<Range> q_ranges;       // The head split the result was built for.
-    std::vector<int64_t> seq_lengths;  // The sequence split likewise.
-    int64_t keys = -1;                 // The ring layout's S (-1: no ring).
-    at::Tensor result;
-  };
-  at::Tensor lookup(std::vector<Entry>& entries, const at::Tensor& source,
-                    const std::vector<Range>& q_ranges, const SequencePartition& seq, int64_t keys,
-                    const std::function<at::Tensor()>& build);
-  Group group_;
-  std::vector<Entry> masks_;      // Rebuilt masks of this step.
-  std::vector<Entry> positions_;  // Gathered position ids of this step.
-  std::vector<Entry> documents_;  // Ring document ids of this step.
-  struct Split {
-    at::Tensor source;  // Held, as Entry::source.
+  // The orchestration (src/attention/distributed_attention.cpp) counts the rounds it skipped.
+  friend struct StepContextAccess;
+  // What a cached result was made from: its kind, its source tensor (held, so its identity
+  // cannot be reused while cached) at a version, and the split it was built for.
+  struct Key {
+    enum class Kind { kMask, kPositions, kRingDocuments, kSplitsDocuments } kind;
+    at::Tensor source;
     int64_t version = 0;
-    bool splits = false;
+    std::vector<Range> q_ranges;       // The head split (empty: any).
+    std::vector<int64_t> seq_lengths;  // The sequence split (empty: any).
+    int64_t keys = -1;                 // The ring layout's S (-1: no ring).
+    bool matches(const Key& other) const;
   };
-  std::vector<Split> splits_;  // splits_documents of this step's position ids.
-  int64_t reuses_ = 0;         // Cache hits so far.
-  int64_t agreements_reused_ = 0;
+  // build(), made once per `key` this step.
+  at::Tensor once(Key key, const std::function<at::Tensor()>& build);
+  Group group_;
+  std::vector<std::pair<Key, at::Tensor>> cache_;  // This step's results, in order made.
+  int64_t reuses_ = 0;                             // Cache hits so far.
+  int64_t agreements_reused_ = 0;                  // Note [Reused agreement].
 };
 
 // Options of a DistributedAttention.

@@ -26,7 +26,6 @@ from . import ops as O
 from .plans import head_plan
 
 LocalAttention = Callable[..., torch.Tensor]
-_KERNELS = tuple(_C.local_kernels())  # The C++ names (attention.h LocalKernel).
 
 
 class StepContext:
@@ -36,8 +35,9 @@ class StepContext:
     once per layer, and later layers reuse the first one's agreement round (CPU tensors: each
     call's exchange carries a small index instead; a call that differs agrees again). Entries
     are keyed by the source tensor's identity and version counter, so a mask changed in place is
-    rebuilt. Create one per forward step (eager mode; ignored while
-    compiling). The cache is the C++ ``StepContext`` (include/ulysses/distributed_attention.h).
+    rebuilt. Create one per forward step (eager mode; ignored while compiling). The tensors are
+    cached in the C++ ``StepContext`` (include/ulysses/distributed_attention.h); :meth:`once`
+    caches what Python derives (Python objects) beside it, by the same key.
     """
 
     def __init__(self) -> None:
@@ -137,8 +137,8 @@ class DistributedAttention(nn.Module):
                 raise ValueError(f"DistributedAttention: a callable local attention takes no {name}; give "
                                  f"local='auto', 'fused' or 'math' with {name}=, or apply it inside the "
                                  f"callable ({name}=None)")
-        if not callable(local) and local not in _KERNELS:
-            raise ValueError(f"DistributedAttention: local must be one of {', '.join(_KERNELS)} or a "
+        if not callable(local) and local not in O.LOCAL_KERNELS:
+            raise ValueError(f"DistributedAttention: local must be one of {', '.join(O.LOCAL_KERNELS)} or a "
                              f"callable; got {local!r}")
         self.group_name = G.group_name(group)
         G.with_cpu_backend(self.group_name, timeout)  # The agreement's integers stay on the host.
@@ -160,6 +160,7 @@ class DistributedAttention(nn.Module):
         self.softcap = softcap
         self.local = local
         self.timeout_ms = G.timeout_ms(timeout)
+        self._options = G.group_options(self.timeout_ms)  # The ops' group_options.
         self.q_heads, self.kv_heads = q_heads, kv_heads
         self._kv_maps: dict[tuple[int, int], list[int]] = {}  # This rank's kv map by head counts.
         if q_heads is not None:  # Fail fast on an invalid setup (kv heads may come later).
@@ -208,7 +209,7 @@ class DistributedAttention(nn.Module):
                                  "under torch.no_grad()", self.group_name, self.timeout_ms)
             return self._forward_with(local, q, k, v, mask, position_ids, hq, hkv, seq_lens, step, sinks)
         o = torch.ops.ulysses.attention(q, k, v, mask, position_ids, hq, hkv, seq_lens, self.layout, self.causal,
-                             self._scale(), self.local, self.group_name, [self.timeout_ms], self.ring_name,
+                             self._scale(), self.local, self.group_name, self._options, self.ring_name,
                              self._step(step), window=self.window,
                              softcap=self.softcap, sinks=sinks)
         self.q_heads, self.kv_heads = hq, hkv  # This instance's from the first call on.
@@ -235,7 +236,7 @@ class DistributedAttention(nn.Module):
         q, k, v = (list(_under_autocast(*parts)) for parts in (q, k, v))
         return torch.ops.ulysses.attention_parts(list(q), list(k), list(v), mask, position_ids, self.q_heads,
                                       self.kv_heads, seq_lens, self.layout, self.causal, self._scale(),
-                                      self.local, self.group_name, [self.timeout_ms], self.ring_name,
+                                      self.local, self.group_name, self._options, self.ring_name,
                                       self._step(step), window=self.window,
                              softcap=self.softcap, sinks=sinks)
 
@@ -285,28 +286,20 @@ class DistributedAttention(nn.Module):
                                      softcap=self.softcap)
         return None
 
-    @staticmethod
-    def _splits_documents(positions: torch.Tensor, step: StepContext | None) -> bool:
-        # Reads the ids on the host (a device sync on GPUs): once per step with a StepContext,
-        # whose gathered ids are one tensor for every layer.
-        if step is None:
-            return _C.splits_documents(positions)
-        return bool(step.once(positions, "splits_documents", lambda: _C.splits_documents(positions)))
-
     def _forward_with(self, local, q, k, v, mask, positions, hq, hkv, seq_lens, step, sinks=None):
         """forward with a local attention in Python: the orchestration's first half
         (``attention_heads``), ``local``, then the exchange back."""
         if not seq_lens:
             seq_lens = O.sequence_lengths(q, self.seq_dim, self.group_name, self.timeout_ms / 1000)
         heads = torch.ops.ulysses.attention_heads(q, k, v, mask, positions, hq, hkv, seq_lens, self.layout,
-                                       self.causal, self._scale(), self.group_name, [self.timeout_ms],
+                                       self.causal, self._scale(), self.group_name, self._options,
                                        self._step(step), window=self.window, softcap=self.softcap,
                                        sinks=sinks)
         qh, kh, vh, rest = heads[0], heads[1], heads[2], list(heads[3:])
         m = rest.pop(0) if mask is not None else None
-        p = rest.pop(0) if positions is not None else None
-        if p is not None and not torch.compiler.is_compiling() and not self._splits_documents(p, step):
-            p = None  # One document per row: no rule, as the library's own kernels see it.
+        # Ids that split no row into documents come back dropped (no rule: the C++ orchestration's).
+        kept = len(rest) > (sinks is not None)
+        p = rest.pop(0) if positions is not None and kept else None
         kv_map = self._kv_map(hq, hkv)
         if callable(self.local):
             if self.window or self.softcap:  # Agreed above: every rank raises alike.
@@ -318,5 +311,5 @@ class DistributedAttention(nn.Module):
         o = o.permute(self._from_bhsd)
         self.q_heads, self.kv_heads = hq, hkv
         return torch.ops.ulysses.gather_heads([o], ["q"], hq, hkv, seq_lens, self.layout, self.group_name,
-                                   [self.timeout_ms])[0]
+                                   self._options)[0]
 

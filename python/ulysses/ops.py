@@ -15,6 +15,8 @@ from . import _C
 from .groups import GroupLike, Timeout, group_name, group_options
 
 _ops = torch.ops.ulysses
+#: The local attention kernels by name, "auto" first (C++ LocalKernel, attention.h).
+LOCAL_KERNELS: tuple[str, ...] = tuple(_C.local_kernels())
 
 
 # ---- sequence_lengths ---------------------------------------------------------------------

@@ -1,5 +1,6 @@
 #include "ulysses/distributed_attention.h"
 
+#include <ATen/FunctionalTensorWrapper.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -18,55 +19,61 @@
 
 namespace ulysses {
 
-at::Tensor StepContext::lookup(std::vector<Entry>& entries, const at::Tensor& source,
-                               const std::vector<Range>& q_ranges, const SequencePartition& seq,
-                               int64_t keys, const std::function<at::Tensor()>& build) {
-  for (const Entry& e : entries) {
-    if (e.source.is_same(source) && e.version == source._version() && e.q_ranges == q_ranges &&
-        e.seq_lengths == seq.lengths() && e.keys == keys) {
-      ++reuses_;
-      return e.result;
+bool StepContext::Key::matches(const Key& other) const {
+  return kind == other.kind && source.is_same(other.source) && version == other.version &&
+         q_ranges == other.q_ranges && seq_lengths == other.seq_lengths && keys == other.keys;
+}
+
+at::Tensor StepContext::once(Key key, const std::function<at::Tensor()>& build) {
+  key.version = static_cast<int64_t>(key.source._version());
+  for (const auto& [held, result] : cache_) {
+    if (held.matches(key)) {
+      if (key.kind != Key::Kind::kSplitsDocuments) ++reuses_;  // A collective saved.
+      return result;
     }
   }
-  Entry e{source, static_cast<int64_t>(source._version()), q_ranges, seq.lengths(), keys, build()};
-  entries.push_back(e);
-  return e.result;
+  cache_.emplace_back(std::move(key), build());
+  return cache_.back().second;
 }
 
 at::Tensor StepContext::rebuilt_mask(const at::Tensor& mask, const Sharding& plan,
                                      const RingLayout* layout, int64_t sp_rank) {
   // A head-shared mask does not depend on the head split: one entry serves every instance.
   const bool shared = mask_shared_across_heads(mask.sizes().vec());
-  const std::vector<Range> key = shared ? std::vector<Range>{} : plan.heads.q_ranges();
+  std::vector<Range> heads = shared ? std::vector<Range>{} : plan.heads.q_ranges();
   if (layout) {
     // Which rows a ring rank's mask holds depends on its SP rank: part of the key.
-    std::vector<Range> ring_key = key;
-    ring_key.push_back({sp_rank, sp_rank});
-    return lookup(masks_, mask, ring_key, plan.seq, layout->seq_len(),
-                  [&] { return rebuild_ring_mask(mask, plan, *layout, sp_rank, group_); });
+    heads.push_back({sp_rank, sp_rank});
+    return once({Key::Kind::kMask, mask, 0, heads, plan.seq.lengths(), layout->seq_len()},
+                [&] { return rebuild_ring_mask(mask, plan, *layout, sp_rank, group_); });
   }
-  return lookup(masks_, mask, key, plan.seq, -1, [&] { return rebuild_mask(mask, plan, group_); });
+  return once({Key::Kind::kMask, mask, 0, heads, plan.seq.lengths()},
+              [&] { return rebuild_mask(mask, plan, group_); });
 }
 
 at::Tensor StepContext::gathered_positions(const at::Tensor& positions,
                                            const SequencePartition& seq) {
-  return lookup(positions_, positions, {}, seq, -1,
-                [&] { return all_gather_sequence(positions, -1, seq, group_); });
+  return once({Key::Kind::kPositions, positions, 0, {}, seq.lengths()},
+              [&] { return all_gather_sequence(positions, -1, seq, group_); });
 }
 
 at::Tensor StepContext::ring_documents(const at::Tensor& positions, const RingLayout& layout,
                                        const Group& ring) {
-  return lookup(documents_, positions, {}, SequencePartition::from_lengths(layout.ring_lengths()),
-                layout.seq_len(), [&] { return ring_document_ids(positions, layout, ring); });
+  return once(
+      {Key::Kind::kRingDocuments, positions, 0, {}, layout.ring_lengths(), layout.seq_len()},
+      [&] { return ring_document_ids(positions, layout, ring); });
 }
 
 bool StepContext::splits_documents(const at::Tensor& positions) {
-  for (const Split& s : splits_)
-    if (s.source.is_same(positions) && s.version == positions._version()) return s.splits;
-  splits_.push_back({positions, static_cast<int64_t>(positions._version()),
-                     ulysses::splits_documents(positions)});
-  return splits_.back().splits;
+  return once({Key::Kind::kSplitsDocuments, positions},
+              [&] { return at::scalar_tensor(ulysses::splits_documents(positions), at::kBool); })
+      .item<bool>();
 }
+
+// The orchestration's access to a StepContext's counter of skipped agreement rounds.
+struct StepContextAccess {
+  static void count_agreement_reused(StepContext& step) { ++step.agreements_reused_; }
+};
 
 namespace {
 
@@ -188,6 +195,13 @@ std::vector<at::Tensor> agree_and_exchange(
   return heads;
 }
 
+// Whether `t` has values the host can read: not a tensor being traced (a fake or functional
+// tensor of torch.compile) and not on the meta device.
+bool readable_on_host(const at::Tensor& t) {
+  return !t.is_meta() && !t.unsafeGetTensorImpl()->is_python_dispatch() &&
+         !at::functionalization::impl::isFunctionalTensor(t);
+}
+
 // Whether a call just agreed may arm its group: facts every rank agreed on, alike everywhere
 // (Note [Reused agreement]).
 bool may_reuse(const CallOptions& options, const Sharding& plan, const at::Tensor& q) {
@@ -297,7 +311,7 @@ AttentionHeads attend_heads(const AttentionCall& call,
     if (auto moved = exchange_as_agreed(call, qkv, hq, hkv, options, armed)) {
       heads = std::move(*moved);
       plan = armed.armed()->plan;
-      if (step) step->count_agreement_reused();
+      if (step) StepContextAccess::count_agreement_reused(*step);
     }
   }
   const bool agreed_now = !plan;
@@ -345,6 +359,14 @@ AttentionHeads attend_heads(const AttentionCall& call,
     out.ring_documents = step ? step->ring_documents(*args.positions, *out.ring, call.ring)
                               : ring_document_ids(*args.positions, *out.ring, call.ring);
     args.positions.reset();
+  } else if (args.positions && readable_on_host(*args.positions)) {
+    // Ids that split no row into documents add no rule: the kernel runs as if none were given
+    // (no document mask on SDPA, no flex for them). Every rank gathered the same ids, so every
+    // rank drops them. With a StepContext the gathered ids are one tensor for the step's
+    // layers: read once. A traced call keeps them (its ids have no values to read).
+    const bool splits =
+        step ? step->splits_documents(*args.positions) : splits_documents(*args.positions);
+    if (!splits) args.positions.reset();
   }
   return out;
 }
@@ -358,13 +380,6 @@ std::vector<at::Tensor> attend(const AttentionCall& call,
   if (h.ring) {
     o = ring_attention(h.args, *h.ring, h.ring_documents, call.ring);
   } else {
-    // Ids that split no row into documents add no rule: the kernel runs as if none were given
-    // (no document mask on SDPA). Every rank gathered the same ids, so every rank drops them.
-    // With a StepContext the gathered ids are one tensor for the step's layers: read once.
-    const auto splits = [&](const at::Tensor& p) {
-      return call.step ? call.step->splits_documents(p) : splits_documents(p);
-    };
-    if (h.args.positions && !splits(*h.args.positions)) h.args.positions.reset();
     o = call.local ? (*call.local)(h.args) : local_attention(h.args, call.kernel);
   }
   o = o.permute(from_bhsd(call.layout));

@@ -209,7 +209,8 @@ std::vector<at::Tensor> attention_parts_op(
 
 // The orchestration up to local attention, for a local attention of the caller's (a Python
 // callable, or flex): [q, k, v] on this rank's heads over the whole sequence (BHSD), then the
-// rebuilt mask, the gathered position ids and this rank's heads' sinks, each where given.
+// rebuilt mask, the gathered position ids and this rank's heads' sinks, each where given, but
+// the position ids not where they split no row into documents (then they add no rule).
 std::vector<at::Tensor> attention_heads_op(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask,
     const OptTensor& positions, int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_lens,

@@ -90,11 +90,11 @@ def test_each_floor_registers_its_own_ops(floor):
 def test_python_reads_the_rules_from_cpp():
     """The rules with a home in C++ are read through _C: no copy of their values in Python."""
     import ulysses
-    from ulysses import _C, attention, groups, tiled
+    from ulysses import _C, groups, ops, tiled
 
     assert tiled.IGNORE_INDEX == _C.IGNORE_INDEX == -100
     assert groups.DEFAULT_TIMEOUT.total_seconds() * 1000 == _C.DEFAULT_TIMEOUT_MS
-    assert attention._KERNELS == tuple(_C.local_kernels())
+    assert ops.LOCAL_KERNELS == tuple(_C.local_kernels())
     assert tiled._tile_bounds(7, 3) == _C.even_split(7, 3) == [(0, 3), (3, 5), (5, 7)]
     assert ulysses.plan(5, 5, 3, seq_len=7)["seq_lens"] == [3, 2, 2]  # The same rule for tokens.
     sources = "\n".join(p.read_text() for p in (ROOT / "python" / "ulysses").glob("*.py"))
