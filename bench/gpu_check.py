@@ -22,7 +22,7 @@ number) and summary.txt (a line per result):
    the projected exchange round trip (point-to-point: on CPU tensors only, since Gloo's
    send/recv take host memory), and a tiny Llama through ulysses.hf against the unsharded
    model.
-4. checkpoint: ulysses.tiled.checkpoint(offload=True) over layers with dropout: gradients equal
+4. checkpoint: ulysses.tiled.checkpoint(mode="offload") over layers with dropout: gradients equal
    the plain run's under the same seed; on CUDA the peak memory is lower.
 5. layer: DistributedAttention at P = 1, bf16, causal, Hq 32 / Hkv 8,
    D 128, at S = 32K, 64K, 128K (--quick: 8K; on CPU a small fp32 case): fwd+bwd time and
@@ -421,7 +421,7 @@ def checkpoint_part(device: torch.device, quick: bool) -> dict:
         with tiled.offload_scope():
             h = x
             for b in blocks:
-                h = tiled.checkpoint(b, h, offload=True) if checkpointed else b(h)
+                h = tiled.checkpoint(b, h, mode="offload") if checkpointed else b(h)
             (h.float() ** 2).mean().backward()
         synchronize(device)
         return [x.grad] + [p.grad.clone() for p in params], peak_mib(device, base)

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "plan/fnv1a.h"
+#include "training/offloaded_bytes.h"
 #include "ulysses/collective_recorder.h"
 #include "ulysses/distributed_attention.h"
 #include "ulysses/flash_attention.h"
@@ -289,6 +290,23 @@ void bind_rules(py::module_& m) {
       "larger (the rule of every head, token and tile split).");
   m.def("tile_count", &tile_count, py::arg("rows"), py::arg("tile_rows"),
         "Tiles of at most tile_rows rows covering rows rows (at least 1).");
+  m.def("loss_tile_count", &loss_tile_count, py::arg("rows"), py::arg("vocab"),
+        py::arg("tile_bytes"),
+        "Tiles of a tiled loss over rows rows of vocab classes, each holding at most tile_bytes "
+        "of fp32 logits.");
+  m.def(
+      "checkpoint_modes",
+      [] {
+        std::vector<std::string> names;
+        for (Checkpoint c : {Checkpoint::kNone, Checkpoint::kRecompute, Checkpoint::kOffload})
+          names.push_back(to_string(c));
+        return names;
+      },
+      "How a checkpointed layer keeps its input: \"none\", \"recompute\", \"offload\".");
+  m.def("offloaded_bytes", &offloaded_bytes,
+        "Bytes of host memory that offloaded checkpoints (C++ and Python) hold now.");
+  m.def("count_offloaded_bytes", &count_offloaded_bytes, py::arg("delta"),
+        "Adds `delta` bytes (negative: released) to offloaded_bytes.");
   m.def("target_problem", &target_problem, py::arg("targets"), py::arg("vocab"),
         py::arg("ignore_index"), py::arg("who"), py::arg("name"),
         "What is wrong with the labels of a loss over vocab classes, or \"\".");
@@ -343,6 +361,7 @@ void bind_rules(py::module_& m) {
       "Hybrid ring attention runs the fused kernel (local \"\": a callable; raises ValueError).");
   m.attr("DEFAULT_TIMEOUT_MS") = GroupOptions{}.timeout.count();
   m.attr("IGNORE_INDEX") = kIgnoreIndex;
+  m.attr("LOSS_TILE_BYTES") = kLossTileBytes;
 }
 
 }  // namespace

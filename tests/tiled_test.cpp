@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include "testing.h"
+#include "training/offloaded_bytes.h"
 
 namespace ulysses {
 namespace {

@@ -99,16 +99,11 @@ TrainOptions parse_train_options(const Argv& argv) {
     throw UsageError("option --local must be auto, fused, sdpa or math; got '" +
                      args.str("--local") + "'");
   }
-  const std::string checkpoint = args.str("--checkpoint");
-  if (checkpoint == "none") {
-    o.model.checkpoint = Checkpoint::kNone;
-  } else if (checkpoint == "recompute") {
-    o.model.checkpoint = Checkpoint::kRecompute;
-  } else if (checkpoint == "offload") {
-    o.model.checkpoint = Checkpoint::kOffload;
-  } else {
-    throw UsageError("option --checkpoint must be none, recompute or offload; got '" + checkpoint +
-                     "'");
+  try {
+    o.model.checkpoint = parse_checkpoint(args.str("--checkpoint"));
+  } catch (const c10::Error&) {
+    throw UsageError("option --checkpoint must be none, recompute or offload; got '" +
+                     args.str("--checkpoint") + "'");
   }
   o.group = group_options(args);
   return o;
@@ -170,11 +165,9 @@ std::string describe(const RingLayout& layout) {
 }
 
 std::string memory_line(const ModelConfig& m) {
-  static const char* kNames[] = {"none", "recompute", "offload"};
   std::vector<std::string> parts;
   if (m.tiled) parts.push_back("tiled");
-  if (m.checkpoint != Checkpoint::kNone)
-    parts.push_back(std::string("checkpoint ") + kNames[static_cast<int>(m.checkpoint)]);
+  if (m.checkpoint != Checkpoint::kNone) parts.push_back("checkpoint " + to_string(m.checkpoint));
   if (m.local != LocalKernel::kAuto) parts.push_back("local " + to_string(m.local));
   if (parts.empty()) return "";
   std::string line;

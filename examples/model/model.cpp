@@ -125,7 +125,7 @@ ShardedLoss TransformerImpl::loss(const TokenBatch& shard, const Group& group, S
     return sharded_cross_entropy(at::matmul(h, embed_->weight.t()), shard.labels, group);
   }
   const int64_t rows = longest_shard > 0 ? longest_shard : h.size(1);
-  const int64_t tiles = tile_count(h.size(0) * rows * config_.vocab * 4, config_.loss_tile_bytes);
+  const int64_t tiles = loss_tile_count(h.size(0) * rows, config_.vocab, config_.loss_tile_bytes);
   return sharded_linear_cross_entropy(h, embed_->weight, shard.labels, group, tiles);
 }
 

@@ -18,9 +18,6 @@
 
 namespace ulysses {
 
-// The fp32 logits one tile of the tiled loss holds by default.
-constexpr int64_t kLossTileBytes = 16 << 20;
-
 // Size of the model. Defaults make a model that trains in seconds on two cores.
 struct ModelConfig {
   int64_t vocab = 256;  // Token ids in [0, vocab).

@@ -226,8 +226,8 @@ def _refuse_incompatible(get_correct_attn_implementation):
     return checked
 
 
-CHECKPOINT_MODES = (None, "recompute", "offload")
-LOSS_TILE_BYTES = 16 << 20  # fp32 logits of one loss tile: rows = this / (4 * vocab)
+CHECKPOINT_MODES = (None, *tiled.CHECKPOINT_MODES[1:])  # None: "none"
+LOSS_TILE_BYTES: int = _C.LOSS_TILE_BYTES  # fp32 logits of one loss tile (tiled.h kLossTileBytes)
 
 
 @dataclass
@@ -270,8 +270,8 @@ def sequence_parallel(model: PreTrainedModel, group: G.GroupLike = None, *,
     ``local`` is every layer's local attention, as ``DistributedAttention`` takes it: a kernel
     name (``"auto"``, ``"fused"``, ``"sdpa"``, ``"math"``, ``"flex"``) or a callable.
     """
-    if not callable(local) and local not in _C.local_kernels():
-        raise ValueError(f"ulysses.hf: local must be one of {_C.local_kernels()} or a callable; "
+    if not callable(local) and local not in O.LOCAL_KERNELS:
+        raise ValueError(f"ulysses.hf: local must be one of {list(O.LOCAL_KERNELS)} or a callable; "
                          f"got {local!r}")
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"ulysses.hf: checkpoint must be one of {CHECKPOINT_MODES}; got {checkpoint!r}")
@@ -354,7 +354,7 @@ def _forward_with_signature(model_class: type[PreTrainedModel]) -> Callable:
 def _use_our_checkpoint(model: torch.nn.Module, settings: LongSequence) -> None:
     """Layers with checkpointing on (ours, or transformers' turned on by a Trainer) run
     ulysses.tiled.checkpoint: its recompute replays the declared rows, so tiles cut alike."""
-    ours = functools.partial(tiled.checkpoint, offload=settings.checkpoint == "offload")
+    ours = functools.partial(tiled.checkpoint, mode=settings.checkpoint or "none")
     for layer in _layers(model):
         if layer.gradient_checkpointing:
             layer.__dict__["_gradient_checkpointing_func"] = ours  # a plain attribute, not a submodule
@@ -427,8 +427,7 @@ def _long_sequence_forward(model: PreTrainedModel, *args, ulysses_shift_labels: 
         _C.check_together(f"ulysses.hf: {problem}" if problem else "", G.group_name(group),
                           G.timeout_ms(model.__dict__["_ulysses_timeout"]), "ulysses.hf tiled loss labels")
         scale, softcap = _logit_rules(model.config)
-        rows = max(1, settings.loss_tile_bytes // (4 * head.weight.shape[0]))
-        tiles = tiled.tile_count(hidden.shape[0] * max(seq_lens), rows)
+        tiles = _C.loss_tile_count(hidden.shape[0] * max(seq_lens), head.weight.shape[0], settings.loss_tile_bytes)
         loss = tiled._checked_linear_cross_entropy(hidden, head.weight, ulysses_shift_labels, bias=head.bias,
                                                    tiles=tiles, ignore_index=ulysses_ignore_index, scale=scale,
                                                    softcap=softcap)

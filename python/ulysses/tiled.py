@@ -10,7 +10,7 @@ intermediate ``[S_r, I]`` and every layer's saved activations. Each has its tool
   tile by tile, never the whole logits: forward keeps each row's logsumexp, backward recomputes
   one tile's logits at a time for the gradients.
 - :func:`checkpoint` runs a layer keeping only its input and recomputes the layer in backward;
-  with ``offload=True`` that input moves to host memory by a background copy and is restored
+  with ``mode="offload"`` that input moves to host memory by a background copy and is restored
   (prefetched one layer ahead) in backward.
 
 All three are exact: each output row and each gradient is computed by the same operations as
@@ -152,67 +152,6 @@ def _one_tensor(out: Any) -> torch.Tensor:
 # ---- tiled logits + cross-entropy -------------------------------------------------------------
 
 
-def _tile_logits(h, weight, bias, scale, softcap):
-    """One tile's fp32 logits as the loss sees them; with a softcap also tanh(z / c) (its slope)."""
-    z = torch.nn.functional.linear(h, weight, bias).float()
-    if scale != 1.0:
-        z.mul_(scale)
-    if not softcap:
-        return z, None
-    capped = z.div_(softcap).tanh_()
-    return capped * softcap, capped
-
-
-class _LinearCrossEntropy(torch.autograd.Function):
-    """Sum over rows of cross_entropy(logits(hidden), labels), tile by tile. Forward keeps each
-    row's logsumexp only; backward recomputes one tile's logits at a time, so the weight's
-    gradient is made when backward reaches it, not held from forward (a [V, E] buffer)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, tiles, ignore_index, scale, softcap):  # type: ignore[override]
-        bounds = [(a, b) for a, b in _tile_bounds(hidden.shape[0], tiles) if b > a]
-        valid = labels != ignore_index
-        target = labels.masked_fill(~valid, 0)
-        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for a, b in bounds:
-            z, _ = _tile_logits(hidden[a:b], weight, bias, scale, softcap)
-            torch.logsumexp(z, dim=1, out=lse[a:b])
-            picked = z.gather(1, target[a:b, None]).squeeze(1)
-            total += torch.where(valid[a:b], lse[a:b] - picked, 0).sum()
-        ctx.save_for_backward(hidden, weight, bias, lse, valid, target)
-        ctx.bounds, ctx.scale, ctx.softcap = bounds, scale, softcap
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_total):  # type: ignore[override]
-        hidden, weight, bias, lse, valid, target = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        acc = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
-        grad_w = torch.zeros_like(weight, dtype=acc) if need_w else None
-        grad_b = torch.zeros_like(bias, dtype=acc) if need_b else None
-        for a, b in ctx.bounds:
-            h = hidden[a:b]
-            z, capped = _tile_logits(h, weight, bias, ctx.scale, ctx.softcap)
-            g = z.sub_(lse[a:b, None]).exp_()  # softmax, in place of the logits
-            g[torch.arange(b - a, device=g.device), target[a:b]] -= 1
-            g.mul_(valid[a:b, None] * grad_total)  # ignored rows score nothing
-            if capped is not None:
-                g.mul_(1 - capped.square_())
-            if ctx.scale != 1.0:
-                g.mul_(ctx.scale)
-            g = g.to(hidden.dtype)
-            if need_h:
-                torch.mm(g, weight, out=grad_h[a:b])
-            if need_w:
-                grad_w.addmm_(g.t().to(acc), h.to(acc))
-            if need_b:
-                grad_b.add_(g.sum(0, dtype=acc))
-        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
-
-
 def label_problem(hidden: torch.Tensor, vocab: int, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> str:
     """What is wrong with ``labels`` for :func:`linear_cross_entropy` over ``hidden`` and a
     ``vocab``-row weight, or "" (callers that must fail together check this first)."""
@@ -240,30 +179,25 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 
 def _checked_linear_cross_entropy(hidden, weight, labels, *, bias, tiles, ignore_index, scale, softcap):
     """:func:`linear_cross_entropy` for labels a caller has already passed through
-    :func:`label_problem` (ulysses.hf does, together with the other ranks)."""
+    :func:`label_problem` (ulysses.hf does, together with the other ranks): the C++ op
+    (tiled.h's linear_cross_entropy_sum, with its own backward)."""
     if tiles < 1:
         raise ValueError(f"linear_cross_entropy: tiles must be >= 1; got {tiles}")
-    return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1),
-                                     tiles, ignore_index, float(scale), float(softcap))
+    return torch.ops.ulysses.linear_cross_entropy_sum(hidden.reshape(-1, hidden.shape[-1]), weight,
+                                                      labels.reshape(-1), tiles, ignore_index, bias,
+                                                      float(scale), float(softcap))
 
 
 # ---- checkpointed layers with host offload ----------------------------------------------------
 
 _copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ulysses-offload")
-_live_lock = threading.Lock()
-_live_host_bytes = 0
 
 
 def live_host_bytes() -> int:
     """Bytes of host buffers that offloaded checkpoints hold now (0 once every graph that made
-    them is gone, whether its backward finished, failed or never ran)."""
-    return _live_host_bytes
-
-
-def _count_host(nbytes: int) -> None:
-    global _live_host_bytes
-    with _live_lock:
-        _live_host_bytes += nbytes
+    them is gone, whether its backward finished, failed or never ran): the one count, C++'s
+    (src/training/offloaded_bytes.h), of Python's checkpoints and the C++ ones alike."""
+    return _C.offloaded_bytes()
 
 
 class _HostCopy:
@@ -276,8 +210,8 @@ class _HostCopy:
         self.device, self.stream = x.device, stream
         self.host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=x.is_cuda)
         nbytes = self.host.numel() * self.host.element_size()
-        _count_host(nbytes)
-        weakref.finalize(self.host, _count_host, -nbytes)
+        _C.count_offloaded_bytes(nbytes)
+        weakref.finalize(self.host, _C.count_offloaded_bytes, -nbytes)
         self.done: Any
         self.restored: Future | None = None
         if x.is_cuda:
@@ -371,6 +305,10 @@ def _replay_state(device: torch.device) -> Callable[[], contextlib.AbstractConte
     return replay
 
 
+#: How a checkpointed layer keeps its input: the C++ Checkpoint's names (tiled.h), "none" first.
+CHECKPOINT_MODES: tuple[str, ...] = tuple(_C.checkpoint_modes())
+
+
 class _Checkpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, offload, x, *params):  # type: ignore[override]
@@ -436,26 +374,29 @@ def _check_no_hidden_inputs(function: Callable) -> None:
         function = function.func
 
 
-def checkpoint(function: Callable[..., Any], x: torch.Tensor, *args: Any, offload: bool = False,
+def checkpoint(function: Callable[..., Any], x: torch.Tensor, *args: Any, mode: str = "recompute",
                params: Sequence[torch.Tensor] | None = None, **kwargs: Any) -> Any:
     """``function(x, *args, **kwargs)`` keeping only ``x``: backward recomputes the layer
     (with the forward's RNG and autocast state) and returns the gradients of ``x`` and of
-    ``params`` (default: the parameters of the module ``function`` runs). With ``offload``,
-    ``x`` moves to host memory by a background copy and comes back in backward, prefetched
-    one layer ahead inside an :func:`offload_scope`.
+    ``params`` (default: the parameters of the module ``function`` runs). ``mode`` (one of
+    :data:`CHECKPOINT_MODES`): ``"recompute"``; ``"offload"``, where ``x`` moves to host memory
+    by a background copy and comes back in backward, prefetched one layer ahead inside an
+    :func:`offload_scope`; ``"none"``, the layer as it is.
 
     The gradients reach the parameters through this node, once each (so DDP's hooks see one
     gradient per parameter, as without checkpointing). Tensors in ``args``/``kwargs`` get no
     gradient; one that needs it is refused."""
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"ulysses.tiled.checkpoint: mode must be one of {', '.join(CHECKPOINT_MODES)}; got {mode!r}")
     run = functools.partial(function, *args, **kwargs) if args or kwargs else function
     _check_no_hidden_inputs(run)
-    if not torch.is_grad_enabled():
+    if mode == "none" or not torch.is_grad_enabled():
         return run(x)
     if params is None:
         module = _module_of(function)
         params = [] if module is None else [p for p in module.parameters() if p.requires_grad]
-    return _Checkpoint.apply(run, offload, x, *params)
+    return _Checkpoint.apply(run, mode == "offload", x, *params)
 
 
-__all__ = ["checkpoint", "current_rows", "label_problem", "linear_cross_entropy", "live_host_bytes", "offload_scope",
-           "sequence_rows", "tile_count", "tiled_mlp"]
+__all__ = ["CHECKPOINT_MODES", "checkpoint", "current_rows", "label_problem", "linear_cross_entropy", "live_host_bytes",
+           "offload_scope", "sequence_rows", "tile_count", "tiled_mlp"]

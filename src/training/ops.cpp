@@ -19,6 +19,7 @@
 #include "ulysses/mesh_plan.h"
 #include "ulysses/ring_attention.h"
 #include "ulysses/sharding.h"
+#include "ulysses/tiled.h"
 
 namespace ulysses {
 namespace {
@@ -69,6 +70,14 @@ std::tuple<at::Tensor, at::Tensor> token_mean_op(const at::Tensor& token_sum,
   return {loss.loss, at::scalar_tensor(loss.global_loss, loss.loss.options())};
 }
 
+at::Tensor linear_cross_entropy_sum_op(const at::Tensor& hidden, const at::Tensor& weight,
+                                       const at::Tensor& targets, int64_t tiles,
+                                       int64_t ignore_index, const OptTensor& bias, double scale,
+                                       double softcap) {
+  return linear_cross_entropy_sum(hidden, weight, targets, tiles, ignore_index, bias, scale,
+                                  softcap);
+}
+
 void all_reduce_gradients_op(at::TensorList grads, const std::string& group_name,
                              c10::IntArrayRef group_options) {
   all_reduce_gradients(grads.vec(), group_of_op(group_name, group_options));
@@ -90,6 +99,11 @@ TORCH_LIBRARY_FRAGMENT(ulysses, m) {
       "token_mean(Tensor token_sum, Tensor targets, str group, int[] group_options, "
       "int ignore_index=-100) -> (Tensor, Tensor)");
   m.def("all_reduce_gradients(Tensor(a!)[] grads, str group, int[] group_options) -> ()");
+  // Tiled linear cross-entropy (tiled.h): the summed loss of hidden [N, E] through weight [V, E]
+  // against targets [N], `tiles` row tiles at a time; its own backward (eager only).
+  m.def(
+      "linear_cross_entropy_sum(Tensor hidden, Tensor weight, Tensor targets, int tiles, "
+      "int ignore_index=-100, Tensor? bias=None, float scale=1., float softcap=0.) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ulysses, CompositeExplicitAutograd, m) {
@@ -100,6 +114,7 @@ TORCH_LIBRARY_IMPL(ulysses, CompositeImplicitAutograd, m) {
   m.impl("shard_batch", &shard_batch_op);
   m.impl("sharded_cross_entropy", &sharded_cross_entropy_op);
   m.impl("token_mean", &token_mean_op);
+  m.impl("linear_cross_entropy_sum", &linear_cross_entropy_sum_op);
 }
 
 }  // namespace ulysses

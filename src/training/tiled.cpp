@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "dispatch/autograd.h"
+#include "training/offloaded_bytes.h"
 #include "ulysses/partition.h"
 
 namespace ulysses {
@@ -25,6 +26,8 @@ namespace ulysses {
 namespace {
 
 std::atomic<int64_t> live_offload_bytes{0};
+
+constexpr const char* kCheckpointNames[] = {"none", "recompute", "offload"};
 
 bool needs_backward(const std::vector<at::Tensor>& inputs) {
   return at::GradMode::is_enabled() && torch::autograd::compute_requires_grad(inputs);
@@ -116,7 +119,7 @@ class GeneratorReplay {
 class HostCopy {
  public:
   explicit HostCopy(const at::Tensor& x) : device_(x.device()), bytes_(x.nbytes()) {
-    live_offload_bytes += bytes_;
+    count_offloaded_bytes(bytes_);
     if (x.is_cpu()) {
       pending_ = std::async(std::launch::async, [x] { return x.clone(); });
       return;
@@ -137,7 +140,7 @@ class HostCopy {
     copied_->record(side);
   }
   // A pending copy is waited for here (std::async's future), so the worker never outlives it.
-  ~HostCopy() { live_offload_bytes -= bytes_; }
+  ~HostCopy() { count_offloaded_bytes(-bytes_); }
   HostCopy(const HostCopy&) = delete;
   HostCopy& operator=(const HostCopy&) = delete;
 
@@ -238,22 +241,30 @@ at::Tensor tiled_map(const TensorFunction& f, const at::Tensor& x, int64_t tiles
 }
 
 at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight,
-                                    const at::Tensor& targets, int64_t tiles,
-                                    int64_t ignore_index) {
+                                    const at::Tensor& targets, int64_t tiles, int64_t ignore_index,
+                                    const c10::optional<at::Tensor>& bias, double scale,
+                                    double softcap) {
   TORCH_CHECK_VALUE(hidden.dim() == 2 && weight.dim() == 2 && targets.dim() == 1 &&
-                        hidden.size(0) == targets.size(0) && hidden.size(1) == weight.size(1),
-                    "linear_cross_entropy_sum: hidden [N, E], weight [V, E] and targets [N] "
-                    "expected; got ",
-                    hidden.sizes(), ", ", weight.sizes(), " and ", targets.sizes());
+                        hidden.size(0) == targets.size(0) && hidden.size(1) == weight.size(1) &&
+                        (!bias || bias->sizes() == at::IntArrayRef{weight.size(0)}),
+                    "linear_cross_entropy_sum: hidden [N, E], weight [V, E], bias [V] or none and "
+                    "targets [N] expected; got ",
+                    hidden.sizes(), ", ", weight.sizes(), ", ",
+                    bias ? bias->sizes() : at::IntArrayRef{}, " and ", targets.sizes());
   TORCH_CHECK_VALUE(tiles >= 1, "linear_cross_entropy_sum: tiles must be >= 1; got ", tiles);
+  TORCH_CHECK_VALUE(softcap >= 0, "linear_cross_entropy_sum: softcap must be >= 0; got ", softcap);
   const int64_t N = hidden.size(0), V = weight.size(0);
   check_targets(targets, V, ignore_index, "linear_cross_entropy_sum");
   const std::vector<Range> ranges = tile_ranges(N, tiles);
   const at::Tensor valid = targets.ne(ignore_index);
   const at::Tensor picked = targets.masked_fill(valid.logical_not(), 0);
-  // The fp32 logits of rows [s, s + n).
-  auto logits = [](const at::Tensor& h, const at::Tensor& w) {
-    return at::matmul(h, w.t()).to(at::kFloat);
+  // One tile's fp32 logits as the loss sees them, and with a softcap tanh(z / c) (its slope).
+  auto logits = [=](const at::Tensor& h) -> std::pair<at::Tensor, at::Tensor> {
+    at::Tensor z = at::linear(h, weight, bias).to(at::kFloat);
+    if (scale != 1.0) z.mul_(scale);
+    if (softcap == 0) return {z, at::Tensor()};
+    at::Tensor capped = z.div_(softcap).tanh_();
+    return {capped * softcap, capped};
   };
   at::Tensor lse = at::empty({N}, hidden.options().dtype(at::kFloat));
   std::vector<at::Tensor> result{at::zeros({}, hidden.options().dtype(at::kFloat))};
@@ -261,34 +272,45 @@ at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& 
     at::NoGradGuard no_grad;
     for (const Range& t : ranges) {
       const int64_t s = t.begin, n = t.size();
-      const at::Tensor z = logits(hidden.narrow(0, s, n), weight);
+      const at::Tensor z = logits(hidden.narrow(0, s, n)).first;
       const at::Tensor l = at::logsumexp(z, -1);
       lse.narrow(0, s, n).copy_(l);
       const at::Tensor zy = z.gather(1, picked.narrow(0, s, n).unsqueeze(1)).squeeze(1);
       result[0] += (l - zy).masked_fill(valid.narrow(0, s, n).logical_not(), 0).sum();
     }
   }
+  std::vector<at::Tensor> inputs{hidden, weight};
+  if (bias) inputs.push_back(*bias);
   detail::attach_backward(
-      {hidden, weight}, result, "LinearCrossEntropyBackward", [=](std::vector<at::Tensor>&& grads) {
+      inputs, result, "LinearCrossEntropyBackward", [=](std::vector<at::Tensor>&& grads) {
+        at::NoGradGuard no_grad;
         const at::Tensor g = grads[0].to(at::kFloat);
         at::Tensor grad_h = hidden.requires_grad() ? at::empty_like(hidden) : at::Tensor();
-        at::Tensor grad_w = weight.requires_grad()
-                                ? at::zeros(weight.sizes(), weight.options().dtype(at::kFloat))
-                                : at::Tensor();
+        const auto fp32 = weight.options().dtype(at::kFloat);
+        at::Tensor grad_w = weight.requires_grad() ? at::zeros(weight.sizes(), fp32) : at::Tensor();
+        at::Tensor grad_b =
+            bias && bias->requires_grad() ? at::zeros(bias->sizes(), fp32) : at::Tensor();
         for (const Range& t : ranges) {
           const int64_t s = t.begin, n = t.size();
           const at::Tensor h = hidden.narrow(0, s, n);
-          // d/dz of the tile's sum: softmax(z) - onehot(y) on valid rows, times the loss grad.
-          at::Tensor dz = (logits(h, weight) - lse.narrow(0, s, n).unsqueeze(1)).exp_();
+          auto [z, capped] = logits(h);
+          // d/dz of the tile's sum: softmax(z) - onehot(y) on valid rows, times the loss grad,
+          // then through the softcap's tanh and the scale.
+          at::Tensor dz = z.sub_(lse.narrow(0, s, n).unsqueeze(1)).exp_();
           const at::Tensor y = picked.narrow(0, s, n).unsqueeze(1);
           dz.scatter_add_(1, y, at::full({n, 1}, -1.0, dz.options()));
           dz.mul_(valid.narrow(0, s, n).unsqueeze(1).to(at::kFloat) * g);
+          if (capped.defined()) dz.mul_(1 - capped.square_());
+          if (scale != 1.0) dz.mul_(scale);
           if (grad_h.defined())
             grad_h.narrow(0, s, n).copy_(at::matmul(dz.to(weight.scalar_type()), weight));
           if (grad_w.defined()) grad_w.addmm_(dz.t(), h.to(at::kFloat));
+          if (grad_b.defined()) grad_b.add_(dz.sum(0));
         }
-        return std::vector<at::Tensor>{grad_h,
-                                       grad_w.defined() ? grad_w.to(weight.scalar_type()) : grad_w};
+        std::vector<at::Tensor> out{grad_h,
+                                    grad_w.defined() ? grad_w.to(weight.scalar_type()) : grad_w};
+        if (bias) out.push_back(grad_b.defined() ? grad_b.to(bias->scalar_type()) : grad_b);
+        return out;
       });
   return result[0];
 }
@@ -318,5 +340,21 @@ at::Tensor checkpoint(const TensorFunction& f, const at::Tensor& x,
 }
 
 int64_t offloaded_bytes() { return live_offload_bytes.load(); }
+void count_offloaded_bytes(int64_t delta) { live_offload_bytes += delta; }
+
+std::string to_string(Checkpoint mode) { return kCheckpointNames[static_cast<int>(mode)]; }
+
+Checkpoint parse_checkpoint(const std::string& name) {
+  for (int i = 0; i < 3; ++i)
+    if (name == kCheckpointNames[i]) return static_cast<Checkpoint>(i);
+  TORCH_CHECK_VALUE(false, "checkpoint must be none, recompute or offload; got '", name, "'");
+}
+
+int64_t loss_tile_count(int64_t rows, int64_t vocab, int64_t tile_bytes) {
+  TORCH_CHECK_VALUE(vocab >= 1 && tile_bytes >= 1,
+                    "loss_tile_count: vocab and tile_bytes must be >= 1; got ", vocab, " and ",
+                    tile_bytes);
+  return tile_count(rows, std::max<int64_t>(1, tile_bytes / (4 * vocab)));
+}
 
 }  // namespace ulysses

@@ -134,8 +134,8 @@ def test_tiled_mlp_refuses_a_module_that_returns_a_tuple_or_hides_its_parameters
 # ---- checkpoint and offload -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_checkpointed_layers_give_the_same_gradients_bit_for_bit(offload):
+@pytest.mark.parametrize("mode", ["recompute", "offload"])
+def test_checkpointed_layers_give_the_same_gradients_bit_for_bit(mode):
     m = mlp()
     drop = torch.nn.Dropout(0.3)  # the recompute must draw the same dropout mask
 
@@ -147,9 +147,9 @@ def test_checkpointed_layers_give_the_same_gradients_bit_for_bit(offload):
     want = grads((layer(layer(x)) ** 2).sum(), [x, *m.parameters()])
     torch.manual_seed(5)
     with T.offload_scope():
-        y = T.checkpoint(layer, T.checkpoint(layer, x, offload=offload, params=list(m.parameters())),
-                         offload=offload, params=list(m.parameters()))
-    assert T.live_host_bytes() == (2 * x.numel() * 4 if offload else 0)  # each layer's input, on the host
+        y = T.checkpoint(layer, T.checkpoint(layer, x, mode=mode, params=list(m.parameters())),
+                         mode=mode, params=list(m.parameters()))
+    assert T.live_host_bytes() == (2 * x.numel() * 4 if mode == "offload" else 0)  # each layer's input, on the host
     got = grads((y**2).sum(), [x, *m.parameters()])
     for g, r in zip(got, want):
         assert torch.equal(g, r)
@@ -173,7 +173,7 @@ def test_a_failure_mid_backward_leaks_no_offloaded_buffer():
     with T.offload_scope():
         y = x
         for _ in range(3):
-            y = T.checkpoint(layer, y, offload=True, params=list(m.parameters()))
+            y = T.checkpoint(layer, y, mode="offload", params=list(m.parameters()))
     assert T.live_host_bytes() > before
     with pytest.raises(RuntimeError, match="a layer failed in backward"):
         y.sum().backward()
