@@ -174,3 +174,37 @@ def test_no_include_cycle():
 def test_the_cycle_finder_finds_cycles():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def _public_headers() -> list[Path]:
+    return sorted((ROOT / "include" / "ulysses").glob("*.h"))
+
+
+def test_the_public_api_holds_no_internals():
+    """include/ulysses/ is the API: no `detail` namespace, no friend of a detail function, and
+    no counter or hook that exists for the tests (those live in src/, which tests may include)."""
+    found = []
+    for path in _public_headers():
+        text = path.read_text()
+        code = "\n".join(line.split("//", 1)[0] for line in text.splitlines())
+        if re.search(r"\bnamespace\s+(\w+::)*detail\b", code):
+            found.append(f"{path.name}: a detail namespace")
+        if re.search(r"\bfriend\b[^;]*\bdetail::", code):
+            found.append(f"{path.name}: a friend of a detail function")
+        if re.search(r"\bfor (the )?tests\b|\btest hook", text, re.I):
+            found.append(f"{path.name}: something for the tests")
+    assert not found, "\n".join(found)
+
+
+def test_every_environment_variable_is_read_in_one_place():
+    """The library reads its ULYSSES_* variables in src/transport/environment.cpp only (the CLI's
+    test hook in its checkpoint file); each one read is declared in environment.h's list."""
+    readers = {}
+    for folder in ("src", "tools", "support", "bench", "bindings", "include"):
+        for path in (ROOT / folder).rglob("*.*"):
+            for name in re.findall(r'getenv\("(ULYSSES_\w+)"\)', path.read_text()):
+                readers.setdefault(name, set()).add(str(path.relative_to(ROOT)))
+    allowed = {"src/transport/environment.cpp", "tools/train_checkpoint.cpp"}
+    assert readers and all(paths <= allowed for paths in readers.values()), readers
+    declared = (ROOT / "src" / "transport" / "environment.h").read_text()
+    assert all(name in declared for name in readers), sorted(readers)
