@@ -354,8 +354,8 @@ void bind_rules(py::module_& m) {
   m.def(
       "check_ring_kernel",
       [](const std::string& local) {
-        const bool callable = local.empty();
-        check_ring_kernel(callable ? LocalKernel::kAuto : parse_local_kernel(local), callable);
+        check_ring_kernel(local.empty() ? c10::nullopt
+                                        : c10::optional<LocalKernel>(parse_local_kernel(local)));
       },
       py::arg("local"),
       "Hybrid ring attention runs the fused kernel (local \"\": a callable; raises ValueError).");

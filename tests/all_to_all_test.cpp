@@ -78,13 +78,13 @@ TEST_P(AllToAll, RoundTrip) {
     const Range mine = seq.range(g.rank());
     at::Tensor q = Q.narrow(sdim, mine.begin, mine.size()).contiguous();
     at::Tensor k = K.narrow(sdim, mine.begin, mine.size()).contiguous();
-    auto plan =
+    auto sharding =
         agree_plan(g, part, c.layout, {{q, Heads::kQuery, "q"}, {k, Heads::kKeyValue, "k"}});
     at::Tensor back_q =
-        gather_heads(scatter_heads(q, Heads::kQuery, plan, g), Heads::kQuery, plan, g);
+        gather_heads(scatter_heads(q, Heads::kQuery, sharding, g), Heads::kQuery, sharding, g);
     EXPECT_TRUE(back_q.equal(q)) << where(g, q);
-    at::Tensor back_k =
-        gather_heads(scatter_heads(k, Heads::kKeyValue, plan, g), Heads::kKeyValue, plan, g);
+    at::Tensor back_k = gather_heads(scatter_heads(k, Heads::kKeyValue, sharding, g),
+                                     Heads::kKeyValue, sharding, g);
     std::vector<double> copies(c.hkv, 0.0);
     for (const Range& r : part.kv_ranges())
       for (int64_t h = r.begin; h < r.end; ++h) copies[h] += 1.0;
@@ -113,27 +113,29 @@ TEST_P(AllToAll, MatchesSingleRankReference) {
       return X.narrow(sdim, mine.begin, mine.size()).contiguous().requires_grad_();
     };
     at::Tensor q = shard(Q), k = shard(K), v = shard(V);
-    auto plan = agree_plan(
+    auto sharding = agree_plan(
         g, part, c.layout,
         {{q, Heads::kQuery, "q"}, {k, Heads::kKeyValue, "k"}, {v, Heads::kKeyValue, "v"}});
     // Per-rank loss weights, reproducible on every rank: W[t][r] for tensor t on rank r.
     auto weight = [&](const at::Tensor& X, Heads h, int r, uint64_t salt) {
-      const Range hr = plan.ranges(h)[r];
+      const Range hr = sharding.ranges(h)[r];
       return seeded_randn(X.narrow(hdim, hr.begin, hr.size()).sizes(), 100 * salt + r);
     };
     for (bool fused : {false, true}) {
       std::vector<at::Tensor> ys;
       if (fused) {
-        ys = scatter_heads({q, k, v}, {Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue}, plan, g);
+        ys = scatter_heads({q, k, v}, {Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue}, sharding,
+                           g);
       } else {
-        ys = {scatter_heads(q, Heads::kQuery, plan, g), scatter_heads(k, Heads::kKeyValue, plan, g),
-              scatter_heads(v, Heads::kKeyValue, plan, g)};
+        ys = {scatter_heads(q, Heads::kQuery, sharding, g),
+              scatter_heads(k, Heads::kKeyValue, sharding, g),
+              scatter_heads(v, Heads::kKeyValue, sharding, g)};
       }
       const std::vector<at::Tensor> X{Q, K, V};
       const std::vector<Heads> kinds{Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue};
       at::Tensor loss = at::zeros({});
       for (int t = 0; t < 3; ++t) {
-        const Range hr = plan.ranges(kinds[t])[me];
+        const Range hr = sharding.ranges(kinds[t])[me];
         EXPECT_TRUE(ys[t].equal(X[t].narrow(hdim, hr.begin, hr.size())))
             << "tensor " << t << " fused=" << fused << " " << where(g, ys[t]);
         loss = loss + (ys[t] * weight(X[t], kinds[t], me, t + 1)).sum();
@@ -145,7 +147,7 @@ TEST_P(AllToAll, MatchesSingleRankReference) {
         at::Tensor full = X[t].clone().requires_grad_();
         at::Tensor ref_loss = at::zeros({});
         for (int r = 0; r < c.P; ++r) {
-          const Range hr = plan.ranges(kinds[t])[r];
+          const Range hr = sharding.ranges(kinds[t])[r];
           ref_loss =
               ref_loss +
               (full.narrow(hdim, hr.begin, hr.size()) * weight(X[t], kinds[t], r, t + 1)).sum();
@@ -174,8 +176,8 @@ TEST_P(AllToAll, GatherBackwardMatchesReference) {
     at::Tensor O = seeded_randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 21);
     at::Tensor W = seeded_randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 22);
     at::Tensor y = O.narrow(hdim, hr.begin, hr.size()).contiguous().requires_grad_();
-    Sharding plan{part, seq, c.layout};
-    at::Tensor o = gather_heads(y, Heads::kQuery, plan, g);
+    Sharding sharding{part, seq, c.layout};
+    at::Tensor o = gather_heads(y, Heads::kQuery, sharding, g);
     at::Tensor w = W.narrow(sdim, mine.begin, mine.size());
     EXPECT_TRUE(o.equal(O.narrow(sdim, mine.begin, mine.size()))) << where(g, o);
     (o * w).sum().backward();
@@ -183,15 +185,15 @@ TEST_P(AllToAll, GatherBackwardMatchesReference) {
   });
 }
 
-// A case on one rank: its plan (even sequence split) and this rank's tokens.
+// A case on one rank: its sharding (even sequence split) and this rank's tokens.
 struct OnRank {
   OnRank(const Case& c, const Group& g)
       : part(HeadPartition::make(c.hq, c.hkv, c.P)),
-        plan{part, SequencePartition::even(c.S, c.P), c.layout},
+        sharding{part, SequencePartition::even(c.S, c.P), c.layout},
         me(g.rank()),
-        mine(plan.seq.range(me)) {}
+        mine(sharding.seq.range(me)) {}
   HeadPartition part;
-  Sharding plan;
+  Sharding sharding;
   int me;
   Range mine;
 };
@@ -200,21 +202,21 @@ struct OnRank {
 void check_parts_match_whole_tensors(const Case& c, const Group& g) {
   const OnRank r(c, g);
   const HeadPartition& part = r.part;
-  const Sharding& plan = r.plan;
+  const Sharding& sharding = r.sharding;
   const int me = r.me;
   const Range mine = r.mine;
   const int64_t sdim = seq_dim(c.layout), hdim = head_dim(c.layout);
   for (Heads kind : {Heads::kQuery, Heads::kKeyValue}) {
-    const auto& ranges = plan.ranges(kind);
-    const int64_t H = plan.total(kind);
+    const auto& ranges = sharding.ranges(kind);
+    const int64_t H = sharding.total(kind);
     at::Tensor X = seeded_randn(full_shape(c.layout, c.B, c.S, H, c.D), 71);
     at::Tensor x = X.narrow(sdim, mine.begin, mine.size()).contiguous().requires_grad_();
     std::vector<at::Tensor> parts;
     for (const Range& r : ranges) {
       parts.push_back(x.detach().narrow(hdim, r.begin, r.size()).contiguous().requires_grad_());
     }
-    at::Tensor whole = scatter_heads(x, kind, plan, g);
-    at::Tensor from_parts = scatter_head_parts(parts, kind, plan, g);
+    at::Tensor whole = scatter_heads(x, kind, sharding, g);
+    at::Tensor from_parts = scatter_head_parts(parts, kind, sharding, g);
     EXPECT_TRUE(from_parts.equal(whole)) << where(g, x);
     at::Tensor w = seeded_randn(whole.sizes(), 72 + me);
     (whole * w).sum().backward();
@@ -233,19 +235,19 @@ void check_parts_match_whole_tensors(const Case& c, const Group& g) {
     at::Tensor xk = Xk.narrow(sdim, mine.begin, mine.size()).contiguous();
     auto split = [&](const at::Tensor& x, Heads kind) {
       std::vector<at::Tensor> out;
-      for (const Range& r : plan.ranges(kind)) out.push_back(x.narrow(hdim, r.begin, r.size()));
+      for (const Range& r : sharding.ranges(kind)) out.push_back(x.narrow(hdim, r.begin, r.size()));
       return out;
     };
     const auto fused = scatter_head_parts({split(xq, Heads::kQuery), split(xk, Heads::kKeyValue)},
-                                          {Heads::kQuery, Heads::kKeyValue}, plan, g);
-    const auto whole = scatter_heads({xq, xk}, {Heads::kQuery, Heads::kKeyValue}, plan, g);
+                                          {Heads::kQuery, Heads::kKeyValue}, sharding, g);
+    const auto whole = scatter_heads({xq, xk}, {Heads::kQuery, Heads::kKeyValue}, sharding, g);
     EXPECT_TRUE(fused[0].equal(whole[0]) && fused[1].equal(whole[1])) << where(g, xq);
   }
   // Gather into parts (query heads: no replicas).
   const Range heads = part.q_range(me);
   at::Tensor Y = seeded_randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 73);
   at::Tensor y = Y.narrow(hdim, heads.begin, heads.size()).contiguous().requires_grad_();
-  const std::vector<at::Tensor> got = gather_head_parts(y, Heads::kQuery, plan, g);
+  const std::vector<at::Tensor> got = gather_head_parts(y, Heads::kQuery, sharding, g);
   ASSERT_EQ(got.size(), static_cast<size_t>(c.P));
   at::Tensor loss = at::zeros({});
   at::Tensor W = seeded_randn(full_shape(c.layout, c.B, c.S, c.hq, c.D), 74);
@@ -265,13 +267,13 @@ void check_parts_match_whole_tensors(const Case& c, const Group& g) {
 // all-to-alls, forward and gradients of the input, the weights and the bias.
 void check_projections_through_parts(const Case& c, const Group& g) {
   const OnRank r(c, g);
-  const Sharding& plan = r.plan;
+  const Sharding& sharding = r.sharding;
   const int me = r.me;
   const Range mine = r.mine;
   const int64_t E = 5;
   at::Tensor X = seeded_randn({c.B, c.S, E}, 81);
   for (Heads kind : {Heads::kQuery, Heads::kKeyValue}) {
-    const int64_t H = plan.total(kind);
+    const int64_t H = sharding.total(kind);
     at::Tensor x = X.narrow(1, mine.begin, mine.size()).contiguous().requires_grad_();
     at::Tensor w_in = seeded_randn({H * c.D, E}, 82).requires_grad_();
     at::Tensor b_in = seeded_randn({H * c.D}, 83).requires_grad_();
@@ -282,13 +284,14 @@ void check_projections_through_parts(const Case& c, const Group& g) {
     at::Tensor ref_b_in = b_in.detach().clone().requires_grad_();
     at::Tensor ref_w_out = w_out.detach().clone().requires_grad_();
     at::Tensor h = at::linear(ref_x, ref_w_in, ref_b_in).view({c.B, mine.size(), H, c.D});
-    at::Tensor y = scatter_heads(h, kind, plan, g);
-    at::Tensor ref = at::linear(gather_heads(y * 0.5, kind, plan, g).flatten(2), ref_w_out);
+    at::Tensor y = scatter_heads(h, kind, sharding, g);
+    at::Tensor ref = at::linear(gather_heads(y * 0.5, kind, sharding, g).flatten(2), ref_w_out);
     // Through parts.
-    const auto& ranges = plan.ranges(kind);
-    at::Tensor yp = scatter_head_parts(project_head_parts(x, w_in, b_in, ranges), kind, plan, g);
+    const auto& ranges = sharding.ranges(kind);
+    at::Tensor yp =
+        scatter_head_parts(project_head_parts(x, w_in, b_in, ranges), kind, sharding, g);
     at::Tensor out =
-        project_from_head_parts(gather_head_parts(yp * 0.5, kind, plan, g), w_out, ranges);
+        project_from_head_parts(gather_head_parts(yp * 0.5, kind, sharding, g), w_out, ranges);
     EXPECT_LT(rel_error(out, ref), 1e-5) << where(g, x);
     at::Tensor w = seeded_randn(ref.sizes(), 85 + me);
     (ref * w).sum().backward();
@@ -511,11 +514,13 @@ TEST(AllToAllErrors, WrongHeadCountForPartition) {
 
 TEST(AllToAllErrors, PartsOfTheWrongShapeNameThePart) {
   auto errors = run_ranks(2, [](Group& g) {
-    const Sharding plan{HeadPartition::make(5, 5, 2), SequencePartition::even(4, 2), Layout::kBSHD};
+    const Sharding sharding{HeadPartition::make(5, 5, 2), SequencePartition::even(4, 2),
+                            Layout::kBSHD};
     // Ranks get heads [0, 3) and [3, 5); part 1 here has 3.
-    scatter_head_parts({at::zeros({1, 2, 3, 4}), at::zeros({1, 2, 3, 4})}, Heads::kQuery, plan, g);
+    scatter_head_parts({at::zeros({1, 2, 3, 4}), at::zeros({1, 2, 3, 4})}, Heads::kQuery, sharding,
+                       g);
   });
-  // A local check, like scatter_heads' against a given plan (agree_plan or
+  // A local check, like scatter_heads' against a given sharding (agree_plan or
   // DistributedAttention::forward_parts are the fail-together steps): each rank names itself.
   ASSERT_EQ(errors.size(), 2u);
   for (int r = 0; r < 2; ++r) {
@@ -527,9 +532,9 @@ TEST(AllToAllErrors, PartsOfTheWrongShapeNameThePart) {
 }
 
 // One rank's group handle pipelines differently: the ranks would take different exchange
-// paths and wait on each other, so the plan's agreement refuses it on every rank.
+// paths and wait on each other, so the sharding's agreement refuses it on every rank.
 // Rank 1's options differ from rank 0's by `differ`: the exchange paths would differ, so the
-// plan's agreement fails both alike with `message`.
+// sharding's agreement fails both alike with `message`.
 void expect_options_disagreement(const std::function<void(GroupOptions&)>& differ,
                                  const std::string& message) {
   auto errors = run_ranks(2, [&](Group& world) {
@@ -568,12 +573,13 @@ TEST(AllToAllErrors, RanksDisagreeOnDtype) {
 TEST(AllToAllDtypes, Bfloat16RoundTrip) {
   expect_ranks_succeed(2, [](Group& world) {
     at::Tensor x = seeded_randn({2, 3, 4, 8}, 51).to(at::kBFloat16);
-    auto plan =
+    auto sharding =
         agree_plan(world, HeadPartition::make(4, 4, 2), Layout::kBSHD, {{x, Heads::kQuery, "x"}});
     for (int64_t message_bytes : {0, 64}) {
       const Group g = with_exchange(world, Case{2, 4, 4, 6, Layout::kBSHD, 2, 8, 8, message_bytes});
       EXPECT_TRUE(
-          gather_heads(scatter_heads(x, Heads::kQuery, plan, g), Heads::kQuery, plan, g).equal(x))
+          gather_heads(scatter_heads(x, Heads::kQuery, sharding, g), Heads::kQuery, sharding, g)
+              .equal(x))
           << "message_bytes " << message_bytes;
     }
   });
@@ -590,7 +596,7 @@ TEST(AllToAllPipeline, ChosenBySizeAlikeOnEveryRank) {
     const Range mine = seq.range(g.rank());
     at::Tensor X = seeded_randn({1, 10, 7, 8}, 61);
     at::Tensor x = X.narrow(1, mine.begin, mine.size()).contiguous();
-    const Sharding plan{part, seq, Layout::kBSHD};
+    const Sharding sharding{part, seq, Layout::kBSHD};
     // 10 x 7 x 8 fp32 elements: 2240 bytes in all, 746 per rank.
     for (auto transport : {GroupOptions::Transport::kMessages, GroupOptions::Transport::kBatched})
       for (int64_t min_bytes : {int64_t{0}, int64_t{746}, int64_t{747}, int64_t{4} << 20}) {
@@ -602,7 +608,7 @@ TEST(AllToAllPipeline, ChosenBySizeAlikeOnEveryRank) {
         const Group h = g.with_options(options);
         const int64_t collectives = h.recorder().collectives(),
                       messages = h.recorder().p2p_messages();
-        at::Tensor y = scatter_heads(x, Heads::kQuery, plan, h);
+        at::Tensor y = scatter_heads(x, Heads::kQuery, sharding, h);
         const bool pipelined = min_bytes <= 746 && transport == GroupOptions::Transport::kMessages;
         EXPECT_EQ(h.recorder().collectives() - collectives, pipelined ? 0 : 1) << min_bytes;
         // One message per token to each of the two peers (a token's 2 or 3 heads exceed 32 bytes).
@@ -627,15 +633,15 @@ TEST(AllToAllSharedMemory, BlocksBypassMessages) {
     at::Tensor X = seeded_randn({c.B, c.S, c.hq, c.D}, 71);
     const Range mine = seq.range(g.rank());
     at::Tensor x = X.narrow(1, mine.begin, mine.size()).contiguous();
-    auto plan =
+    auto sharding =
         agree_plan(g, HeadPartition::make(c.hq, c.hkv, c.P), c.layout, {{x, Heads::kQuery, "x"}});
-    scatter_heads(x, Heads::kQuery, plan, g);  // Sets the links up.
+    scatter_heads(x, Heads::kQuery, sharding, g);  // Sets the links up.
     const int64_t bytes = g.recorder().p2p_bytes(), collectives = g.recorder().collectives();
-    at::Tensor y = scatter_heads(x, Heads::kQuery, plan, g);
+    at::Tensor y = scatter_heads(x, Heads::kQuery, sharding, g);
     EXPECT_EQ(g.recorder().p2p_bytes() - bytes, 2 * (4 + 1) * 8);
     EXPECT_EQ(g.recorder().collectives(), collectives);
-    EXPECT_TRUE(y.equal(scatter_heads(x, Heads::kQuery, plan, plain)));
-    EXPECT_TRUE(gather_heads(y, Heads::kQuery, plan, g).equal(x));
+    EXPECT_TRUE(y.equal(scatter_heads(x, Heads::kQuery, sharding, plain)));
+    EXPECT_TRUE(gather_heads(y, Heads::kQuery, sharding, g).equal(x));
   });
 }
 

@@ -527,7 +527,7 @@ TEST(DistributedAttention, ForwardPartsMatchesForward) {
       options.q_heads = c.hq;
       options.kv_heads = c.hkv;
       options.causal = true;
-      options.fuse_qkv = c.fuse;
+      options.exchange = c.fuse ? QkvExchange::kFused : QkvExchange::kSeparate;
       DistributedAttention attention(g, options);
       auto shard = [&](int64_t h, uint64_t seed) {
         return seeded_randn({2, c.S, h, 8}, seed).narrow(1, mine.begin, mine.size()).contiguous();

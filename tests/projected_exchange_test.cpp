@@ -105,9 +105,9 @@ TEST_P(ProjectedExchange, ScatterMatchesReference) {
                                                : c10::nullopt,
                              kinds[t]});
     }
-    const Sharding plan = agree_projection_plan(g, heads, x, projections);
-    EXPECT_EQ(plan.seq, seq);
-    const auto ys = scatter_projected(x, projections, plan, g);
+    const Sharding sharding = agree_projection_plan(g, heads, x, projections);
+    EXPECT_EQ(sharding.seq, seq);
+    const auto ys = scatter_projected(x, projections, sharding, g);
     at::Tensor loss = at::zeros({});
     for (size_t t = 0; t < ys.size(); ++t) {
       EXPECT_LT(rel_error(ys[t].to(at::kDouble), y_ref[t]), kTol)
@@ -151,9 +151,9 @@ TEST_P(ProjectedExchange, GatherMatchesReference) {
         O.narrow(2, R.begin, R.size()).to(at::kFloat).contiguous().requires_grad_(true);
     const at::Tensor w = W.to(at::kFloat).requires_grad_(true);
     const at::Tensor x_stand_in = at::zeros({c.B, mine.size(), c.E});
-    const Sharding plan = agree_projection_plan(
+    const Sharding sharding = agree_projection_plan(
         g, heads, x_stand_in, {{at::zeros({c.hq * c.D, c.E}), c10::nullopt, Heads::kQuery}});
-    const at::Tensor out = gather_projected(y, w, plan, g);
+    const at::Tensor out = gather_projected(y, w, sharding, g);
     EXPECT_LT(rel_error(out.to(at::kDouble), out_ref.detach().narrow(1, mine.begin, mine.size())),
               kTol)
         << where(g, out);
@@ -185,17 +185,17 @@ TEST(ProjectedExchangeErrors, OneRanksWeightIsWrong) {
                           "projection 0's weight must be [4 query heads x D, 8]; got [13, 8]");
 }
 
-// The ops' own checks, against an agreed plan, name the shapes.
+// The ops' own checks, against an agreed sharding, name the shapes.
 TEST(ProjectedExchangeErrors, ShapesAgainstThePlan) {
   const Group g = Group::solo();
   const auto heads = HeadPartition::make(4, 2, 1);
   const at::Tensor x = at::zeros({1, 4, 8});
   const std::vector<HeadProjection> p{{at::zeros({8, 8}), c10::nullopt, Heads::kKeyValue}};
-  const Sharding plan = agree_projection_plan(g, heads, x, p);
+  const Sharding sharding = agree_projection_plan(g, heads, x, p);
   EXPECT_THROW(
       {
         try {
-          scatter_projected(at::zeros({1, 5, 8}), p, plan, g);
+          scatter_projected(at::zeros({1, 5, 8}), p, sharding, g);
         } catch (const c10::ValueError& e) {
           EXPECT_NE(std::string(e.what()).find("x must hold this rank's 4 tokens in dim 1; got "
                                                "shape [1, 5, 8]"),
@@ -208,7 +208,7 @@ TEST(ProjectedExchangeErrors, ShapesAgainstThePlan) {
   EXPECT_THROW(
       {
         try {
-          gather_projected(at::zeros({1, 4, 4, 4}), at::zeros({8, 12}), plan, g);
+          gather_projected(at::zeros({1, 4, 4, 4}), at::zeros({8, 12}), sharding, g);
         } catch (const c10::ValueError& e) {
           EXPECT_NE(
               std::string(e.what()).find("weight must be [E, 4 query heads x 4]; got [8, 12]"),

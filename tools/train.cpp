@@ -33,7 +33,7 @@ int train_main(const Argv& argv, const Runtime& runtime) {
   const int local_ranks = std::max(
       1, std::atoi(std::getenv("LOCAL_WORLD_SIZE") ? std::getenv("LOCAL_WORLD_SIZE") : "1"));
   at::set_num_threads(std::max<int>(1, std::thread::hardware_concurrency() / local_ranks));
-  Group world = runtime.join_world(o.group);
+  Group world = runtime.join_world(o.group_options);
   Mesh mesh = Mesh::create(world, sp_size_of(o, world.size()), runtime.split, o.ring);
   const bool lead = world.rank() == 0;
   o.model.vocab = data.vocab();
@@ -51,7 +51,7 @@ int train_main(const Argv& argv, const Runtime& runtime) {
               << mesh.dp.size() << "; " << describe(seq) << "; " << at::get_num_threads()
               << " threads/rank" << std::endl;
   }
-  if (o.check) return run_check(model, o, data, mesh, seq);
+  if (o.run == TrainRun::kCheck) return run_check(model, o, data, mesh, seq);
 
   const int64_t start = resume_step(model, optimizer, o, world);
   const int64_t setup_rss = proc_status_bytes("VmRSS");

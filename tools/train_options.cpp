@@ -85,7 +85,7 @@ TrainOptions parse_train_options(const Argv& argv) {
   o.data = args.str("--data");
   o.save = args.str("--save");
   o.resume = args.str("--resume");
-  o.check = args.has("--check");
+  o.run = args.has("--check") ? TrainRun::kCheck : TrainRun::kTrain;
   o.shuffle = args.has("--shuffle");
   o.model.dim = args.integer("--dim");
   o.model.layers = args.integer("--layers");
@@ -105,7 +105,7 @@ TrainOptions parse_train_options(const Argv& argv) {
     throw UsageError("option --checkpoint must be none, recompute or offload; got '" +
                      args.str("--checkpoint") + "'");
   }
-  o.group = group_options(args);
+  o.group_options = group_options(args);
   return o;
 }
 

@@ -45,7 +45,7 @@ struct Sharding {
   int64_t total(Heads h) const { return h == Heads::kQuery ? heads.q_heads() : heads.kv_heads(); }
 };
 
-// Checks `tensors` on every rank and agrees on the plan in one small collective: each must be a
+// Checks `tensors` on every rank and agrees on the sharding in one small collective: each must be a
 // floating-point 4-D tensor in `layout` with all Hq (or Hkv) heads, one batch size, on one
 // device, and every rank must hold the same head counts, layout, batch, head dims, dtypes,
 // device types, the given `seq` (if any) and the group handle's exchange options
@@ -57,21 +57,22 @@ Sharding agree_plan(const Group& group, const HeadPartition& heads, Layout layou
                     const std::vector<TensorSpec>& tensors,
                     const c10::optional<SequencePartition>& seq = c10::nullopt);
 
-// [S_r, all heads] -> [S, this rank's heads] (in `plan.layout`). Differentiable.
-at::Tensor scatter_heads(const at::Tensor& x, Heads heads, const Sharding& plan,
+// [S_r, all heads] -> [S, this rank's heads] (in `sharding.layout`). Differentiable.
+at::Tensor scatter_heads(const at::Tensor& x, Heads heads, const Sharding& sharding,
                          const Group& group);
 // [S, this rank's heads] -> [S_r, all heads]; replicated kv heads are summed. Differentiable.
-at::Tensor gather_heads(const at::Tensor& y, Heads heads, const Sharding& plan, const Group& group);
+at::Tensor gather_heads(const at::Tensor& y, Heads heads, const Sharding& sharding,
+                        const Group& group);
 
 // Fused forms: the tensors (e.g. Q, K, V) move in one collective. Same dtype required.
 std::vector<at::Tensor> scatter_heads(const std::vector<at::Tensor>& xs,
-                                      const std::vector<Heads>& heads, const Sharding& plan,
+                                      const std::vector<Heads>& heads, const Sharding& sharding,
                                       const Group& group);
 std::vector<at::Tensor> gather_heads(const std::vector<at::Tensor>& ys,
-                                     const std::vector<Heads>& heads, const Sharding& plan,
+                                     const std::vector<Heads>& heads, const Sharding& sharding,
                                      const Group& group);
 
-// Heads split by rank ("parts"): parts[j] holds the heads R[j] of rank j, in `plan.layout`
+// Heads split by rank ("parts"): parts[j] holds the heads R[j] of rank j, in `sharding.layout`
 // ([B, S_r, |R[j]|, D] in BSHD before the scatter), one tensor per rank of the group, as a
 // projection per destination makes them (project_head_parts). Exchanging parts needs no
 // packing and no unpacking: each part is the message to its rank, each received block a part.
@@ -79,18 +80,18 @@ std::vector<at::Tensor> gather_heads(const std::vector<at::Tensor>& ys,
 // scatter_heads from parts: equal to scatter_heads(cat(parts along the head dim)), without the
 // cat (parts for replicated kv heads repeat them). Differentiable.
 at::Tensor scatter_head_parts(const std::vector<at::Tensor>& parts, Heads heads,
-                              const Sharding& plan, const Group& group);
+                              const Sharding& sharding, const Group& group);
 // Fused form: several tensors' parts (e.g. Q, K, V) in one exchange. Same dtype required.
 std::vector<at::Tensor> scatter_head_parts(const std::vector<std::vector<at::Tensor>>& parts,
-                                           const std::vector<Heads>& heads, const Sharding& plan,
-                                           const Group& group);
+                                           const std::vector<Heads>& heads,
+                                           const Sharding& sharding, const Group& group);
 // gather_heads into parts: part j is rank j's heads R[j] on this rank's tokens. Replicated kv
 // heads stay in their own parts (gather_heads sums them). Differentiable.
-std::vector<at::Tensor> gather_head_parts(const at::Tensor& y, Heads heads, const Sharding& plan,
-                                          const Group& group);
+std::vector<at::Tensor> gather_head_parts(const at::Tensor& y, Heads heads,
+                                          const Sharding& sharding, const Group& group);
 // Fused form: the parts of every tensor, flattened: tensor t's part j at t * P + j.
 std::vector<at::Tensor> gather_head_parts(const std::vector<at::Tensor>& ys,
-                                          const std::vector<Heads>& heads, const Sharding& plan,
+                                          const std::vector<Heads>& heads, const Sharding& sharding,
                                           const Group& group);
 // The projections that make and take parts (BSHD): one GEMM per rank instead of one in all,
 // the same FLOPs. `ranges` are the head ranges by rank (Sharding::ranges).
@@ -112,7 +113,7 @@ at::Tensor project_from_head_parts(const std::vector<at::Tensor>& parts, const a
 // and the GEMM of the next slab runs while the previous one is on the wire.
 //
 // One input projection of x [B, S_r, E]: weight [H x D, E] with head-major rows (a Linear's),
-// bias [H x D] or none, H the plan's total of `heads`.
+// bias [H x D] or none, H the sharding's total of `heads`.
 struct HeadProjection {
   at::Tensor weight;
   c10::optional<at::Tensor> bias;
@@ -122,17 +123,17 @@ struct HeadProjection {
 // [B, S, |R_t[r]|, D_t] on rank r. Slabs for peers go out as they are projected; this rank's own
 // heads are projected straight into y_t. Backward mirrors it: each peer's gradient slab gives
 // its share of dx, dW and db as it arrives. Differentiable in x, the weights and biases; the
-// plan must be agreed for the projected shapes (agree_projection_plan).
+// sharding must be agreed for the projected shapes (agree_projection_plan).
 std::vector<at::Tensor> scatter_projected(const at::Tensor& x,
                                           const std::vector<HeadProjection>& projections,
-                                          const Sharding& plan, const Group& group);
+                                          const Sharding& sharding, const Group& group);
 // out = linear(gather_heads(y) flattened to [B, S_r, Hq x D], weight) for y [B, S, |R[r]|, D]
 // (query heads) and weight [E, Hq x D]: each peer's block of this rank's tokens is multiplied
 // into out as it arrives, this rank's own block while the others travel. Backward sends each
 // peer its gradient slab as soon as it is computed. Differentiable in y and weight.
-at::Tensor gather_projected(const at::Tensor& y, const at::Tensor& weight, const Sharding& plan,
+at::Tensor gather_projected(const at::Tensor& y, const at::Tensor& weight, const Sharding& sharding,
                             const Group& group);
-// The plan of scatter_projected and gather_projected for x [B, S_r, E] and `projections`:
+// The sharding of scatter_projected and gather_projected for x [B, S_r, E] and `projections`:
 // checks x and each weight and bias against `heads` on this rank, then agree_plan on the
 // projected shapes [B, S_r, H_t, D_t] (and `seq`, when given), so a mistake on any rank raises
 // the same error on all.

@@ -35,9 +35,9 @@ namespace ulysses {
 // a round on its own: if it skipped while another rank, whose call changed, went into the round,
 // the two would meet in different collectives (Gloo aborts on that; NCCL hangs). So no rank
 // decides alone, and the state that decides is the group's, not an argument's: the group's
-// runtime arms itself with the agreed exchange (its plan, this rank's q, k, v sizes, the
+// runtime arms itself with the agreed exchange (its sharding, this rank's q, k, v sizes, the
 // fingerprints agreed with it), and while armed every attention call on the group, with a
-// StepContext or without, moves q, k, v by that plan with one more small tensor fused into the
+// StepContext or without, moves q, k, v by that sharding with one more small tensor fused into the
 // same exchange: the index of the call's fingerprint among the agreed ones, or 0 where the call
 // differs or has no StepContext (it then sends zeros of the agreed sizes instead of its
 // tensors). Every rank receives every rank's index, so every rank reaches the same verdict: all
@@ -54,9 +54,9 @@ class StepContext {
   // `group` must be the SP group of the attention layers that use this context.
   explicit StepContext(Group group) : group_(std::move(group)) {}
 
-  // rebuild_mask(mask, plan, group), computed once per (mask, version, plan); with a ring
-  // `layout`, rebuild_ring_mask(mask, plan, *layout, sp_rank, group) instead.
-  at::Tensor rebuilt_mask(const at::Tensor& mask, const Sharding& plan,
+  // rebuild_mask(mask, sharding, group), computed once per (mask, version, sharding); with a ring
+  // `layout`, rebuild_ring_mask(mask, sharding, *layout, sp_rank, group) instead.
+  at::Tensor rebuilt_mask(const at::Tensor& mask, const Sharding& sharding,
                           const RingLayout* layout = nullptr, int64_t sp_rank = 0);
   // ring_document_ids(positions, layout, ring), computed once per (positions, version, layout).
   at::Tensor ring_documents(const at::Tensor& positions, const RingLayout& layout,
@@ -94,16 +94,19 @@ class StepContext {
   int64_t agreements_reused_ = 0;                  // Note [Reused agreement].
 };
 
+// How q, k and v move to heads: in one all-to-all, or in one each.
+enum class QkvExchange { kFused, kSeparate };
+
 // Options of a DistributedAttention.
 struct AttentionOptions : AttentionRules {  // causal, scale, window (needs causal), softcap.
   // Total query heads Hq, >= 0; 0: taken from the first call's q. Hq >= the group size.
   int64_t q_heads = 0;
   // Total kv heads Hkv, >= 0; 0: taken from the first call's k. Hq must be a multiple of Hkv.
   int64_t kv_heads = 0;
-  Layout layout = Layout::kBSHD;            // Dimension order of q, k, v and the output.
-  bool fuse_qkv = true;                     // Move q, k, v in one all-to-all (else three).
-  LocalKernel kernel = LocalKernel::kAuto;  // Local attention's kernel (attention.h).
-  LocalAttention local;                     // A local attention of the caller's; empty: `kernel`.
+  Layout layout = Layout::kBSHD;               // Dimension order of q, k, v and the output.
+  QkvExchange exchange = QkvExchange::kFused;  // One all-to-all for q, k, v (else three).
+  LocalKernel kernel = LocalKernel::kAuto;     // Local attention's kernel (attention.h).
+  LocalAttention local;  // A local attention of the caller's; empty: `kernel`.
 };
 
 // Optional per-call inputs.
@@ -122,9 +125,9 @@ struct AttentionInputs {
 // _C): head counts >= 0 (0: taken from the first call) and the call's rules; raises
 // c10::ValueError.
 void check_attention_options(int64_t q_heads, int64_t kv_heads, const AttentionRules& rules);
-// Hybrid Ulysses x ring attention runs the fused kernel: `kernel` must be kAuto or kFused, and
-// no callable (`callable`) local attention; raises c10::ValueError.
-void check_ring_kernel(LocalKernel kernel, bool callable);
+// Hybrid Ulysses x ring attention runs the fused kernel: `kernel` must be kAuto or kFused, not a
+// local attention of the caller's (nullopt); raises c10::ValueError.
+void check_ring_kernel(const c10::optional<LocalKernel>& kernel);
 
 class DistributedAttention {
  public:

@@ -72,7 +72,7 @@ struct GroupOptions {
   // collective. kAuto: ULYSSES_TRANSPORT=auto|messages|batched when set, else batched where the
   // backend coalesces (NCCL) and messages elsewhere (Gloo). Messages apply to CPU tensors only:
   // transfers of other devices' tensors are always batched.
-  enum class Transport : int64_t { kAuto = 0, kMessages = 1, kBatched = 2 };
+  enum class Transport { kAuto, kMessages, kBatched };
   Transport transport = Transport::kAuto;
 };
 

@@ -23,13 +23,14 @@ at::Tensor as_4d_mask(const at::Tensor& mask);
 // adjoint of rebuild_mask: reduce-scatter, the reverse all-to-all, or zero-padding of this
 // rank's head block). Agrees on the mask's shape with the other ranks like rebuild_mask.
 at::Tensor rebuild_mask_backward(const at::Tensor& grad, const std::vector<int64_t>& mask_sizes,
-                                 const Sharding& plan, const Group& group, int64_t key_len = -1);
+                                 const Sharding& sharding, const Group& group,
+                                 int64_t key_len = -1);
 
 // Rebuilds `mask` (2-, 3- or 4-D, bool or float) for local attention on this rank's heads over
 // the full sequence, following the rules above. Differentiable for float masks. Returns a 4-D
 // mask broadcastable to [B, |R_r|, S, S] (or `mask` itself when P == 1). `key_len`: the keys
 // the mask covers, -1 for S (see decide_mask).
-at::Tensor rebuild_mask(const at::Tensor& mask, const Sharding& plan, const Group& group,
+at::Tensor rebuild_mask(const at::Tensor& mask, const Sharding& sharding, const Group& group,
                         int64_t key_len = -1);
 
 }  // namespace ulysses

@@ -81,9 +81,9 @@ std::vector<at::Tensor> ring_attention_backward(const at::Tensor& grad_out,
 // A mask given to hybrid attention on SP rank `sp_rank` (rows: its shard's, all S or 1; heads:
 // 1 or Hq; keys: all S in global order or 1), made ready for ring_attention: rows of this ring
 // rank's queries (full rows cut to the shard, then gathered over the Ulysses group by
-// rebuild_mask's rules), this rank's heads, keys unchanged. `plan` is the Ulysses group's.
-at::Tensor rebuild_ring_mask(const at::Tensor& mask, const Sharding& plan, const RingLayout& layout,
-                             int64_t sp_rank, const Group& ulysses);
+// rebuild_mask's rules), this rank's heads, keys unchanged. `sharding` is the Ulysses group's.
+at::Tensor rebuild_ring_mask(const at::Tensor& mask, const Sharding& sharding,
+                             const RingLayout& layout, int64_t sp_rank, const Group& ulysses);
 
 // Global document ids [B or 1, S] of packed sequences from this ring rank's position ids
 // ([B, L] or [L], its tokens in `layout`'s order): one all-gather over the ring group.

@@ -36,19 +36,19 @@ at::Tensor StepContext::once(Key key, const std::function<at::Tensor()>& build) 
   return cache_.back().second;
 }
 
-at::Tensor StepContext::rebuilt_mask(const at::Tensor& mask, const Sharding& plan,
+at::Tensor StepContext::rebuilt_mask(const at::Tensor& mask, const Sharding& sharding,
                                      const RingLayout* layout, int64_t sp_rank) {
   // A head-shared mask does not depend on the head split: one entry serves every instance.
   const bool shared = mask_shared_across_heads(mask.sizes().vec());
-  std::vector<Range> heads = shared ? std::vector<Range>{} : plan.heads.q_ranges();
+  std::vector<Range> heads = shared ? std::vector<Range>{} : sharding.heads.q_ranges();
   if (layout) {
     // Which rows a ring rank's mask holds depends on its SP rank: part of the key.
     heads.push_back({sp_rank, sp_rank});
-    return once({Key::Kind::kMask, mask, 0, heads, plan.seq.lengths(), layout->seq_len()},
-                [&] { return rebuild_ring_mask(mask, plan, *layout, sp_rank, group_); });
+    return once({Key::Kind::kMask, mask, 0, heads, sharding.seq.lengths(), layout->seq_len()},
+                [&] { return rebuild_ring_mask(mask, sharding, *layout, sp_rank, group_); });
   }
-  return once({Key::Kind::kMask, mask, 0, heads, plan.seq.lengths()},
-              [&] { return rebuild_mask(mask, plan, group_); });
+  return once({Key::Kind::kMask, mask, 0, heads, sharding.seq.lengths()},
+              [&] { return rebuild_mask(mask, sharding, group_); });
 }
 
 at::Tensor StepContext::gathered_positions(const at::Tensor& positions,
@@ -80,16 +80,16 @@ namespace {
 // Every ring rank must run the same ring: the ring ranks agree on the call's fingerprint (as the
 // Ulysses ranks did, but for the split, which differs between Ulysses groups) and learn each
 // ring rank's token count (the zigzag layout fixes them once S is known). Before data moves.
-RingLayout agree_ring(const AttentionCall& call, const Sharding& plan,
+RingLayout agree_ring(const AttentionCall& call, const Sharding& sharding,
                       const std::vector<TensorSpec>& specs, const CallOptions& options,
                       const c10::optional<at::Tensor>& mask) {
   const Group& ring = call.ring;
   auto all = ring.agree(
       [&] {
-        check_ring_kernel(call.kernel, call.local != nullptr);
-        CallFingerprint f =
-            call_fingerprint(call.group, plan.heads, plan.layout, specs, c10::nullopt, options);
-        std::vector<int64_t> m{plan.seq.seq_len()};
+        check_ring_kernel(call.local ? c10::nullopt : c10::optional<LocalKernel>(call.kernel));
+        CallFingerprint f = call_fingerprint(call.group, sharding.heads, sharding.layout, specs,
+                                             c10::nullopt, options);
+        std::vector<int64_t> m{sharding.seq.seq_len()};
         const std::vector<int64_t> fingerprint = f.encode();
         m.insert(m.end(), fingerprint.begin(), fingerprint.end());
         return m;
@@ -144,7 +144,7 @@ int64_t heads_of(const at::Tensor& t, Layout layout) {
 std::vector<at::Tensor> agree_and_exchange(
     const AttentionCall& call, const std::vector<std::vector<at::Tensor>>& qkv, HeadForm form,
     int64_t hq, int64_t hkv, CallOptions& options, const c10::optional<at::Tensor>& mask,
-    const c10::optional<at::Tensor>& positions, c10::optional<Sharding>& plan,
+    const c10::optional<at::Tensor>& positions, c10::optional<Sharding>& sharding,
     c10::optional<RingLayout>& ring_layout) {
   const Group& group = call.group;
   const Layout L = call.layout;
@@ -165,13 +165,13 @@ std::vector<at::Tensor> agree_and_exchange(
     return p;
   });
   if (parts) options.positions = positions_for_call(positions, specs[0].tensor, L);
-  plan = agree_plan(group, partition, L, specs, call.seq, options);
+  sharding = agree_plan(group, partition, L, specs, call.seq, options);
   if (ring) {
     // A ring group that refuses the call fails its Ulysses groups too (and through them every
     // rank of the SP group), with the same text: no rank is left waiting in an all-to-all.
     std::exception_ptr refused;
     try {
-      ring_layout = agree_ring(call, *plan, specs, options, mask);
+      ring_layout = agree_ring(call, *sharding, specs, options, mask);
     } catch (const std::exception&) {
       refused = std::current_exception();
     }
@@ -182,15 +182,16 @@ std::vector<at::Tensor> agree_and_exchange(
         },
         "the ring's outcome (DistributedAttention)");
   }
-  if (parts && call.fuse_qkv) {
-    heads = scatter_head_parts(qkv, kQKV, *plan, group);
+  if (parts && call.exchange == QkvExchange::kFused) {
+    heads = scatter_head_parts(qkv, kQKV, *sharding, group);
   } else if (parts) {
     for (size_t i = 0; i < 3; ++i)
-      heads.push_back(scatter_head_parts(qkv[i], kQKV[i], *plan, group));
-  } else if (call.fuse_qkv) {
-    heads = scatter_heads({qkv[0][0], qkv[1][0], qkv[2][0]}, kQKV, *plan, group);
+      heads.push_back(scatter_head_parts(qkv[i], kQKV[i], *sharding, group));
+  } else if (call.exchange == QkvExchange::kFused) {
+    heads = scatter_heads({qkv[0][0], qkv[1][0], qkv[2][0]}, kQKV, *sharding, group);
   } else {
-    for (size_t i = 0; i < 3; ++i) heads.push_back(scatter_heads(qkv[i][0], kQKV[i], *plan, group));
+    for (size_t i = 0; i < 3; ++i)
+      heads.push_back(scatter_heads(qkv[i][0], kQKV[i], *sharding, group));
   }
   return heads;
 }
@@ -204,12 +205,12 @@ bool readable_on_host(const at::Tensor& t) {
 
 // Whether a call just agreed may arm its group: facts every rank agreed on, alike everywhere
 // (Note [Reused agreement]).
-bool may_reuse(const CallOptions& options, const Sharding& plan, const at::Tensor& q) {
-  const auto& lengths = plan.seq.lengths();
+bool may_reuse(const CallOptions& options, const Sharding& sharding, const at::Tensor& q) {
+  const auto& lengths = sharding.seq.lengths();
   const bool every_rank_has_tokens =
       std::all_of(lengths.begin(), lengths.end(), [](int64_t n) { return n > 0; });
   const at::ScalarType t = q.scalar_type();
-  return options.reuses_agreement && plan.heads.sp_size() > 1 && q.is_cpu() &&
+  return options.reuses_agreement && sharding.heads.sp_size() > 1 && q.is_cpu() &&
          every_rank_has_tokens &&
          (t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf);
 }
@@ -224,7 +225,7 @@ std::vector<int64_t> whole_fingerprint(const AttentionCall& call,
       .encode();
 }
 
-// The exchange by the group's armed plan, with each rank's index fused in (Note [Reused
+// The exchange by the group's armed sharding, with each rank's index fused in (Note [Reused
 // agreement]). Returns q, k, v by heads when every rank's call matched, else nothing (every
 // rank alike): the caller then agrees and exchanges in full.
 c10::optional<std::vector<at::Tensor>> exchange_as_agreed(
@@ -252,7 +253,7 @@ c10::optional<std::vector<at::Tensor>> exchange_as_agreed(
   xs.push_back(at::full(flag_sizes, static_cast<double>(index), like));
   std::vector<at::Tensor> out =
       scatter_heads(xs, {Heads::kQuery, Heads::kKeyValue, Heads::kKeyValue, Heads::kKeyValue},
-                    agreed.plan, group);
+                    agreed.sharding, group);
   // Read without autograd: a checkpoint's recompute must save what the first run saved.
   const at::Tensor indexes = out[3].detach();
   const double low = indexes.min().item<double>(), high = indexes.max().item<double>();
@@ -291,8 +292,9 @@ AttentionHeads attend_heads(const AttentionCall& call,
   options.rules() = call.rules();
   options.sinks = call.sinks;
   options.step_context = call.step != nullptr;
-  options.reuses_agreement = call.step && form == HeadForm::kWhole && call.fuse_qkv && !ring;
-  if (!call.local && !call.heads_only && !ring)
+  options.reuses_agreement =
+      call.step && form == HeadForm::kWhole && call.exchange == QkvExchange::kFused && !ring;
+  if (!call.local && call.local_by == LocalBy::kLibrary && !ring)
     options.local_kernel = static_cast<int64_t>(call.kernel);
   if (ring) {
     options.cpu_only = "ring attention (its blocks run on the fused CPU kernel)";
@@ -300,60 +302,62 @@ AttentionHeads attend_heads(const AttentionCall& call,
     options.cpu_only = "local attention \"fused\"";
   }
   // A ring's mask, and one already rebuilt, have other shapes than the agreement checks.
-  if (ring || call.mask_rebuilt) options.mask_check = CallOptions::MaskCheck::kCaller;
+  if (ring || call.mask_form == MaskForm::kRebuilt)
+    options.mask_check = CallOptions::MaskCheck::kCaller;
 
-  c10::optional<Sharding> plan;
+  c10::optional<Sharding> sharding;
   c10::optional<RingLayout> ring_layout;
   std::vector<at::Tensor> heads;
   StepContext* step = call.step;
   detail::ArmedAgreement& armed = group.runtime().armed;
-  if (armed.armed()) {  // Alike on every rank: each moves by the armed plan.
+  if (armed.armed()) {  // Alike on every rank: each moves by the armed sharding.
     if (auto moved = exchange_as_agreed(call, qkv, hq, hkv, options, armed)) {
       heads = std::move(*moved);
-      plan = armed.armed()->plan;
+      sharding = armed.armed()->sharding;
       if (step) StepContextAccess::count_agreement_reused(*step);
     }
   }
-  const bool agreed_now = !plan;
-  if (!plan && call.seq && !ring && call.fuse_qkv) {
+  const bool agreed_now = !sharding;
+  if (!sharding && call.seq && !ring && call.exchange == QkvExchange::kFused) {
     // Every collective inside an op: the scatter agrees on the call before data moves.
     heads = detail::call_scatter_agreed(qkv, form, kQKV, hq, hkv, *call.seq, L, group, options);
-    plan = Sharding{HeadPartition::make(hq, hkv, group.size()), *call.seq, L};
-  } else if (!plan) {
-    heads =
-        agree_and_exchange(call, qkv, form, hq, hkv, options, mask, positions, plan, ring_layout);
+    sharding = Sharding{HeadPartition::make(hq, hkv, group.size()), *call.seq, L};
+  } else if (!sharding) {
+    heads = agree_and_exchange(call, qkv, form, hq, hkv, options, mask, positions, sharding,
+                               ring_layout);
   }
-  if (agreed_now && may_reuse(options, *plan, q0)) {  // Later calls like this one reuse it.
-    armed.remember(*plan, {qkv[0][0], qkv[1][0], qkv[2][0]},
+  if (agreed_now && may_reuse(options, *sharding, q0)) {  // Later calls like this one reuse it.
+    armed.remember(*sharding, {qkv[0][0], qkv[1][0], qkv[2][0]},
                    whole_fingerprint(call, qkv, hq, hkv, options));
   } else if (agreed_now) {
     armed.disarm();
   }
-  AttentionHeads out{LocalAttentionArgs{}, *plan, ring_layout, at::Tensor()};
+  AttentionHeads out{LocalAttentionArgs{}, *sharding, ring_layout, at::Tensor()};
   LocalAttentionArgs& args = out.args;
   const auto perm = to_bhsd(L);
   args.q = heads[0].permute(perm);
   args.k = heads[1].permute(perm);
   args.v = heads[2].permute(perm);
-  args.kv_map = out.plan.heads.kv_map(group.rank());
+  args.kv_map = out.sharding.heads.kv_map(group.rank());
   args.set_rules(call.rules());
   if (call.sinks) {  // This rank's query heads' entries (Note [Attention sinks], ops.cpp).
-    const Range r = out.plan.heads.q_range(group.rank());
+    const Range r = out.sharding.heads.q_range(group.rank());
     args.sinks = call.sinks->slice(0, r.begin, r.end);
   }
-  if (mask && call.mask_rebuilt) {
+  if (mask && call.mask_form == MaskForm::kRebuilt) {
     args.mask = mask;
   } else if (mask && ring) {  // Rows of this ring rank's queries, every key in global order.
     const int64_t sp_rank = call.ring.rank() * group.size() + group.rank();
-    args.mask = step ? step->rebuilt_mask(*mask, out.plan, &*out.ring, sp_rank)
-                     : rebuild_ring_mask(*mask, out.plan, *out.ring, sp_rank, group);
+    args.mask = step ? step->rebuilt_mask(*mask, out.sharding, &*out.ring, sp_rank)
+                     : rebuild_ring_mask(*mask, out.sharding, *out.ring, sp_rank, group);
   } else if (mask) {
-    args.mask = step ? step->rebuilt_mask(*mask, out.plan) : rebuild_mask(*mask, out.plan, group);
+    args.mask =
+        step ? step->rebuilt_mask(*mask, out.sharding) : rebuild_mask(*mask, out.sharding, group);
   }
   if (options.positions) {
     const at::Tensor& p = *options.positions;
-    args.positions = step ? step->gathered_positions(p, out.plan.seq)
-                          : all_gather_sequence(p, -1, out.plan.seq, group);
+    args.positions = step ? step->gathered_positions(p, out.sharding.seq)
+                          : all_gather_sequence(p, -1, out.sharding.seq, group);
   }
   if (ring && args.positions) {
     out.ring_documents = step ? step->ring_documents(*args.positions, *out.ring, call.ring)
@@ -383,8 +387,8 @@ std::vector<at::Tensor> attend(const AttentionCall& call,
     o = call.local ? (*call.local)(h.args) : local_attention(h.args, call.kernel);
   }
   o = o.permute(from_bhsd(call.layout));
-  if (form == HeadForm::kParts) return gather_head_parts(o, Heads::kQuery, h.plan, call.group);
-  return {gather_heads(o, Heads::kQuery, h.plan, call.group)};
+  if (form == HeadForm::kParts) return gather_head_parts(o, Heads::kQuery, h.sharding, call.group);
+  return {gather_heads(o, Heads::kQuery, h.sharding, call.group)};
 }
 
 void check_attention_options(int64_t q_heads, int64_t kv_heads, const AttentionRules& rules) {
@@ -397,11 +401,12 @@ void check_attention_options(int64_t q_heads, int64_t kv_heads, const AttentionR
   rules.check();
 }
 
-void check_ring_kernel(LocalKernel kernel, bool callable) {
-  TORCH_CHECK_VALUE(!callable && (kernel == LocalKernel::kAuto || kernel == LocalKernel::kFused),
+void check_ring_kernel(const c10::optional<LocalKernel>& kernel) {
+  const bool callable = !kernel;
+  TORCH_CHECK_VALUE(kernel == LocalKernel::kAuto || kernel == LocalKernel::kFused,
                     "DistributedAttention: hybrid Ulysses x ring attention runs the fused "
                     "kernel; give local=\"auto\" or \"fused\"",
-                    callable ? " (not a callable)" : ", not \"" + to_string(kernel) + "\"");
+                    callable ? " (not a callable)" : ", not \"" + to_string(*kernel) + "\"");
 }
 
 DistributedAttention::DistributedAttention(Group group, AttentionOptions options)
@@ -431,7 +436,7 @@ AttentionCall call_of(const DistributedAttention& module, const AttentionInputs&
   c.layout = options.layout;
   c.rules() = options.rules();
   c.sinks = in.sinks;
-  c.fuse_qkv = options.fuse_qkv;
+  c.exchange = options.exchange;
   c.kernel = options.kernel;
   c.local = options.local ? &options.local : nullptr;
   c.step = in.context;

@@ -19,7 +19,7 @@ namespace {
 
 // Every rank's 4-D mask sizes, agreed in one small collective, and the decision they imply.
 MaskDecision agree_mask(const std::vector<int64_t>& mask_sizes, const c10::ScalarType dtype,
-                        bool requires_grad, const Sharding& plan, const Group& group,
+                        bool requires_grad, const Sharding& sharding, const Group& group,
                         const std::string& name, int64_t key_len) {
   auto all = group.agree(
       [&] {
@@ -43,13 +43,13 @@ MaskDecision agree_mask(const std::vector<int64_t>& mask_sizes, const c10::Scala
                       m[5] ? " does" : " does not");
     sizes.push_back({m[0], m[1], m[2], m[3]});
   }
-  return decide_mask(sizes, plan.heads.q_heads(), plan.seq, name, key_len);
+  return decide_mask(sizes, sharding.heads.q_heads(), sharding.seq, name, key_len);
 }
 
 // Per-head query-sharded masks move like Q: [Bm, Hq, S_r, Sk] is a BHSD tensor with "head
 // dim" Sk.
-Sharding mask_plan(const Sharding& plan) {
-  Sharding bhsd = plan;
+Sharding mask_plan(const Sharding& sharding) {
+  Sharding bhsd = sharding;
   bhsd.layout = Layout::kBHSD;
   return bhsd;
 }
@@ -57,56 +57,56 @@ Sharding mask_plan(const Sharding& plan) {
 }  // namespace
 
 at::Tensor rebuild_mask_backward(const at::Tensor& grad, const std::vector<int64_t>& mask_sizes,
-                                 const Sharding& plan, const Group& group, int64_t key_len) {
+                                 const Sharding& sharding, const Group& group, int64_t key_len) {
   if (group.size() == 1) return grad.reshape(mask_sizes);
   const MaskDecision d =
-      agree_mask(mask_sizes, grad.scalar_type(), false, plan, group, "mask", key_len);
+      agree_mask(mask_sizes, grad.scalar_type(), false, sharding, group, "mask", key_len);
   const auto s = mask_sizes_4d(mask_sizes, "mask");
   at::Tensor g;
   if (d.heads == MaskHeads::kShared) {
     g = d.rows == MaskRows::kSharded
-            ? detail::sequence_collective_kernel(grad, 2, plan.seq, group,
+            ? detail::sequence_collective_kernel(grad, 2, sharding.seq, group,
                                                  detail::SequenceCollective::kReduceScatter,
                                                  detail::ShapeAgreement::kAgreed)
             : grad;
   } else if (d.rows != MaskRows::kSharded) {
-    const Range r = plan.heads.q_range(group.rank());
+    const Range r = sharding.heads.q_range(group.rank());
     g = at::zeros({s[0], s[1], s[2], s[3]}, grad.options());
     g.narrow(1, r.begin, r.size()).copy_(grad);
   } else {
-    g = detail::gather_heads_kernel({grad}, {Heads::kQuery}, mask_plan(plan), group,
+    g = detail::gather_heads_kernel({grad}, {Heads::kQuery}, mask_plan(sharding), group,
                                     HeadForm::kWhole)[0];
   }
   return g.reshape(mask_sizes);
 }
 
-at::Tensor rebuild_mask(const at::Tensor& mask, const Sharding& plan, const Group& group,
+at::Tensor rebuild_mask(const at::Tensor& mask, const Sharding& sharding, const Group& group,
                         int64_t key_len) {
   if (group.size() == 1) return mask;
-  return detail::call_rebuild_mask(mask, plan, group, key_len);
+  return detail::call_rebuild_mask(mask, sharding, group, key_len);
 }
 
-at::Tensor detail::rebuild_mask_kernel(const at::Tensor& mask, const Sharding& plan,
+at::Tensor detail::rebuild_mask_kernel(const at::Tensor& mask, const Sharding& sharding,
                                        const Group& group, int64_t key_len) {
   if (group.size() == 1) return mask;
   at::NoGradGuard no_grad;
   const int me = group.rank();
   const MaskDecision d = agree_mask(mask.sizes().vec(), mask.scalar_type(), mask.requires_grad(),
-                                    plan, group, "mask", key_len);
+                                    sharding, group, "mask", key_len);
   const at::Tensor m4 = as_4d_mask(mask);
   if (d.heads == MaskHeads::kShared) {
     // The agreement above covered the mask's shape and dtype on every rank.
     return d.rows == MaskRows::kSharded
-               ? detail::sequence_collective_kernel(m4, 2, plan.seq, group,
+               ? detail::sequence_collective_kernel(m4, 2, sharding.seq, group,
                                                     detail::SequenceCollective::kAllGather,
                                                     detail::ShapeAgreement::kAgreed)
                : m4;
   }
   if (d.rows != MaskRows::kSharded) {
-    const Range r = plan.heads.q_range(me);
+    const Range r = sharding.heads.q_range(me);
     return m4.narrow(1, r.begin, r.size());
   }
-  const Sharding bhsd = mask_plan(plan);
+  const Sharding bhsd = mask_plan(sharding);
   const bool flag = m4.scalar_type() == at::kBool;
   const at::Tensor moved = detail::scatter_heads_kernel({flag ? m4.view(at::kByte) : m4},
                                                         {Heads::kQuery}, bhsd, group)[0];

@@ -48,8 +48,8 @@ at::Tensor rebuild_mask_op(const at::Tensor& mask, int64_t q_heads, int64_t kv_h
                            c10::IntArrayRef seq_lens, const std::string& group_name,
                            c10::IntArrayRef group_options, int64_t key_len) {
   const Group group = group_of_op(group_name, group_options);
-  const Sharding plan = plan_of(q_heads, kv_heads, seq_lens, "BHSD", group.size());
-  return unaliased(as_4d_mask(detail::rebuild_mask_kernel(mask, plan, group, key_len)), {mask});
+  const Sharding sharding = sharding_of(q_heads, kv_heads, seq_lens, "BHSD", group.size());
+  return unaliased(as_4d_mask(detail::rebuild_mask_kernel(mask, sharding, group, key_len)), {mask});
 }
 
 at::Tensor rebuild_mask_backward_op(const at::Tensor& grad, c10::IntArrayRef mask_sizes,
@@ -57,9 +57,9 @@ at::Tensor rebuild_mask_backward_op(const at::Tensor& grad, c10::IntArrayRef mas
                                     const std::string& group_name, c10::IntArrayRef group_options,
                                     int64_t key_len) {
   const Group group = group_of_op(group_name, group_options);
-  const Sharding plan = plan_of(q_heads, kv_heads, seq_lens, "BHSD", group.size());
+  const Sharding sharding = sharding_of(q_heads, kv_heads, seq_lens, "BHSD", group.size());
   at::NoGradGuard no_grad;
-  return unaliased(rebuild_mask_backward(grad, mask_sizes.vec(), plan, group, key_len), {grad});
+  return unaliased(rebuild_mask_backward(grad, mask_sizes.vec(), sharding, group, key_len), {grad});
 }
 
 at::Tensor rebuild_mask_autograd(const at::Tensor& mask, int64_t q_heads, int64_t kv_heads,
@@ -177,7 +177,7 @@ AttentionCall attention_call(int64_t q_heads, int64_t kv_heads, c10::IntArrayRef
   if (sinks && sinks->defined()) call.sinks = sinks;
   call.kernel = parse_local_kernel(local);
   if (step && *step) call.step = &(*step)->context_for(call.group);
-  call.mask_rebuilt = mask_rebuilt;
+  call.mask_form = mask_rebuilt ? MaskForm::kRebuilt : MaskForm::kAsGiven;
   return call;
 }
 
@@ -220,7 +220,7 @@ std::vector<at::Tensor> attention_heads_op(
   AttentionCall call =
       attention_call(q_heads, kv_heads, seq_lens, layout, causal, scale, "auto", group_name,
                      group_options, c10::nullopt, step, mask_rebuilt, window, softcap, sinks);
-  call.heads_only = true;
+  call.local_by = LocalBy::kCaller;
   const AttentionHeads h = attend_heads(call, {{q}, {k}, {v}}, HeadForm::kWhole, mask, positions);
   std::vector<at::Tensor> out{h.args.q, h.args.k, h.args.v};
   if (h.args.mask) out.push_back(*h.args.mask);
@@ -233,10 +233,10 @@ std::vector<at::Tensor> attention_heads_op(
 
 namespace detail {
 
-at::Tensor call_rebuild_mask(const at::Tensor& mask, const Sharding& plan, const Group& group,
+at::Tensor call_rebuild_mask(const at::Tensor& mask, const Sharding& sharding, const Group& group,
                              int64_t key_len) {
   static const auto op = op_handle<decltype(rebuild_mask_op)>("ulysses::rebuild_mask");
-  return op.call(mask, plan.heads.q_heads(), plan.heads.kv_heads(), plan.seq.lengths(),
+  return op.call(mask, sharding.heads.q_heads(), sharding.heads.kv_heads(), sharding.seq.lengths(),
                  op_group_name(group), options_to_ints(group.options()), key_len);
 }
 

@@ -14,14 +14,14 @@
 
 namespace ulysses::detail {
 
-at::Tensor call_rebuild_mask(const at::Tensor& mask, const Sharding& plan, const Group& group,
+at::Tensor call_rebuild_mask(const at::Tensor& mask, const Sharding& sharding, const Group& group,
                              int64_t key_len);
 std::tuple<at::Tensor, at::Tensor> call_ring_attention(const LocalAttentionArgs& args,
                                                        const RingLayout& layout,
                                                        const at::Tensor& docs, const Group& ring);
 
 // rebuild_mask without autograd.
-at::Tensor rebuild_mask_kernel(const at::Tensor& mask, const Sharding& plan, const Group& group,
+at::Tensor rebuild_mask_kernel(const at::Tensor& mask, const Sharding& sharding, const Group& group,
                                int64_t key_len);
 
 }  // namespace ulysses::detail

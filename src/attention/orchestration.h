@@ -12,6 +12,13 @@
 
 namespace ulysses {
 
+// The mask a call hands over: as the caller gave it (query rows sharded, agreed and rebuilt by
+// the call), or already rebuild_mask's output for these heads (AutoSP rebuilds once per graph).
+enum class MaskForm { kAsGiven, kRebuilt };
+// Who runs a call's local attention: the library (its kernel, or a C++ callable `local`), or the
+// caller after attend_heads (Python's callable or FlexAttention: attention_heads).
+enum class LocalBy { kLibrary, kCaller };
+
 // One attention call as the orchestration takes it (every field but the tensors).
 struct AttentionCall : AttentionRules {  // causal, scale, window, softcap.
   explicit AttentionCall(Group sp_group) : group(std::move(sp_group)) {}
@@ -22,19 +29,19 @@ struct AttentionCall : AttentionRules {  // causal, scale, window, softcap.
   c10::optional<SequencePartition> seq;  // A known split (checked); else learned in the round.
   Layout layout = Layout::kBSHD;
   c10::optional<at::Tensor> sinks;  // [Hq] (AttentionInputs::sinks); unset: none.
-  bool fuse_qkv = true;
+  QkvExchange exchange = QkvExchange::kFused;
   LocalKernel kernel = LocalKernel::kAuto;
-  const LocalAttention* local = nullptr;  // Overrides `kernel`.
-  StepContext* step = nullptr;            // Shares rebuilt masks and positions across layers.
-  bool mask_rebuilt = false;              // The mask is rebuild_mask's output for these heads.
-  bool heads_only = false;                // attention_heads: the caller attends (its own kernel).
+  const LocalAttention* local = nullptr;    // Overrides `kernel`.
+  StepContext* step = nullptr;              // Shares rebuilt masks and positions across layers.
+  MaskForm mask_form = MaskForm::kAsGiven;  // The mask as the caller gave it, or rebuilt.
+  LocalBy local_by = LocalBy::kLibrary;     // Who runs the local attention (after attend_heads).
 };
 
 // Attention's inputs after the exchange: q, k, v on this rank's heads over the whole sequence
-// (BHSD), the mask rebuilt and the position ids gathered, with the agreed plan.
+// (BHSD), the mask rebuilt and the position ids gathered, with the agreed sharding.
 struct AttentionHeads {
   LocalAttentionArgs args;
-  Sharding plan;
+  Sharding sharding;
   c10::optional<RingLayout> ring;  // Hybrid attention's layout (then args.positions is unset
   at::Tensor ring_documents;       // and these are the ring's document ids, if any).
 };

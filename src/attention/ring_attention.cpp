@@ -296,13 +296,13 @@ at::Tensor ring_attention(const LocalAttentionArgs& args, const RingLayout& layo
   return std::get<0>(detail::call_ring_attention(args, layout, docs, group));
 }
 
-at::Tensor rebuild_ring_mask(const at::Tensor& mask, const Sharding& plan, const RingLayout& layout,
-                             int64_t sp_rank, const Group& ulysses) {
+at::Tensor rebuild_ring_mask(const at::Tensor& mask, const Sharding& sharding,
+                             const RingLayout& layout, int64_t sp_rank, const Group& ulysses) {
   at::Tensor m = as_4d_mask(mask);
   const int64_t S = layout.seq_len();
   const at::Tensor mine = layout.shard_index(sp_rank);
   if (m.size(2) == S && mine.numel() != S) m = m.index_select(2, mine.to(m.device()));
-  return rebuild_mask(m, plan, ulysses, S);
+  return rebuild_mask(m, sharding, ulysses, S);
 }
 
 at::Tensor ring_document_ids(const at::Tensor& positions, const RingLayout& layout,

@@ -254,18 +254,18 @@ Sharding agree_plan(const Group& group, const HeadPartition& heads, Layout layou
   return Sharding{heads, agreed, layout};
 }
 
-void detail::ArmedAgreement::remember(const Sharding& plan, const std::vector<at::Tensor>& qkv,
+void detail::ArmedAgreement::remember(const Sharding& sharding, const std::vector<at::Tensor>& qkv,
                                       const std::vector<int64_t>& call) {
   if (misses_in_a_row_ >= kMaxMissesInARow) return;  // Stopped arming.
   std::vector<std::vector<int64_t>> sizes;
   for (const at::Tensor& t : qkv) sizes.push_back(t.sizes().vec());
-  // Every fact compared here was agreed (the plan, dtype, q, k, v's dims but the sequence's,
-  // whose lengths the plan holds), so every rank keeps or replaces alike.
-  const bool same = exchange_ && exchange_->plan.heads == plan.heads &&
-                    exchange_->plan.seq == plan.seq && exchange_->plan.layout == plan.layout &&
-                    exchange_->sizes == sizes && exchange_->dtype == qkv[0].scalar_type() &&
-                    exchange_->calls.size() < kMaxCalls;
-  if (!same) exchange_ = Exchange{plan, sizes, qkv[0].scalar_type(), {}};
+  // Every fact compared here was agreed (the sharding, dtype, q, k, v's dims but the sequence's,
+  // whose lengths the sharding holds), so every rank keeps or replaces alike.
+  const bool same = exchange_ && exchange_->sharding.heads == sharding.heads &&
+                    exchange_->sharding.seq == sharding.seq &&
+                    exchange_->sharding.layout == sharding.layout && exchange_->sizes == sizes &&
+                    exchange_->dtype == qkv[0].scalar_type() && exchange_->calls.size() < kMaxCalls;
+  if (!same) exchange_ = Exchange{sharding, sizes, qkv[0].scalar_type(), {}};
   exchange_->calls.push_back(call);
 }
 

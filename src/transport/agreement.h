@@ -30,10 +30,10 @@ inline std::string shape_str(at::IntArrayRef sizes) {
 class ArmedAgreement {
  public:
   struct Exchange {
-    Sharding plan;
-    std::vector<std::vector<int64_t>> sizes;  // This rank's q, k, v sizes under `plan`.
+    Sharding sharding;
+    std::vector<std::vector<int64_t>> sizes;  // This rank's q, k, v sizes under `sharding`.
     at::ScalarType dtype = at::kFloat;
-    std::vector<std::vector<int64_t>> calls;  // This rank's fingerprints agreed with `plan`.
+    std::vector<std::vector<int64_t>> calls;  // This rank's fingerprints agreed with `sharding`.
   };
   // The exchange calls move by; null when not armed.
   const Exchange* armed() const {
@@ -41,7 +41,7 @@ class ArmedAgreement {
   }
   // After an agreement every rank ran alike, of a call that may reuse: keep `call` (this rank's
   // fingerprint) with its exchange (q, k, v as moved), replacing an exchange of other sizes.
-  void remember(const Sharding& plan, const std::vector<at::Tensor>& qkv,
+  void remember(const Sharding& sharding, const std::vector<at::Tensor>& qkv,
                 const std::vector<int64_t>& call);
   // After an agreement of a call that may not reuse.
   void disarm() { exchange_.reset(); }

@@ -27,22 +27,22 @@ int64_t first_misfit_part(const std::vector<at::Tensor>& parts, const std::vecto
 }  // namespace
 
 void check_parts(const char* op, const std::vector<at::Tensor>& parts, Heads kind,
-                 const Sharding& plan, const Group& group) {
-  const auto& ranges = plan.ranges(kind);
-  TORCH_CHECK_VALUE(parts.size() == ranges.size() && plan.heads.sp_size() == group.size(), op,
+                 const Sharding& sharding, const Group& group) {
+  const auto& ranges = sharding.ranges(kind);
+  TORCH_CHECK_VALUE(parts.size() == ranges.size() && sharding.heads.sp_size() == group.size(), op,
                     ": need one part per rank of the group (", group.size(), "); got ",
                     parts.size());
-  const int64_t sdim = seq_dim(plan.layout), hdim = head_dim(plan.layout);
-  const int64_t tokens = plan.seq.length(group.rank());
+  const int64_t sdim = seq_dim(sharding.layout), hdim = head_dim(sharding.layout);
+  const int64_t tokens = sharding.seq.length(group.rank());
   // Parts that fit have part 0's token count: then part 0's is the one to check.
-  int64_t j = first_misfit_part(parts, ranges, plan.layout);
+  int64_t j = first_misfit_part(parts, ranges, sharding.layout);
   if (j < 0 && parts[0].size(sdim) != tokens) j = 0;
   // The message (built only on failure) reads parts[j].
-  TORCH_CHECK_VALUE(j < 0, op, ": part ", j, " must hold ", ranges[j].size(), " ", heads_word(kind),
-                    " heads in dim ", hdim, " and ", tokens, " tokens in dim ", sdim, " (layout ",
-                    to_string(plan.layout), "), with part 0's dtype, device and other dims; got ",
-                    parts[j].defined() ? shape_str(parts[j].sizes()) : "undefined", " (rank ",
-                    group.rank(), ")");
+  TORCH_CHECK_VALUE(
+      j < 0, op, ": part ", j, " must hold ", ranges[j].size(), " ", heads_word(kind),
+      " heads in dim ", hdim, " and ", tokens, " tokens in dim ", sdim, " (layout ",
+      to_string(sharding.layout), "), with part 0's dtype, device and other dims; got ",
+      parts[j].defined() ? shape_str(parts[j].sizes()) : "undefined", " (rank ", group.rank(), ")");
 }
 
 at::Tensor stand_in_for_parts(const std::vector<at::Tensor>& parts, Heads kind,

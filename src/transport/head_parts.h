@@ -1,5 +1,5 @@
 // Head parts (all_to_all.h): one tensor per rank holding that rank's heads, checked against a
-// plan or a partition.
+// sharding or a partition.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -13,10 +13,10 @@
 
 namespace ulysses {
 
-// Checks that `parts` are this rank's tokens of every rank's heads, by the agreed plan; raises
+// Checks that `parts` are this rank's tokens of every rank's heads, by the agreed sharding; raises
 // c10::ValueError naming the first part that is not, under `op`.
 void check_parts(const char* op, const std::vector<at::Tensor>& parts, Heads kind,
-                 const Sharding& plan, const Group& group);
+                 const Sharding& sharding, const Group& group);
 
 // A stand-in for the whole tensor that `parts` split (one part per rank, by `partition`'s
 // ranges of `heads` in `layout`): one element expanded to the whole shape, with the parts'

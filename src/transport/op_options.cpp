@@ -6,11 +6,25 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
 namespace ulysses {
+namespace {
+
+// The codec's numbers for the transports (the ops' group_options[4]).
+constexpr GroupOptions::Transport kTransports[] = {GroupOptions::Transport::kAuto,
+                                                   GroupOptions::Transport::kMessages,
+                                                   GroupOptions::Transport::kBatched};
+
+int64_t transport_number(GroupOptions::Transport transport) {
+  for (int64_t i = 0; i < 3; ++i)
+    if (kTransports[i] == transport) return i;
+  TORCH_INTERNAL_ASSERT(false, "an unknown transport");
+}
+
+}  // namespace
 
 std::vector<int64_t> options_to_ints(const GroupOptions& options) {
   return {options.timeout.count(), options.pipeline_min_bytes, options.message_bytes,
           options.shared_memory ? int64_t{*options.shared_memory} : int64_t{-1},
-          static_cast<int64_t>(options.transport)};
+          transport_number(options.transport)};
 }
 
 GroupOptions options_from_ints(c10::IntArrayRef values) {
@@ -27,7 +41,7 @@ GroupOptions options_from_ints(c10::IntArrayRef values) {
                       "Group: group_options' transport must be 0 (auto), 1 (messages) or 2 "
                       "(batched); got ",
                       values[4]);
-    o.transport = static_cast<GroupOptions::Transport>(values[4]);
+    o.transport = kTransports[values[4]];
   }
   return o;
 }

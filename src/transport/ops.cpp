@@ -89,8 +89,8 @@ std::vector<at::Tensor> scatter_heads_op(at::TensorList xs, Strings heads, int64
   const Group group = group_of_op(group_name, group_options);
   if (!agree) {  // The library's own call (a backward, or the C++ API after agree_plan).
     const std::vector<Heads> tensor_heads = parse_heads(heads);
-    const Sharding plan = plan_of(q_heads, kv_heads, seq_lens, layout, group.size());
-    return unaliased(detail::scatter_heads_kernel(xs.vec(), tensor_heads, plan, group), xs);
+    const Sharding sharding = sharding_of(q_heads, kv_heads, seq_lens, layout, group.size());
+    return unaliased(detail::scatter_heads_kernel(xs.vec(), tensor_heads, sharding, group), xs);
   }
   std::vector<TensorSpec> specs;
   std::vector<Heads> tensor_heads;
@@ -101,13 +101,14 @@ std::vector<at::Tensor> scatter_heads_op(at::TensorList xs, Strings heads, int64
     const std::vector<std::string> names = tensor_names(tensor_heads);
     for (size_t i = 0; i < xs.size(); ++i) specs.push_back({xs[i], tensor_heads[i], names[i]});
     check_4d(specs, parse_layout(layout));  // Before the head counts read from them.
-    return plan_of(q_heads, kv_heads, seq_lens, layout, group.size());
+    return sharding_of(q_heads, kv_heads, seq_lens, layout, group.size());
   });
   // Checks every rank's tensors and the given split in one small collective before data moves.
-  const Sharding plan = agree_plan(group, given.heads, given.layout, specs, given.seq,
-                                   call_options(tensor_names(tensor_heads), mask, positions, causal,
-                                                scale, step, check_mask, window, softcap, sinks));
-  return unaliased(detail::scatter_heads_kernel(xs.vec(), tensor_heads, plan, group), xs);
+  const Sharding sharding =
+      agree_plan(group, given.heads, given.layout, specs, given.seq,
+                 call_options(tensor_names(tensor_heads), mask, positions, causal, scale, step,
+                              check_mask, window, softcap, sinks));
+  return unaliased(detail::scatter_heads_kernel(xs.vec(), tensor_heads, sharding, group), xs);
 }
 
 std::vector<at::Tensor> scatter_heads_autograd(
@@ -123,11 +124,11 @@ std::vector<at::Tensor> scatter_heads_autograd(
   if (!needs_grad(xs)) return outs;
   // The kernel checked the arguments on every rank: parsing them again cannot fail.
   const Group group = group_of_op(group_name, group_options);
-  const Sharding plan = plan_of(q_heads, kv_heads, seq_lens, layout, group.size());
+  const Sharding sharding = sharding_of(q_heads, kv_heads, seq_lens, layout, group.size());
   detail::attach_backward(
       xs.vec(), outs, "ScatterHeadsBackward",
-      [tensor_heads = parse_heads(heads), plan, group](std::vector<at::Tensor>&& g) {
-        return gather_heads(g, tensor_heads, plan, group);
+      [tensor_heads = parse_heads(heads), sharding, group](std::vector<at::Tensor>&& g) {
+        return gather_heads(g, tensor_heads, sharding, group);
       });
   return outs;
 }
@@ -146,19 +147,19 @@ std::vector<at::Tensor> scatter_head_parts_op(
   std::vector<Heads> tensor_heads;
   auto parse = [&] {
     tensor_heads = parse_heads(heads);
-    const Sharding plan = plan_of(q_heads, kv_heads, seq_lens, layout, group.size());
+    const Sharding sharding = sharding_of(q_heads, kv_heads, seq_lens, layout, group.size());
     TORCH_CHECK_VALUE(parts.size() == tensor_heads.size() * P, "scatter_head_parts: ", parts.size(),
                       " parts for ", tensor_heads.size(), " tensors over ", P, " ranks");
     const std::vector<std::string> names = tensor_names(tensor_heads);
     for (size_t t = 0; t < tensor_heads.size(); ++t) {
       nested.emplace_back(parts.begin() + t * P, parts.begin() + (t + 1) * P);
       if (agree) {
-        specs.push_back({stand_in_for_parts(nested.back(), tensor_heads[t], plan.heads, plan.layout,
-                                            "scatter_head_parts: " + names[t]),
+        specs.push_back({stand_in_for_parts(nested.back(), tensor_heads[t], sharding.heads,
+                                            sharding.layout, "scatter_head_parts: " + names[t]),
                          tensor_heads[t], names[t]});
       }
     }
-    return plan;
+    return sharding;
   };
   if (!agree) {
     return unaliased(detail::scatter_head_parts_kernel(nested, tensor_heads, parse(), group),
@@ -168,8 +169,8 @@ std::vector<at::Tensor> scatter_head_parts_op(
   CallOptions options = call_options(tensor_names(tensor_heads), mask, positions, causal, scale,
                                      step, check_mask, window, softcap, sinks);
   options.reuses_agreement = false;  // Head parts: a step never reuses their agreement.
-  const Sharding plan = agree_plan(group, given.heads, given.layout, specs, given.seq, options);
-  return unaliased(detail::scatter_head_parts_kernel(nested, tensor_heads, plan, group), parts);
+  const Sharding sharding = agree_plan(group, given.heads, given.layout, specs, given.seq, options);
+  return unaliased(detail::scatter_head_parts_kernel(nested, tensor_heads, sharding, group), parts);
 }
 
 std::vector<at::Tensor> scatter_head_parts_autograd(
@@ -185,11 +186,11 @@ std::vector<at::Tensor> scatter_head_parts_autograd(
   });
   if (!needs_grad(parts)) return outs;
   const Group group = group_of_op(group_name, group_options);
-  const Sharding plan = plan_of(q_heads, kv_heads, seq_lens, layout, group.size());
+  const Sharding sharding = sharding_of(q_heads, kv_heads, seq_lens, layout, group.size());
   detail::attach_backward(
       parts.vec(), outs, "ScatterHeadPartsBackward",
-      [tensor_heads = parse_heads(heads), plan, group](std::vector<at::Tensor>&& g) {
-        return gather_head_parts(g, tensor_heads, plan, group);
+      [tensor_heads = parse_heads(heads), sharding, group](std::vector<at::Tensor>&& g) {
+        return gather_head_parts(g, tensor_heads, sharding, group);
       });
   return outs;
 }
@@ -203,8 +204,8 @@ std::vector<at::Tensor> gather_kernel(at::TensorList ys, Strings heads, int64_t 
   const std::vector<Heads> tensor_heads = parse_heads(heads);
   TORCH_CHECK_VALUE(tensor_heads.size() == ys.size(), "gather_heads: ", ys.size(), " tensors but ",
                     tensor_heads.size(), " head tensor_heads");
-  const Sharding plan = plan_of(q_heads, kv_heads, seq_lens, layout, group.size());
-  return unaliased(detail::gather_heads_kernel(ys.vec(), tensor_heads, plan, group, form), ys);
+  const Sharding sharding = sharding_of(q_heads, kv_heads, seq_lens, layout, group.size());
+  return unaliased(detail::gather_heads_kernel(ys.vec(), tensor_heads, sharding, group, form), ys);
 }
 
 std::vector<at::Tensor> gather_heads_op(at::TensorList ys, Strings heads, int64_t q_heads,
@@ -238,16 +239,16 @@ std::vector<at::Tensor> gather_autograd(at::TensorList ys, Strings heads, int64_
   });
   if (!needs_grad(ys)) return outs;
   const Group group = group_of_op(group_name, group_options);
-  const Sharding plan = plan_of(q_heads, kv_heads, seq_lens, layout, group.size());
+  const Sharding sharding = sharding_of(q_heads, kv_heads, seq_lens, layout, group.size());
   detail::attach_backward(
       ys.vec(), outs, parts ? "GatherHeadPartsBackward" : "GatherHeadsBackward",
-      [tensor_heads = parse_heads(heads), plan, group](std::vector<at::Tensor>&& g) {
-        if (!parts) return scatter_heads(g, tensor_heads, plan, group);
+      [tensor_heads = parse_heads(heads), sharding, group](std::vector<at::Tensor>&& g) {
+        if (!parts) return scatter_heads(g, tensor_heads, sharding, group);
         const auto P = static_cast<size_t>(group.size());
         std::vector<std::vector<at::Tensor>> nested;
         for (size_t t = 0; t < tensor_heads.size(); ++t)
           nested.emplace_back(g.begin() + t * P, g.begin() + (t + 1) * P);
-        return scatter_head_parts(nested, tensor_heads, plan, group);
+        return scatter_head_parts(nested, tensor_heads, sharding, group);
       });
   return outs;
 }
@@ -328,8 +329,8 @@ at::Tensor sum_over_group_autograd(const at::Tensor& x, const std::string& group
 
 namespace detail {
 
-Sharding plan_of(int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_lens,
-                 const std::string& layout, int64_t sp_size) {
+Sharding sharding_of(int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_lens,
+                     const std::string& layout, int64_t sp_size) {
   TORCH_CHECK_VALUE(static_cast<int64_t>(seq_lens.size()) == sp_size,
                     "ulysses: seq_lens must have one entry per rank (", sp_size, "); got ",
                     seq_lens.size());
@@ -339,24 +340,24 @@ Sharding plan_of(int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_lens,
 
 std::vector<at::Tensor> call_scatter_heads(const std::vector<at::Tensor>& xs,
                                            const std::vector<Heads>& tensor_heads,
-                                           const Sharding& plan, const Group& group) {
+                                           const Sharding& sharding, const Group& group) {
   static const auto op = op_handle<decltype(scatter_heads_op)>("ulysses::scatter_heads");
-  return op.call(xs, heads_args(tensor_heads), plan.heads.q_heads(), plan.heads.kv_heads(),
-                 plan.seq.lengths(), to_string(plan.layout), op_group_name(group),
+  return op.call(xs, heads_args(tensor_heads), sharding.heads.q_heads(), sharding.heads.kv_heads(),
+                 sharding.seq.lengths(), to_string(sharding.layout), op_group_name(group),
                  options_to_ints(group.options()), /*agree=*/false, {}, {}, false, 0.0, false, true,
                  0, 0.0, {});
 }
 
 std::vector<at::Tensor> call_scatter_head_parts(const std::vector<std::vector<at::Tensor>>& parts,
                                                 const std::vector<Heads>& tensor_heads,
-                                                const Sharding& plan, const Group& group) {
+                                                const Sharding& sharding, const Group& group) {
   static const auto op = op_handle<decltype(scatter_head_parts_op)>("ulysses::scatter_head_parts");
   std::vector<at::Tensor> flat;
   for (const auto& p : parts) flat.insert(flat.end(), p.begin(), p.end());
-  return op.call(flat, heads_args(tensor_heads), plan.heads.q_heads(), plan.heads.kv_heads(),
-                 plan.seq.lengths(), to_string(plan.layout), op_group_name(group),
-                 options_to_ints(group.options()), /*agree=*/false, {}, {}, false, 0.0, false, true,
-                 0, 0.0, {});
+  return op.call(flat, heads_args(tensor_heads), sharding.heads.q_heads(),
+                 sharding.heads.kv_heads(), sharding.seq.lengths(), to_string(sharding.layout),
+                 op_group_name(group), options_to_ints(group.options()), /*agree=*/false, {}, {},
+                 false, 0.0, false, true, 0, 0.0, {});
 }
 
 std::vector<at::Tensor> call_scatter_agreed(const std::vector<std::vector<at::Tensor>>& qkv,
@@ -379,13 +380,14 @@ std::vector<at::Tensor> call_scatter_agreed(const std::vector<std::vector<at::Te
 
 std::vector<at::Tensor> call_gather_heads(const std::vector<at::Tensor>& ys,
                                           const std::vector<Heads>& tensor_heads,
-                                          const Sharding& plan, const Group& group, HeadForm form) {
+                                          const Sharding& sharding, const Group& group,
+                                          HeadForm form) {
   static const auto gather = op_handle<decltype(gather_heads_op)>("ulysses::gather_heads");
   static const auto gather_parts =
       op_handle<decltype(gather_heads_op)>("ulysses::gather_head_parts");
   return (form == HeadForm::kParts ? gather_parts : gather)
-      .call(ys, heads_args(tensor_heads), plan.heads.q_heads(), plan.heads.kv_heads(),
-            plan.seq.lengths(), to_string(plan.layout), op_group_name(group),
+      .call(ys, heads_args(tensor_heads), sharding.heads.q_heads(), sharding.heads.kv_heads(),
+            sharding.seq.lengths(), to_string(sharding.layout), op_group_name(group),
             options_to_ints(group.options()));
 }
 

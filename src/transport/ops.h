@@ -32,17 +32,17 @@ enum class SequenceCollective { kAllGather, kReduceScatter };
 // already (a backward, whose gradient is shaped like the agreed forward).
 enum class ShapeAgreement { kAgree, kAgreed };
 
-// The plan an op's arguments describe (seq_lens: one entry per rank of a group of sp_size).
-Sharding plan_of(int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_lens,
-                 const std::string& layout, int64_t sp_size);
+// The sharding an op's arguments describe (seq_lens: one entry per rank of a group of sp_size).
+Sharding sharding_of(int64_t q_heads, int64_t kv_heads, c10::IntArrayRef seq_lens,
+                     const std::string& layout, int64_t sp_size);
 
 // ---- op calls (with autograd) ----
 std::vector<at::Tensor> call_scatter_heads(const std::vector<at::Tensor>& xs,
                                            const std::vector<Heads>& tensor_heads,
-                                           const Sharding& plan, const Group& group);
+                                           const Sharding& sharding, const Group& group);
 std::vector<at::Tensor> call_scatter_head_parts(const std::vector<std::vector<at::Tensor>>& parts,
                                                 const std::vector<Heads>& tensor_heads,
-                                                const Sharding& plan, const Group& group);
+                                                const Sharding& sharding, const Group& group);
 // scatter_heads (or scatter_head_parts of qkv[t]'s parts) whose op agrees on the call first:
 // the attention path whose every collective runs inside an op.
 std::vector<at::Tensor> call_scatter_agreed(const std::vector<std::vector<at::Tensor>>& qkv,
@@ -53,51 +53,51 @@ std::vector<at::Tensor> call_scatter_agreed(const std::vector<std::vector<at::Te
 // gather_heads, or for HeadForm::kParts gather_head_parts (tensor t's part j at t * P + j).
 std::vector<at::Tensor> call_gather_heads(const std::vector<at::Tensor>& ys,
                                           const std::vector<Heads>& tensor_heads,
-                                          const Sharding& plan, const Group& group, HeadForm form);
+                                          const Sharding& sharding, const Group& group,
+                                          HeadForm form);
 at::Tensor call_sequence_collective(const at::Tensor& x, int64_t dim, const SequencePartition& seq,
                                     const Group& group, SequenceCollective which,
                                     ShapeAgreement shapes = ShapeAgreement::kAgree);
-// scatter_projected and gather_projected on an agreed plan.
+// scatter_projected and gather_projected on an agreed sharding.
 std::vector<at::Tensor> call_scatter_projected(const at::Tensor& x,
                                                const std::vector<HeadProjection>& projections,
-                                               const Sharding& plan, const Group& group);
+                                               const Sharding& sharding, const Group& group);
 at::Tensor call_gather_projected(const at::Tensor& y, const at::Tensor& weight,
-                                 const Sharding& plan, const Group& group);
+                                 const Sharding& sharding, const Group& group);
 
 // ---- kernels (no autograd) ----
-// This rank's checks of scatter_projected's and gather_projected's arguments against `plan`.
+// This rank's checks of scatter_projected's and gather_projected's arguments against `sharding`.
 void check_scatter_projected(const at::Tensor& x, const std::vector<HeadProjection>& projections,
-                             const Sharding& plan, const Group& group);
-void check_gather_projected(const at::Tensor& y, const at::Tensor& weight, const Sharding& plan,
+                             const Sharding& sharding, const Group& group);
+void check_gather_projected(const at::Tensor& y, const at::Tensor& weight, const Sharding& sharding,
                             const Group& group);
 // scatter_projected's outputs y_t [B, S, |R_t[r]|, D_t].
 std::vector<at::Tensor> scatter_projected_kernel(const at::Tensor& x,
                                                  const std::vector<HeadProjection>& projections,
-                                                 const Sharding& plan, const Group& group);
+                                                 const Sharding& sharding, const Group& group);
 // Its gradients: {dx, dW_t for each t, db_t for each t with a bias}.
 std::vector<at::Tensor> scatter_projected_backward_kernel(
     const std::vector<at::Tensor>& grads, const at::Tensor& x,
-    const std::vector<HeadProjection>& projections, const Sharding& plan, const Group& group);
+    const std::vector<HeadProjection>& projections, const Sharding& sharding, const Group& group);
 // gather_projected's output [B, S_r, E], then the blocks it multiplied from each peer j != r
 // in rank order (rank j's heads on this rank's tokens, [B, S_r, |R[j]|, D]): backward's dW
 // needs them.
 std::vector<at::Tensor> gather_projected_kernel(const at::Tensor& y, const at::Tensor& weight,
-                                                const Sharding& plan, const Group& group);
+                                                const Sharding& sharding, const Group& group);
 // Its gradients {dy, dW}, from the peers' blocks the forward returned.
-std::vector<at::Tensor> gather_projected_backward_kernel(const at::Tensor& grad,
-                                                         const at::Tensor& y,
-                                                         const at::Tensor& weight,
-                                                         const std::vector<at::Tensor>& peer_parts,
-                                                         const Sharding& plan, const Group& group);
+std::vector<at::Tensor> gather_projected_backward_kernel(
+    const at::Tensor& grad, const at::Tensor& y, const at::Tensor& weight,
+    const std::vector<at::Tensor>& peer_parts, const Sharding& sharding, const Group& group);
 std::vector<at::Tensor> scatter_heads_kernel(const std::vector<at::Tensor>& xs,
                                              const std::vector<Heads>& tensor_heads,
-                                             const Sharding& plan, const Group& group);
+                                             const Sharding& sharding, const Group& group);
 std::vector<at::Tensor> gather_heads_kernel(const std::vector<at::Tensor>& ys,
                                             const std::vector<Heads>& tensor_heads,
-                                            const Sharding& plan, const Group& group, HeadForm out);
+                                            const Sharding& sharding, const Group& group,
+                                            HeadForm out);
 std::vector<at::Tensor> scatter_head_parts_kernel(const std::vector<std::vector<at::Tensor>>& parts,
                                                   const std::vector<Heads>& tensor_heads,
-                                                  const Sharding& plan, const Group& group);
+                                                  const Sharding& sharding, const Group& group);
 at::Tensor sequence_collective_kernel(const at::Tensor& x, int64_t dim,
                                       const SequencePartition& seq, const Group& group,
                                       SequenceCollective which, ShapeAgreement shapes);

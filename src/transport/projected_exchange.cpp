@@ -58,12 +58,12 @@ struct Arrival {
 // What scatter_projected reads of its projections: rank j's rows of each weight and bias.
 struct InputProjections {
   const std::vector<HeadProjection>& projections;
-  const Sharding& plan;
+  const Sharding& sharding;
 
   int64_t head_dim(size_t t) const {
-    return projections[t].weight.size(0) / plan.total(projections[t].heads);
+    return projections[t].weight.size(0) / sharding.total(projections[t].heads);
   }
-  Range range(size_t t, int j) const { return plan.ranges(projections[t].heads)[j]; }
+  Range range(size_t t, int j) const { return sharding.ranges(projections[t].heads)[j]; }
   // Rows of `w` (a weight, bias or their gradient) that project rank j's heads of projection t.
   at::Tensor rows_of(const at::Tensor& w, size_t t, int j) const {
     const Range r = range(t, j);
@@ -98,8 +98,8 @@ int64_t max_elements(const Group& group, const at::Tensor& like) {
 }
 
 // Columns of `w` [E, Hq x D] (or its gradient) that take rank j's heads.
-at::Tensor columns(const at::Tensor& w, const Sharding& plan, int j, int64_t D) {
-  const Range r = plan.ranges(Heads::kQuery)[j];
+at::Tensor columns(const at::Tensor& w, const Sharding& sharding, int j, int64_t D) {
+  const Range r = sharding.ranges(Heads::kQuery)[j];
   return w.narrow(1, r.begin * D, r.size() * D);
 }
 
@@ -136,11 +136,11 @@ std::vector<int64_t> check_input_projections(const char* op, const at::Tensor& x
   return dims;
 }
 
-void check_plan(const char* op, const Sharding& plan, const Group& group) {
-  TORCH_CHECK_VALUE(plan.layout == Layout::kBSHD, op, ": the layout must be BSHD; got ",
-                    to_string(plan.layout));
-  TORCH_CHECK_VALUE(plan.heads.sp_size() == group.size(), op, ": plan is for ",
-                    plan.heads.sp_size(), " ranks but the group has ", group.size());
+void check_plan(const char* op, const Sharding& sharding, const Group& group) {
+  TORCH_CHECK_VALUE(sharding.layout == Layout::kBSHD, op, ": the layout must be BSHD; got ",
+                    to_string(sharding.layout));
+  TORCH_CHECK_VALUE(sharding.heads.sp_size() == group.size(), op, ": sharding is for ",
+                    sharding.heads.sp_size(), " ranks but the group has ", group.size());
 }
 
 }  // namespace
@@ -148,20 +148,20 @@ void check_plan(const char* op, const Sharding& plan, const Group& group) {
 namespace detail {
 
 void check_scatter_projected(const at::Tensor& x, const std::vector<HeadProjection>& projections,
-                             const Sharding& plan, const Group& group) {
-  check_plan("scatter_projected", plan, group);
-  check_input_projections("scatter_projected", x, projections, plan.heads,
-                          plan.seq.length(group.rank()));
+                             const Sharding& sharding, const Group& group) {
+  check_plan("scatter_projected", sharding, group);
+  check_input_projections("scatter_projected", x, projections, sharding.heads,
+                          sharding.seq.length(group.rank()));
 }
 
-void check_gather_projected(const at::Tensor& y, const at::Tensor& weight, const Sharding& plan,
+void check_gather_projected(const at::Tensor& y, const at::Tensor& weight, const Sharding& sharding,
                             const Group& group) {
-  check_plan("gather_projected", plan, group);
+  check_plan("gather_projected", sharding, group);
   const int me = group.rank();
-  const int64_t Hq = plan.heads.q_heads(), mine = plan.ranges(Heads::kQuery)[me].size();
+  const int64_t Hq = sharding.heads.q_heads(), mine = sharding.ranges(Heads::kQuery)[me].size();
   TORCH_CHECK_VALUE(
-      y.defined() && y.dim() == 4 && y.size(1) == plan.seq.seq_len() && y.size(2) == mine,
-      "gather_projected: y must be [B, ", plan.seq.seq_len(), ", ", mine,
+      y.defined() && y.dim() == 4 && y.size(1) == sharding.seq.seq_len() && y.size(2) == mine,
+      "gather_projected: y must be [B, ", sharding.seq.seq_len(), ", ", mine,
       ", D] (all tokens of this rank's query heads); got ",
       y.defined() ? c10::str(y.sizes()) : "undefined", " (rank ", me, ")");
   TORCH_CHECK_VALUE(weight.defined() && weight.dim() == 2 && weight.size(1) == Hq * y.size(3),
@@ -175,22 +175,22 @@ void check_gather_projected(const at::Tensor& y, const at::Tensor& weight, const
 
 std::vector<at::Tensor> scatter_projected_kernel(const at::Tensor& x,
                                                  const std::vector<HeadProjection>& projections,
-                                                 const Sharding& plan, const Group& group) {
-  const InputProjections in{projections, plan};
+                                                 const Sharding& sharding, const Group& group) {
+  const InputProjections in{projections, sharding};
   const int P = group.size(), me = group.rank();
-  const int64_t B = x.size(0), mine = plan.seq.length(me), limit = max_elements(group, x);
+  const int64_t B = x.size(0), mine = sharding.seq.length(me), limit = max_elements(group, x);
   std::vector<at::Tensor> ys;
   for (size_t t = 0; t < in.projections.size(); ++t) {
-    ys.push_back(
-        at::empty({B, plan.seq.seq_len(), in.range(t, me).size(), in.head_dim(t)}, x.options()));
+    ys.push_back(at::empty({B, sharding.seq.seq_len(), in.range(t, me).size(), in.head_dim(t)},
+                           x.options()));
   }
   SlabTransfers io(group, x);
   for (int k = 1; k < P; ++k) {
     const int from = (me + P - k) % P;
     int tag = kFirstMessage;
-    for (const Slab& s : slabs(B, plan.seq.length(from), in.per_token(me), limit)) {
+    for (const Slab& s : slabs(B, sharding.seq.length(from), in.per_token(me), limit)) {
       for (const at::Tensor& y : ys) {
-        io.receive(rows(y, s, plan.seq.range(from).begin), from, tag++);
+        io.receive(rows(y, s, sharding.seq.range(from).begin), from, tag++);
       }
     }
   }
@@ -206,7 +206,7 @@ std::vector<at::Tensor> scatter_projected_kernel(const at::Tensor& x,
   for (size_t t = 0; t < ys.size(); ++t) {
     for (int64_t b = 0; b < B; ++b) {
       const Slab s{b, 0, mine};
-      at::Tensor dst = rows(ys[t], s, plan.seq.range(me).begin);
+      at::Tensor dst = rows(ys[t], s, sharding.seq.range(me).begin);
       in.project(rows(x, s), t, me, dst);
     }
   }
@@ -216,10 +216,10 @@ std::vector<at::Tensor> scatter_projected_kernel(const at::Tensor& x,
 
 std::vector<at::Tensor> scatter_projected_backward_kernel(
     const std::vector<at::Tensor>& grads, const at::Tensor& x,
-    const std::vector<HeadProjection>& projections, const Sharding& plan, const Group& group) {
-  const InputProjections in{projections, plan};
+    const std::vector<HeadProjection>& projections, const Sharding& sharding, const Group& group) {
+  const InputProjections in{projections, sharding};
   const int P = group.size(), me = group.rank();
-  const int64_t B = x.size(0), mine = plan.seq.length(me), limit = max_elements(group, x);
+  const int64_t B = x.size(0), mine = sharding.seq.length(me), limit = max_elements(group, x);
   std::vector<at::Tensor> gys;
   for (const at::Tensor& g : grads) gys.push_back(g.contiguous());
   at::Tensor dx = at::zeros_like(x);
@@ -250,15 +250,15 @@ std::vector<at::Tensor> scatter_projected_backward_kernel(
   for (int k = 1; k < P; ++k) {  // The gradients of the slabs this rank received.
     const int to = (me + P - k) % P;
     int tag = kFirstMessage;
-    for (const Slab& s : slabs(B, plan.seq.length(to), in.per_token(me), limit)) {
-      for (const at::Tensor& g : gys) io.send(rows(g, s, plan.seq.range(to).begin), to, tag++);
+    for (const Slab& s : slabs(B, sharding.seq.length(to), in.per_token(me), limit)) {
+      for (const at::Tensor& g : gys) io.send(rows(g, s, sharding.seq.range(to).begin), to, tag++);
     }
   }
   io.post();
   for (size_t t = 0; t < gys.size(); ++t) {
     for (int64_t b = 0; b < B; ++b) {
       const Slab s{b, 0, mine};
-      accumulate(rows(dx, s), rows(x, s), rows(gys[t], s, plan.seq.range(me).begin), t, me);
+      accumulate(rows(dx, s), rows(x, s), rows(gys[t], s, sharding.seq.range(me).begin), t, me);
     }
   }
   for (Arrival& a : arrivals) {
@@ -274,17 +274,17 @@ std::vector<at::Tensor> scatter_projected_backward_kernel(
 }
 
 std::vector<at::Tensor> gather_projected_kernel(const at::Tensor& y_in, const at::Tensor& weight,
-                                                const Sharding& plan, const Group& group) {
+                                                const Sharding& sharding, const Group& group) {
   const at::Tensor y = y_in.contiguous();
   const int P = group.size(), me = group.rank();
-  const auto& ranges = plan.ranges(Heads::kQuery);
-  const int64_t B = y.size(0), D = y.size(3), mine = plan.seq.length(me);
+  const auto& ranges = sharding.ranges(Heads::kQuery);
+  const int64_t B = y.size(0), D = y.size(3), mine = sharding.seq.length(me);
   const int64_t limit = max_elements(group, y);
   struct {
     at::Tensor out;
     std::vector<at::Tensor> parts;
   } g{at::empty({B, mine, weight.size(0)}, y.options()), std::vector<at::Tensor>(P)};
-  g.parts[me] = y.narrow(1, plan.seq.range(me).begin, mine);
+  g.parts[me] = y.narrow(1, sharding.seq.range(me).begin, mine);
   SlabTransfers io(group, y);
   std::vector<Arrival> arrivals;
   for (int k = 1; k < P; ++k) {
@@ -299,19 +299,19 @@ std::vector<at::Tensor> gather_projected_kernel(const at::Tensor& y_in, const at
   for (int k = 1; k < P; ++k) {
     const int to = (me + k) % P;
     int tag = kFirstMessage;
-    for (const Slab& s : slabs(B, plan.seq.length(to), ranges[me].size() * D, limit)) {
-      io.send(rows(y, s, plan.seq.range(to).begin), to, tag++);
+    for (const Slab& s : slabs(B, sharding.seq.length(to), ranges[me].size() * D, limit)) {
+      io.send(rows(y, s, sharding.seq.range(to).begin), to, tag++);
     }
   }
   io.post();
   for (int64_t b = 0; b < B; ++b) {
     const Slab s{b, 0, mine};
     at::Tensor dst = rows(g.out, s);
-    at::mm_out(dst, rows(g.parts[me], s), columns(weight, plan, me, D).t());
+    at::mm_out(dst, rows(g.parts[me], s), columns(weight, sharding, me, D).t());
   }
   for (Arrival& a : arrivals) {
     io.wait(a.transfer);
-    rows(g.out, a.slab).addmm_(a.data, columns(weight, plan, a.peer, D).t());
+    rows(g.out, a.slab).addmm_(a.data, columns(weight, sharding, a.peer, D).t());
   }
   io.finish();
   std::vector<at::Tensor> out{g.out};
@@ -320,42 +320,41 @@ std::vector<at::Tensor> gather_projected_kernel(const at::Tensor& y_in, const at
   return out;
 }
 
-std::vector<at::Tensor> gather_projected_backward_kernel(const at::Tensor& grad,
-                                                         const at::Tensor& y,
-                                                         const at::Tensor& weight,
-                                                         const std::vector<at::Tensor>& peer_parts,
-                                                         const Sharding& plan, const Group& group) {
+std::vector<at::Tensor> gather_projected_backward_kernel(
+    const at::Tensor& grad, const at::Tensor& y, const at::Tensor& weight,
+    const std::vector<at::Tensor>& peer_parts, const Sharding& sharding, const Group& group) {
   const int P = group.size(), me = group.rank();
-  const auto& ranges = plan.ranges(Heads::kQuery);
+  const auto& ranges = sharding.ranges(Heads::kQuery);
   const at::Tensor g = grad.contiguous();
   std::vector<at::Tensor> parts(peer_parts.begin(), peer_parts.end());
-  parts.insert(parts.begin() + me, y.narrow(1, plan.seq.range(me).begin, plan.seq.length(me)));
-  const int64_t B = g.size(0), D = parts[me].size(3), mine = plan.seq.length(me);
+  parts.insert(parts.begin() + me,
+               y.narrow(1, sharding.seq.range(me).begin, sharding.seq.length(me)));
+  const int64_t B = g.size(0), D = parts[me].size(3), mine = sharding.seq.length(me);
   const int64_t limit = max_elements(group, g);
-  at::Tensor dy = at::empty({B, plan.seq.seq_len(), ranges[me].size(), D}, g.options());
+  at::Tensor dy = at::empty({B, sharding.seq.seq_len(), ranges[me].size(), D}, g.options());
   SlabTransfers io(group, g);
   for (int k = 1; k < P; ++k) {  // The gradients of the slabs this rank sent.
     const int from = (me + k) % P;
     int tag = kFirstMessage;
-    for (const Slab& s : slabs(B, plan.seq.length(from), ranges[me].size() * D, limit)) {
-      io.receive(rows(dy, s, plan.seq.range(from).begin), from, tag++);
+    for (const Slab& s : slabs(B, sharding.seq.length(from), ranges[me].size() * D, limit)) {
+      io.receive(rows(dy, s, sharding.seq.range(from).begin), from, tag++);
     }
   }
   for (int k = 1; k < P; ++k) {  // Each peer's, computed slab by slab and sent at once.
     const int to = (me + P - k) % P;
     int tag = kFirstMessage;
     for (const Slab& s : slabs(B, mine, ranges[to].size() * D, limit)) {
-      io.send(at::mm(rows(g, s), columns(weight, plan, to, D)), to, tag++);
+      io.send(at::mm(rows(g, s), columns(weight, sharding, to, D)), to, tag++);
     }
   }
   io.post();
   at::Tensor dw = at::zeros_like(weight);
   for (int64_t b = 0; b < B; ++b) {
     const Slab s{b, 0, mine};
-    at::Tensor dst = rows(dy, s, plan.seq.range(me).begin);
-    at::mm_out(dst, rows(g, s), columns(weight, plan, me, D));
+    at::Tensor dst = rows(dy, s, sharding.seq.range(me).begin);
+    at::mm_out(dst, rows(g, s), columns(weight, sharding, me, D));
     for (int j = 0; j < P; ++j) {
-      columns(dw, plan, j, D).addmm_(rows(g, s).t(), rows(parts[j], s));
+      columns(dw, sharding, j, D).addmm_(rows(g, s).t(), rows(parts[j], s));
     }
   }
   io.finish();
@@ -387,15 +386,15 @@ Sharding agree_projection_plan(const Group& group, const HeadPartition& heads, c
 
 std::vector<at::Tensor> scatter_projected(const at::Tensor& x,
                                           const std::vector<HeadProjection>& projections,
-                                          const Sharding& plan, const Group& group) {
-  detail::check_scatter_projected(x, projections, plan, group);
-  return detail::call_scatter_projected(x, projections, plan, group);
+                                          const Sharding& sharding, const Group& group) {
+  detail::check_scatter_projected(x, projections, sharding, group);
+  return detail::call_scatter_projected(x, projections, sharding, group);
 }
 
-at::Tensor gather_projected(const at::Tensor& y, const at::Tensor& weight, const Sharding& plan,
+at::Tensor gather_projected(const at::Tensor& y, const at::Tensor& weight, const Sharding& sharding,
                             const Group& group) {
-  detail::check_gather_projected(y, weight, plan, group);
-  return detail::call_gather_projected(y, weight, plan, group);
+  detail::check_gather_projected(y, weight, sharding, group);
+  return detail::call_gather_projected(y, weight, sharding, group);
 }
 
 }  // namespace ulysses

@@ -53,12 +53,12 @@ std::vector<at::Tensor> scatter_projected_op(const at::Tensor& x, at::TensorList
   std::vector<HeadProjection> projections;
   auto parse = [&] {
     projections = projections_of(weights, biases, heads);
-    return plan_of(q_heads, kv_heads, seq_lens, "BSHD", group.size());
+    return sharding_of(q_heads, kv_heads, seq_lens, "BSHD", group.size());
   };
-  Sharding plan = agree ? fail_together_on_error(group, parse) : parse();
-  if (agree) plan = agree_projection_plan(group, plan.heads, x, projections, plan.seq);
-  detail::check_scatter_projected(x, projections, plan, group);
-  return detail::scatter_projected_kernel(x, projections, plan, group);
+  Sharding sharding = agree ? fail_together_on_error(group, parse) : parse();
+  if (agree) sharding = agree_projection_plan(group, sharding.heads, x, projections, sharding.seq);
+  detail::check_scatter_projected(x, projections, sharding, group);
+  return detail::scatter_projected_kernel(x, projections, sharding, group);
 }
 
 std::vector<at::Tensor> scatter_projected_backward_op(
@@ -68,7 +68,7 @@ std::vector<at::Tensor> scatter_projected_backward_op(
   const Group group = group_of_op(group_name, group_options);
   return detail::scatter_projected_backward_kernel(
       grads.vec(), x, projections_of(weights, biases, heads),
-      plan_of(q_heads, kv_heads, seq_lens, "BSHD", group.size()), group);
+      sharding_of(q_heads, kv_heads, seq_lens, "BSHD", group.size()), group);
 }
 
 std::vector<at::Tensor> scatter_projected_autograd(const at::Tensor& x, at::TensorList weights,
@@ -111,18 +111,18 @@ std::vector<at::Tensor> gather_projected_op(const at::Tensor& y, const at::Tenso
                                             c10::IntArrayRef group_options, bool agree) {
   const Group group = group_of_op(group_name, group_options);
   auto parse = [&] {
-    Sharding plan = plan_of(q_heads, kv_heads, seq_lens, "BSHD", group.size());
-    detail::check_gather_projected(y, weight, plan, group);
-    return plan;
+    Sharding sharding = sharding_of(q_heads, kv_heads, seq_lens, "BSHD", group.size());
+    detail::check_gather_projected(y, weight, sharding, group);
+    return sharding;
   };
-  const Sharding plan = agree ? fail_together_on_error(group, parse) : parse();
+  const Sharding sharding = agree ? fail_together_on_error(group, parse) : parse();
   if (agree) {  // Every rank's o, sequence-sharded, stands in: batch, head dim, dtype, split.
-    const at::Tensor o =
-        y.new_empty({1, 1, 1, 1})
-            .expand({y.size(0), plan.seq.length(group.rank()), plan.heads.q_heads(), y.size(3)});
-    agree_plan(group, plan.heads, Layout::kBSHD, {{o, Heads::kQuery, "o"}}, plan.seq);
+    const at::Tensor o = y.new_empty({1, 1, 1, 1})
+                             .expand({y.size(0), sharding.seq.length(group.rank()),
+                                      sharding.heads.q_heads(), y.size(3)});
+    agree_plan(group, sharding.heads, Layout::kBSHD, {{o, Heads::kQuery, "o"}}, sharding.seq);
   }
-  return detail::gather_projected_kernel(y, weight, plan, group);
+  return detail::gather_projected_kernel(y, weight, sharding, group);
 }
 
 std::tuple<at::Tensor, at::Tensor> gather_projected_backward_op(
@@ -131,7 +131,7 @@ std::tuple<at::Tensor, at::Tensor> gather_projected_backward_op(
     c10::IntArrayRef group_options) {
   const Group group = group_of_op(group_name, group_options);
   const auto d = detail::gather_projected_backward_kernel(
-      grad, y, weight, parts.vec(), plan_of(q_heads, kv_heads, seq_lens, "BSHD", group.size()),
+      grad, y, weight, parts.vec(), sharding_of(q_heads, kv_heads, seq_lens, "BSHD", group.size()),
       group);
   return {d[0], d[1]};
 }
@@ -189,7 +189,7 @@ namespace detail {
 
 std::vector<at::Tensor> call_scatter_projected(const at::Tensor& x,
                                                const std::vector<HeadProjection>& projections,
-                                               const Sharding& plan, const Group& group) {
+                                               const Sharding& sharding, const Group& group) {
   static const auto op = op_handle<decltype(scatter_projected_op)>("ulysses::scatter_projected");
   std::vector<at::Tensor> weights;
   std::vector<std::string> heads;
@@ -199,16 +199,17 @@ std::vector<at::Tensor> call_scatter_projected(const at::Tensor& x,
     biases.push_back(p.bias);
     heads.push_back(heads_arg(p.heads));
   }
-  return op.call(x, weights, biases, heads, plan.heads.q_heads(), plan.heads.kv_heads(),
-                 plan.seq.lengths(), op_group_name(group), options_to_ints(group.options()),
+  return op.call(x, weights, biases, heads, sharding.heads.q_heads(), sharding.heads.kv_heads(),
+                 sharding.seq.lengths(), op_group_name(group), options_to_ints(group.options()),
                  /*agree=*/false);
 }
 
 at::Tensor call_gather_projected(const at::Tensor& y, const at::Tensor& weight,
-                                 const Sharding& plan, const Group& group) {
+                                 const Sharding& sharding, const Group& group) {
   static const auto op = op_handle<decltype(gather_projected_op)>("ulysses::gather_projected");
-  return op.call(y, weight, plan.heads.q_heads(), plan.heads.kv_heads(), plan.seq.lengths(),
-                 op_group_name(group), options_to_ints(group.options()), /*agree=*/false)[0];
+  return op.call(y, weight, sharding.heads.q_heads(), sharding.heads.kv_heads(),
+                 sharding.seq.lengths(), op_group_name(group), options_to_ints(group.options()),
+                 /*agree=*/false)[0];
 }
 
 }  // namespace detail
