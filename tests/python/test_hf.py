@@ -100,11 +100,12 @@ def reference_by_document(model, batch):
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def sharded_step(model, batch, group, give_seq_lens=True):
+def sharded_step(model, batch, group, give_seq_lens=True, give_positions=True):
     sb = uhf.shard_batch(batch, group)
     extra = {"ulysses_seq_lens": sb["seq_lens"]} if give_seq_lens else {}
-    out = model(input_ids=sb["input_ids"], attention_mask=sb.get("attention_mask"),
-                position_ids=sb["position_ids"], **extra)
+    if give_positions:
+        extra["position_ids"] = sb["position_ids"]
+    out = model(input_ids=sb["input_ids"], attention_mask=sb.get("attention_mask"), **extra)
     loss, global_loss = uhf.sequence_parallel_loss(out.logits, sb["shift_labels"], group)
     loss.backward()
     uhf.all_reduce_gradients(model, group)
@@ -177,13 +178,7 @@ def test_a_forward_without_position_ids_numbers_tokens_globally(kind, rows):
     models = [copy.deepcopy(base) for _ in range(2)]
 
     def body(rank, group):
-        model = uhf.sequence_parallel(models[rank], group)
-        sb = uhf.shard_batch(batch, group)
-        out = model(input_ids=sb["input_ids"], attention_mask=sb.get("attention_mask"))
-        loss, global_loss = uhf.sequence_parallel_loss(out.logits, sb["shift_labels"], group)
-        loss.backward()
-        uhf.all_reduce_gradients(model, group)
-        return global_loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+        return sharded_step(uhf.sequence_parallel(models[rank], group), batch, group, give_positions=False)
 
     for got in run_ranks(2, body):
         assert_matches(got, want)
