@@ -14,7 +14,6 @@ them from the other ranks).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -42,17 +41,21 @@ class StepContext:
 
     def __init__(self) -> None:
         self._handle = torch.classes.ulysses.StepContext()
-        self._built: list[tuple[torch.Tensor, int, object, object]] = []
+        self._built: list[tuple[tuple, tuple, object, object]] = []  # (sources, versions, key, result)
 
-    def once(self, source: torch.Tensor, key: object, build: Callable[[], object]) -> object:
+    def once(self, source: torch.Tensor | tuple | None, key: object, build: Callable[[], object]) -> object:
         """``build()``, computed once per (``source``, its version counter, ``key``) in this step:
-        for what a caller derives from a tensor every layer shares (ulysses.hf's gathered padding
-        mask). Every rank must make the same calls, as for every collective ``build`` runs."""
-        for held, version, k, result in self._built:
-            if held is source and version == source._version and k == key:
+        for what a caller derives from tensors every layer shares (ulysses.hf's gathered padding
+        mask, a FlexAttention block mask). ``source``: a tensor, a tuple of tensors (or None
+        entries), or None. Every rank must make the same calls, as for every collective
+        ``build`` runs."""
+        sources = source if isinstance(source, tuple) else (source,)
+        versions = tuple(None if t is None else t._version for t in sources)
+        for held, held_versions, k, result in self._built:
+            if held_versions == versions and k == key and all(a is b for a, b in zip(held, sources)):
                 return result
         result = build()
-        self._built.append((source, source._version, key, result))
+        self._built.append((sources, versions, key, result))
         return result
 
     @property
@@ -153,7 +156,6 @@ class DistributedAttention(nn.Module):
             self.seq_dim, self.head_dim = _C.layout_dims(self.layout)
         except ValueError:
             raise ValueError(f"DistributedAttention: layout must be BSHD, SBHD or BHSD; got {layout!r}") from None
-        self._from_bhsd = _C.bhsd_permutations(self.layout)[1]
         self.causal = causal
         self.scale = scale
         self.window = window
@@ -162,11 +164,8 @@ class DistributedAttention(nn.Module):
         self.timeout_ms = G.timeout_ms(timeout)
         self._options = G.group_options(self.timeout_ms)  # The ops' group_options.
         self.q_heads, self.kv_heads = q_heads, kv_heads
-        self._kv_maps: dict[tuple[int, int], list[int]] = {}  # This rank's kv map by head counts.
         if q_heads is not None:  # Fail fast on an invalid setup (kv heads may come later).
             _C.plan(q_heads, kv_heads if kv_heads is not None else 1, self.sp_size)
-            if kv_heads is not None:
-                self._kv_map(q_heads, kv_heads)  # Known before any compiled call reads it.
 
     def extra_repr(self) -> str:
         ring = f", ring={self.ring_name!r} ({self.ring_size} ranks)" if self.ring_size > 1 else ""
@@ -194,24 +193,9 @@ class DistributedAttention(nn.Module):
         """
         q, k, v = _under_autocast(q, k, v)
         hq, hkv = self._heads(q, k)
-        seq_lens = self._seq_lens(seq_lens)
-        local = self._python_local(q, mask, position_ids, sinks)
-        if local is not None:
-            # Sinks given on some ranks only: a local raise would hang the others.
-            if callable(self.local) and sinks is not None:
-                _C.fail_together("DistributedAttention: a callable local attention takes no sinks; "
-                                 "use a kernel name (\"auto\", \"fused\", \"math\", \"flex\")",
-                                 self.group_name, self.timeout_ms)
-            if self.local == "flex" and not q.is_cuda and torch.is_grad_enabled() and any(
-                    t.requires_grad for t in (q, k, v)):
-                _C.fail_together("DistributedAttention: local=\"flex\" runs forward only off CUDA (torch has no "
-                                 "CPU backward for FlexAttention); train with local=\"auto\" there, or run "
-                                 "under torch.no_grad()", self.group_name, self.timeout_ms)
-            return self._forward_with(local, q, k, v, mask, position_ids, hq, hkv, seq_lens, step, sinks)
-        o = torch.ops.ulysses.attention(q, k, v, mask, position_ids, hq, hkv, seq_lens, self.layout, self.causal,
-                             self._scale(), self.local, self.group_name, self._options, self.ring_name,
-                             self._step(step), window=self.window,
-                             softcap=self.softcap, sinks=sinks)
+        o = attend(q, k, v, mask, position_ids, hq, hkv, self._seq_lens(seq_lens), self.layout, self.causal,
+                   self.scale, self.local, self.group_name, self._options, ring=self.ring_name,
+                   step=self._step(step), window=self.window, softcap=self.softcap, sinks=sinks)
         self.q_heads, self.kv_heads = hq, hkv  # This instance's from the first call on.
         return o
 
@@ -237,7 +221,7 @@ class DistributedAttention(nn.Module):
         return torch.ops.ulysses.attention_parts(list(q), list(k), list(v), mask, position_ids, self.q_heads,
                                       self.kv_heads, seq_lens, self.layout, self.causal, self._scale(),
                                       self.local, self.group_name, self._options, self.ring_name,
-                                      self._step(step), window=self.window,
+                                      _handle(self._step(step)), window=self.window,
                              softcap=self.softcap, sinks=sinks)
 
     def _heads(self, q, k) -> tuple[int, int]:
@@ -259,57 +243,84 @@ class DistributedAttention(nn.Module):
     def _scale(self) -> float:
         return 0.0 if self.scale is None else float(self.scale)
 
-    def _step(self, step: StepContext | None):
+    def _step(self, step: StepContext | None) -> StepContext | None:
         if self.ring_size > 1 and torch.compiler.is_compiling():
             raise ValueError("DistributedAttention: hybrid Ulysses x ring attention runs in eager mode only")
-        return None if step is None or torch.compiler.is_compiling() else step._handle
+        return None if step is None or torch.compiler.is_compiling() else step
 
-    def _kv_map(self, hq: int, hkv: int) -> list[int]:
-        """This rank's local kv head of each local query head (for a callable local attention)."""
-        if (hq, hkv) not in self._kv_maps:
-            self._kv_maps[(hq, hkv)] = list(head_plan(hq, hkv, self.sp_size)["kv_map"][self.rank])
-        return self._kv_maps[(hq, hkv)]
 
-    def _python_local(self, q: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None,
-                      sinks: torch.Tensor | None) -> LocalAttention | None:
-        """The local attention this call runs in Python, on this rank's heads: the caller's
-        callable, or FlexAttention where the kernel rule (C++, ``ops.local_kernel``) names it for
-        the call's facts, position ids counting as documents until gathered; None where the C++
-        orchestration runs it all. Reads facts the call's agreement holds alike."""
-        if callable(self.local):
-            return self.local
-        # "auto" asks the rule, which never raises (a named kernel that cannot run the call is
-        # refused in the call's agreement, alike on every rank).
-        if self.local == "flex" or (self.local == "auto" and self.ring_size == 1 and O.local_kernel(
-                q, mask, positions, self.causal, self.window, self.softcap, sinks) == "flex"):
-            return functools.partial(O.local_attention, kernel=self.local, window=self.window,
-                                     softcap=self.softcap)
-        return None
+def _handle(step: StepContext | None):
+    return None if step is None else step._handle
 
-    def _forward_with(self, local, q, k, v, mask, positions, hq, hkv, seq_lens, step, sinks=None):
-        """forward with a local attention in Python: the orchestration's first half
-        (``attention_heads``), ``local``, then the exchange back."""
-        if not seq_lens:
-            seq_lens = O.sequence_lengths(q, self.seq_dim, self.group_name, self.timeout_ms / 1000)
-        heads = torch.ops.ulysses.attention_heads(q, k, v, mask, positions, hq, hkv, seq_lens, self.layout,
-                                       self.causal, self._scale(), self.group_name, self._options,
-                                       self._step(step), window=self.window, softcap=self.softcap,
-                                       sinks=sinks)
-        qh, kh, vh, rest = heads[0], heads[1], heads[2], list(heads[3:])
-        m = rest.pop(0) if mask is not None else None
-        # Ids that split no row into documents come back dropped (no rule: the C++ orchestration's).
-        kept = len(rest) > (sinks is not None)
-        p = rest.pop(0) if positions is not None and kept else None
-        kv_map = self._kv_map(hq, hkv)
-        if callable(self.local):
-            if self.window or self.softcap:  # Agreed above: every rank raises alike.
-                raise ValueError("DistributedAttention: a callable local attention takes no window or "
-                                 "softcap; apply it inside the callable")
-            o = local(qh, kh, vh, kv_map, m, p, self.causal, self.scale)
-        else:  # This rank's heads' sinks (agreed above) come last.
-            o = local(qh, kh, vh, kv_map, m, p, self.causal, self.scale, sinks=rest.pop(0) if rest else None)
-        o = o.permute(self._from_bhsd)
-        self.q_heads, self.kv_heads = hq, hkv
-        return torch.ops.ulysses.gather_heads([o], ["q"], hq, hkv, seq_lens, self.layout, self.group_name,
-                                   self._options)[0]
 
+def _python_local(q: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None, causal: bool,
+                  local: str | LocalAttention, ring: str | None, window: int, softcap: float,
+                  sinks: torch.Tensor | None) -> bool:
+    """Whether Python runs this call's local attention on this rank's heads: the caller's
+    callable, or FlexAttention where the kernel rule (C++, ``ops.local_kernel``) names it for the
+    call's facts, position ids counting as documents until gathered. Reads facts the call's
+    agreement holds alike. ("auto" asks the rule, which never raises; a named kernel that cannot
+    run the call is refused in the call's agreement, alike on every rank.)"""
+    if callable(local) or local == "flex":
+        return True
+    return local == "auto" and ring is None and O.local_kernel(q, mask, positions, causal, window, softcap,
+                                                               sinks) == "flex"
+
+
+def _call_facts(layout: str, q_heads: int, kv_heads: int, group: str) -> tuple[int, list[int], list[int]]:
+    """The sequence dim of ``layout``, its permutation from BHSD, and this rank's kv map: read from
+    C++ as constants of the call (torch.compile does not trace into C++)."""
+    rank, size = G.rank_and_size(group)
+    return (_C.layout_dims(layout)[0], list(_C.bhsd_permutations(layout)[1]),
+            list(head_plan(q_heads, kv_heads, size)["kv_map"][rank]))
+
+
+# torch.compiler.assume_constant_result's mark (as ulysses.ops marks the kernel rule's).
+_call_facts._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           positions: torch.Tensor | None, q_heads: int, kv_heads: int, seq_lens: Sequence[int], layout: str,
+           causal: bool, scale: float | None, local: str | LocalAttention, group: str, options: list[int], *,
+           ring: str | None = None, step: StepContext | None = None, window: int = 0, softcap: float = 0.0,
+           sinks: torch.Tensor | None = None, mask_rebuilt: bool = False) -> torch.Tensor:
+    """One attention call on this rank's shard, as ``DistributedAttention.forward`` and AutoSP's
+    rewritten graphs run it: the C++ orchestration (``torch.ops.ulysses.attention``), or where
+    Python runs the local attention (a callable; FlexAttention where the kernel rule names it)
+    the orchestration's first half (``attention_heads``), the local attention on this rank's
+    heads, then the exchange back. ``seq_lens`` [] learns the split in the call's agreement."""
+    scale_arg = 0.0 if scale is None else float(scale)
+    if not _python_local(q, mask, positions, causal, local, ring, window, softcap, sinks):
+        return torch.ops.ulysses.attention(q, k, v, mask, positions, q_heads, kv_heads, list(seq_lens), layout,
+                                           causal, scale_arg, local, group, options, ring, _handle(step),
+                                           mask_rebuilt, window=window, softcap=softcap, sinks=sinks)
+    timeout_ms = options[0]
+    # Sinks given on some ranks only: a local raise would hang the others.
+    if callable(local) and sinks is not None:
+        _C.fail_together("DistributedAttention: a callable local attention takes no sinks; use a kernel name "
+                         "(\"auto\", \"fused\", \"math\", \"flex\")", group, timeout_ms)
+    if local == "flex" and not q.is_cuda and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        _C.fail_together("DistributedAttention: local=\"flex\" runs forward only off CUDA (torch has no CPU "
+                         "backward for FlexAttention); train with local=\"auto\" there, or run under "
+                         "torch.no_grad()", group, timeout_ms)
+    seq_dim, from_bhsd, kv_map = _call_facts(layout, q_heads, kv_heads, group)
+    if not seq_lens:
+        seq_lens = O.sequence_lengths(q, seq_dim, group, timeout_ms / 1000)
+    heads = torch.ops.ulysses.attention_heads(q, k, v, mask, positions, q_heads, kv_heads, list(seq_lens), layout,
+                                              causal, scale_arg, group, options, _handle(step), mask_rebuilt,
+                                              window=window, softcap=softcap, sinks=sinks)
+    qh, kh, vh, rest = heads[0], heads[1], heads[2], list(heads[3:])
+    m = rest.pop(0) if mask is not None else None
+    # Ids that split no row into documents come back dropped (no rule: the C++ orchestration's).
+    kept = len(rest) > (sinks is not None)
+    p = rest.pop(0) if positions is not None and kept else None
+    if callable(local):
+        if window or softcap:  # Agreed above: every rank raises alike.
+            raise ValueError("DistributedAttention: a callable local attention takes no window or softcap; "
+                             "apply it inside the callable")
+        o = local(qh, kh, vh, kv_map, m, p, causal, scale)
+    else:  # This rank's heads' sinks (agreed above) come last.
+        o = O.local_attention(qh, kh, vh, kv_map, m, p, causal, scale, kernel=local, window=window,
+                              softcap=softcap, sinks=rest.pop(0) if rest else None, step=step)
+    o = o.permute(from_bhsd)
+    return torch.ops.ulysses.gather_heads([o], ["q"], q_heads, kv_heads, list(seq_lens), layout, group, options)[0]

@@ -8,6 +8,7 @@ name, as torch's functional collectives do, with the handle's options as integer
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -220,17 +221,18 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: S
                     mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                     causal: bool = False, scale: float | None = None,
                     kernel: str = "auto", window: int = 0, softcap: float | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, step: Any = None) -> torch.Tensor:
     """Local attention (BHSD, as ``flash_attention``) on the exact kernel ``kernel`` names:
     ``"fused"`` (the CPU kernel), ``"sdpa"`` (torch's SDPA, any device), ``"math"`` (any dtype,
     fp64 exact), ``"flex"`` (torch's FlexAttention, ``ulysses.flex``) or ``"auto"``, the
-    library's rule (:func:`local_kernel` names its choice)."""
+    library's rule (:func:`local_kernel` names its choice). ``step``: a ``StepContext`` whose
+    layers share FlexAttention's block mask."""
     kernel = local_kernel(q, mask, positions, causal, window, softcap, sinks, kernel)
     if kernel == "flex":
         from . import flex
 
         return flex.attention(q, k, v, kv_map, mask, positions, causal, scale, window, float(softcap or 0.0),
-                              sinks=sinks)
+                              sinks=sinks, step=step)
     return _ops.local_attention(q, k, v, list(kv_map), mask, positions, causal,
                                 0.0 if scale is None else float(scale), kernel, window,
                                 float(softcap or 0.0), sinks)

@@ -157,3 +157,59 @@ def test_auto_on_the_gpu_rule_takes_sdpa_when_plain_and_flex_otherwise(P, monkey
     for name, _, _ in cases:
         got = [kernel for n, kernel in chosen if n == name]
         assert sorted(got) == sorted(want.get(name, ["flex", "flex"]) * P), (name, got)
+
+
+def test_a_models_layers_compile_a_bounded_number_of_times():
+    """Compiled flex (CPU: inference) over the calls two Gemma-like models make: sliding and full
+    layers (two rule mixes), two windows and two softcaps (tensors, not specialised numbers),
+    four sequence lengths (the first two compile, then S is dynamic). Before, each window or
+    softcap value compiled anew, and a second softcap failed to lower on CPU."""
+    from torch._dynamo.utils import counters
+
+    from ulysses import flex
+
+    torch._dynamo.reset()
+    counters.clear()
+    gen = torch.Generator().manual_seed(0)
+    graphs, calls = [], []
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for S in (64, 80, 96, 112):
+            for window, softcap in ((8, 2.0), (16, 3.0)):
+                q = torch.randn(1, 4, S, 16, generator=gen)
+                k, v = (torch.randn(1, 2, S, 16, generator=gen) for _ in range(2))
+                for layer_window in (window, 0):  # a sliding layer, then a full one
+                    call = dict(causal=True, window=layer_window, softcap=softcap)
+                    calls.append((q, k, v, call, flex.attention(q, k, v, [0, 0, 1, 1], compiled=True, **call)))
+            graphs.append(counters["stats"]["unique_graphs"])
+        for q, k, v, call, got in calls:  # (eager flex may compile pieces of its own: after the count)
+            want = flex.attention(q, k, v, [0, 0, 1, 1], compiled=False, **call)
+            assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), call
+    # Two mixes x (flex, block mask) x (static, then dynamic S): 8 graphs for 16 calls, and none
+    # after the second length.
+    assert graphs[1] <= 8 and graphs[-1] == graphs[1], graphs
+
+
+def test_a_steps_layers_share_one_block_mask():
+    """With a StepContext a step's layers like each other build FlexAttention's block mask once."""
+    from ulysses import flex
+
+    q, k, v, extras = _inputs(4, 2)
+    q, k, v = (t.float().transpose(1, 2) for t in (q, k, v))
+    step = ulysses.StepContext()
+    before = flex.compile_stats["block_masks"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outs = [flex.attention(q, k, v, [0, 0, 1, 1], positions=extras["positions"], causal=True, step=step)
+                for _ in range(3)]
+    assert flex.compile_stats["block_masks"] - before == 1
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    flex.attention(q, k, v, [0, 0, 1, 1], positions=extras["positions"], causal=True, window=3, step=step)
+    assert flex.compile_stats["block_masks"] - before == 2  # another rule: its own
+
+
+@pytest.mark.parametrize("kv_map,group", [([0, 0, 1, 1], 2), ([0, 1], 1), ([0, 0, 0, 1], None), ([0, 1, 0, 1], None)])
+def test_gqa_runs_as_flex_own_when_the_map_groups_evenly(kv_map, group):
+    from ulysses import flex
+
+    assert flex.gqa_group(kv_map, max(kv_map) + 1) == group
