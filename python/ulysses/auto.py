@@ -77,6 +77,7 @@ class AutoSP:
         self.rank, self.size = G.rank_and_size(self.group)
         self.timeout_ms = G.timeout_ms(timeout)
         self.options = G.group_options(self.timeout_ms)  # The ops' group_options.
+        G.with_cpu_backend(self.group, timeout)  # The agreement's integers stay on the host.
         self.inner, self.debug = inner, debug
         self.graphs: list[fx.GraphModule] = []
 

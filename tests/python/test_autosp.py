@@ -94,8 +94,8 @@ def llama(group, mark_positions, arch="llama"):
     backend = ulysses.autosp(group)
     loss = sp_step(model, backend, **kwargs)
     # transformers repeats kv heads before SDPA; the all-to-all moves the 2 kv heads only.
-    moved = {n.args[6] for n in backend.graphs[0].graph.nodes  # attention(q, k, v, mask, pos, hq, hkv, ...)
-             if n.target is torch.ops.ulysses.attention}
+    moved = {n.args[6] for n in backend.graphs[0].graph.nodes  # attend(q, k, v, mask, pos, hq, hkv, ...)
+             if n.target is ulysses.attention.attend}
     return compare(model, *ref, loss, group) + (moved,)
 
 
@@ -391,3 +391,32 @@ if __name__ == "__main__":  # Prints the numbers the tests assert on.
             le, ge, rebuilds, spent = r[f"shared mask, {layers} layers"]
             print(f"  shared mask, {layers} layers: rebuild_mask nodes {rebuilds}, collectives spent "
                   f"on the mask per step {spent}, worst error {max(le, ge):.1e}")
+
+
+def masked_on_the_gpu_rule(rank, group):
+    """PlainGQA with a padding mask under AutoSP, forward only, the kernel rule's device forced to
+    CUDA: the rewritten graph runs attention as DistributedAttention does there (ulysses.attention.
+    attend), so the masked call goes to FlexAttention, run by Python; the loss is exact."""
+    import warnings
+
+    import ulysses
+    import ulysses.ops as ops
+
+    torch.manual_seed(0)
+    model = PlainGQA(VOCAB)
+    ids, labels, attention_mask = batch()
+    with torch.no_grad():
+        want = model(ids, labels, attention_mask).item()
+    choose, chosen = ops.local_kernel, []
+    ops._rule_device = lambda q: "cuda"
+    ops.local_kernel = lambda *a, **kw: chosen.append(choose(*a, **kw)) or chosen[-1]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flex's "called without torch.compile" off CUDA
+        got = torch.compile(model, backend=ulysses.autosp(group), fullgraph=True)(
+            ulysses.mark_sequence(ids.clone()), labels, attention_mask).item()
+    return abs(got - want) / abs(want), sorted(set(chosen))
+
+
+def test_autosp_takes_the_gpu_rule_as_distributed_attention_does(tmp_path):
+    for error, chosen in run_processes(2, masked_on_the_gpu_rule, tmp_dir=str(tmp_path)):
+        assert error <= RTOL and chosen == ["flex"], (error, chosen)

@@ -126,3 +126,16 @@ def test_the_cpu_backend_waits_as_long_as_the_group_and_the_longest_caller(tmp_p
     minutes): a rank two minutes late (a checkpoint, an evaluation, a first compile) ended the job."""
     for seen in run_processes(2, _side_backend_timeouts, tmp_dir=str(tmp_path)):
         assert seen == [300.0, 500.0, 500.0], seen
+
+
+def _autosp_on_a_device_only_group(rank: int, world_name: str):
+    dist.Backend.register_backend("ulysses_device_only", _device_only_backend, devices=["cuda"])
+    group = dist.new_group(backend="ulysses_device_only")
+    name = group.group_name
+    ulysses.autosp(group)
+    return sorted(d.type for d in group._device_types), group.group_name == name
+
+
+def test_autosp_gives_a_device_only_group_its_cpu_backend_too(tmp_path):
+    for devices, name_kept in run_processes(2, _autosp_on_a_device_only_group, tmp_dir=str(tmp_path)):
+        assert devices == ["cpu", "cuda"] and name_kept, devices

@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 
 from .. import _C
+from ..attention import attend
 from .graph import AutoSPError, Shard, where
 from .op_tables import LOSSES, SDPA_ARGS
 
@@ -31,12 +32,13 @@ def attention(rw: Any, node: fx.Node, args: tuple, full: torch.Tensor) -> None:
     causal, scale = bool(call.get("is_causal", False)), call.get("scale")
     group, options, lens = rw.owner.group, rw.owner.options, rw.seq_lens
     probes = [rw.probe[n] for n in (q, k, v)]
-    # The one orchestration (torch.ops.ulysses.attention), given the mask this graph
-    # rebuilt once for every layer that shares it.
+    # The call DistributedAttention makes (ulysses.attention.attend: the C++ orchestration, or on
+    # CUDA FlexAttention where the kernel rule names it), given the mask this graph rebuilt once
+    # for every layer that shares it.
     rebuilt = rebuilt_mask(rw, node, mask, hq, hkv) if mask is not None else None
-    out = rw.new[node] = rw.insert(torch.ops.ulysses.attention, (
-        q, k, v, rebuilt, None, hq, hkv, lens, "BHSD", causal, 0.0 if scale is None else float(scale),
-        "auto", group, options, None, None, mask is not None))
+    out = rw.new[node] = rw.insert(attend, (
+        q, k, v, rebuilt, None, hq, hkv, lens, "BHSD", causal, None if scale is None else float(scale),
+        "auto", group, options), {"mask_rebuilt": mask is not None})
     with rw.mode:
         probe = full.new_empty((*full.shape[:2], rw.probe_len, full.shape[3]))
     rw.record(out, full, probe.requires_grad_(any(p.requires_grad for p in probes)), Shard(2))
