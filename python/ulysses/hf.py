@@ -53,8 +53,8 @@ def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
                   attention_mask=None, **kwargs):
     """The mask function of the "ulysses" implementation: the 2-D padding mask as it is (the
     attention gathers it), never a locally built causal mask ([S_r, S_r] would be key-sharded).
-    Unlike flash-attention's, it never drops an all-true mask: that is a per-rank decision, and
-    every rank must pass the same kind of mask."""
+    Unlike flash-attention's, it never drops an all-true mask here, where that would be a
+    per-rank decision: the attention drops it once gathered, alike on every rank."""
     return attention_mask
 
 
@@ -96,7 +96,12 @@ def ulysses_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     mask = attention_mask
     if mask is not None and mask.dim() == 2:  # padding [B, S_r] -> key mask [B, 1, 1, S]
         def gather(padding=mask):
-            return O.all_gather_sequence(padding.bool(), -1, seq_lens, group, timeout)[:, None, None, :]
+            keys = O.all_gather_sequence(padding.bool(), -1, seq_lens, group, timeout)[:, None, None, :]
+            # A mask that excludes nothing is dropped, so the layer runs with no rule at all (flash
+            # SDPA on a GPU; the Trainer's batches carry one). Every rank gathered the same keys, so
+            # every rank drops it alike; one host read per step (the StepContext's). A traced call
+            # keeps it.
+            return None if not torch.compiler.is_compiling() and bool(keys.all()) else keys
 
         mask = gather() if step is None else step.once(mask, tuple(seq_lens), gather)
     attention.scale = scaling

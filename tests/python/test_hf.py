@@ -523,3 +523,47 @@ def test_flex_local_attention_gives_the_default_kernels_forward(name, kind):
 def test_an_unknown_local_kernel_is_refused():
     with pytest.raises(ValueError, match="local must be one of .* or a callable"):
         uhf.sequence_parallel(make_model("llama"), None, local="flexible")
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_an_all_true_padding_mask_adds_no_rule(padded, monkeypatch):
+    """Trainer batches carry an attention_mask of ones: once gathered it is dropped (alike on every
+    rank, once per step), so on a GPU each layer runs SDPA with no mask, not FlexAttention; a
+    mask that pads does not. The rule's device is forced to CUDA here; exact either way."""
+    import threading
+    import warnings
+
+    import ulysses.ops as ops
+
+    base = make_model("llama")
+    batch = make_batch("padded")
+    if not padded:
+        batch = {"input_ids": batch["input_ids"], "attention_mask": torch.ones_like(batch["attention_mask"])}
+    want = reference(copy.deepcopy(base), batch)
+    models = [copy.deepcopy(base) for _ in range(2)]
+    choose, chosen, lock = ops.local_kernel, [], threading.Lock()
+
+    def recorded(*args, **kwargs):
+        kernel = choose(*args, **kwargs)
+        with lock:
+            chosen.append(kernel)
+        return kernel
+
+    monkeypatch.setattr(ops, "_rule_device", lambda q: "cuda")
+    monkeypatch.setattr(ops, "local_kernel", recorded)
+
+    def body(rank, group):  # Forward only: torch's FlexAttention has no CPU backward.
+        model = uhf.sequence_parallel(models[rank], group)
+        sb = uhf.shard_batch(batch, group)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # flex's "called without torch.compile" off CUDA
+            out = model(input_ids=sb["input_ids"], attention_mask=sb["attention_mask"],
+                        position_ids=sb["position_ids"], ulysses_seq_lens=sb["seq_lens"])
+        return uhf.sequence_parallel_loss(out.logits, sb["shift_labels"], group)[1].item()
+
+    for loss in run_ranks(2, body):
+        assert abs(loss - want[0]) <= 1e-5 * abs(want[0]), (loss, want[0])
+    # Two ranks x two layers ask the rule twice: before their exchange, where the position ids
+    # count as documents (flex: Python runs the layer), and after it, where the gathered ids split
+    # nothing and the mask is the padding's or none.
+    assert sorted(chosen) == sorted(["flex"] * 4 + ["flex" if padded else "sdpa"] * 4), chosen
