@@ -8,7 +8,10 @@ Parts, each guarded (one that fails does not hide the rest); DIR gets gpu_check.
 number) and summary.txt (a line per result):
 
 1. host_sync (CUDA): attention calls at P = 1 over NCCL return while the GPU is still busy
-   with a sleep queued before them: no host synchronisation in the call path.
+   with a sleep queued before them: no host synchronisation in the call path. Expected: every
+   row returns before the GPU (causal and GQA on SDPA; padding and documents on FlexAttention,
+   whose block mask and the ids' split check are the step's, made in the warm-up call with the
+   same StepContext; without one, a documents call reads the ids once, a sync).
 2. local: every local-attention case (plain, causal, GQA, padding mask, packed documents,
    window, softcap, sinks) in fp32 and bf16, forward and q/k/v gradients against float64, on
    the rule's kernel and on FlexAttention; then (not --quick) each case at S = 8K and 32K in
@@ -27,6 +30,12 @@ number) and summary.txt (a line per result):
 5. layer: DistributedAttention at P = 1, bf16, causal, Hq 32 / Hkv 8,
    D 128, at S = 32K, 64K, 128K (--quick: 8K; on CPU a small fp32 case): fwd+bwd time and
    peak, against torch's SDPA (kv heads expanded).
+6. device_group: 2 processes on a group registered for the device alone (Gloo underneath, as
+   NCCL would be): the group keeps its name through two DistributedAttention modules, the loss
+   and gradient helpers stay exact, and ULYSSES_TRANSPORT=messages runs (batched off the CPU).
+7. compiles: the graphs torch.compile made over the whole check (dynamo's default recompile
+   limit, never raised here), and flex's compiled calls and block masks: a model's layers must
+   compile a bounded number of times.
 
 Exits 1 if any part failed.
 """
@@ -251,7 +260,8 @@ def _host_sync_worker(rank: int, store: str, out: str) -> None:
             extra = {"mask": opts["mask"].expand(1, 1, 1024, 1024)} if "mask" in opts else {}
             if "positions" in opts:
                 extra["position_ids"] = opts["positions"]
-            attn(q, k, v, **extra)  # warm-up
+            extra["step"] = ulysses.StepContext()  # the step's block mask and ids check, made once
+            attn(q, k, v, **extra)  # warm-up (and the compile)
             torch.cuda.synchronize()
             torch.cuda._sleep(int(2e8))  # ~0.1-0.2 s of GPU time ahead of the call
             t0 = time.perf_counter()
@@ -477,6 +487,80 @@ def layer_at_length(S: int, hq: int, hkv: int, D: int, dtype, device: torch.devi
     return row
 
 
+# ---- a group registered for the device alone -----------------------------------------------------
+
+def device_group_part(device: torch.device, tmp: str) -> dict:
+    out = os.path.join(tmp, "device_group.json")
+    mp.start_processes(_device_group_worker, args=(str(device), os.path.join(tmp, "store_device"), out), nprocs=2,
+                       start_method="spawn")
+    with open(out) as f:
+        return json.load(f)
+
+
+def _device_only_backend(store, rank, size, timeout):
+    return dist.ProcessGroupGloo(store, rank, size, timeout)  # Gloo carries the device's tensors here
+
+
+def _device_group_worker(rank: int, device_name: str, store: str, out: str) -> None:
+    import ulysses
+    import ulysses.training as T
+
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    dist.Backend.register_backend("ulysses_device_only", _device_only_backend, devices=[device.type])
+    group = dist.new_group(backend="ulysses_device_only")
+    name = group.group_name
+    rows = []
+    S, lens = 96, [48, 48]
+    q, k, v, opts = local_inputs("causal", 2, S, 8, 16, torch.float32, device, seed=3)
+    ref = reference_attention(*(t.cpu().double() for t in (q, k, v)), causal=True)
+    for transport in ("auto", "messages"):
+        os.environ["ULYSSES_TRANSPORT"] = transport  # messages: batched anyway off the CPU
+        for i in range(2):
+            def row(i=i):
+                attn = ulysses.DistributedAttention(group, causal=True, timeout=60)
+                o = attn(*(t.narrow(1, 48 * rank, 48) for t in (q, k, v)), seq_lens=lens)
+                err = rel(o, ref.narrow(1, 48 * rank, 48))
+                return {"worst_rel_error": err, "name_kept": group.group_name == name,
+                        "ok": err <= TOLERANCE[torch.float32] and group.group_name == name}
+            rows.append(_guarded_row(row, check=f"DistributedAttention {i + 1}", transport=transport))
+    os.environ.pop("ULYSSES_TRANSPORT", None)
+
+    def helpers():
+        layer = torch.nn.Linear(3, 1, bias=False).to(device)
+        layer.weight.grad = torch.full((1, 3), float(rank + 1), device=device)
+        T.all_reduce_gradients(layer, group)
+        ids = torch.arange(20).view(2, 10) % 7
+        shard = T.shard_batch({"input_ids": ids}, group)
+        return {"gradient_sum": layer.weight.grad.flatten().tolist(), "tokens": shard["input_ids"].shape[1],
+                "ok": bool((layer.weight.grad == 3).all()) and shard["input_ids"].shape[1] == 5}
+    rows.append(_guarded_row(helpers, check="gradients and shard_batch on the group"))
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"rows": rows}, f)
+
+
+# ---- compiles ----------------------------------------------------------------------------------
+
+def compiles_part() -> dict:
+    from ulysses import flex
+
+    stats = {}
+    if "torch._dynamo" in sys.modules:
+        from torch._dynamo.utils import counters
+
+        stats = {k: int(v) for k, v in counters["stats"].items()}
+    graphs = stats.get("unique_graphs", 0)
+    row = {"unique_graphs": graphs, "flex_compiled_calls": flex.compile_stats["calls"],
+           "flex_block_masks": flex.compile_stats["block_masks"],
+           "recompile_limit": int(torch._dynamo.config.recompile_limit) if "torch._dynamo" in sys.modules else None}
+    return {"rows": [row]}
+
+
 # ---- main --------------------------------------------------------------------------------------
 
 def summary_lines(results: dict) -> list[str]:
@@ -499,9 +583,6 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "build/gpu_check"))
     args = p.parse_args()
     device = torch.device(args.device)
-    # Every flex case compiles flex_attention anew (its own mask and score functions); past
-    # dynamo's limit of 8 per function the rest would run eagerly, S x S, in this one process.
-    torch._dynamo.config.recompile_limit = 64
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (use --device cpu)")
         return 1
@@ -517,6 +598,8 @@ def main() -> int:
             "sweep": lambda: sweep_part(device, tmp),
             "checkpoint": lambda: checkpoint_part(device, args.quick),
             "layer": lambda: layer_part(device, args.quick, tmp),
+            "device_group": lambda: device_group_part(device, tmp),
+            "compiles": compiles_part,
         }
         for part, fn in parts.items():
             results[part] = guarded(fn)
