@@ -86,6 +86,8 @@ def main() -> None:
     p.add_argument("--long", action="store_true",
                    help="long-sequence memory: tiled MLP, tiled logits + loss, layers checkpointed with offload")
     p.add_argument("--fsdp", action="store_true", help="FSDP2: parameters sharded over every rank (SP ranks too)")
+    p.add_argument("--verify", type=float, default=None,
+                   help="check the first step against the model unsharded; stop above this relative error")
     p.add_argument("--out", default="hf_trainer_out")
     p.add_argument("--report", default=None, help="write logged losses (json) and final parameters (.pt)")
     a = p.parse_args()
@@ -126,7 +128,7 @@ def main() -> None:
 
         args = SFTConfig(**common, packing=True, max_length=2 * a.max_len)  # packed rows of whole sequences
         trainer_class = SequenceParallelSFTTrainer if sequence_parallel else SFTTrainer
-        extra = {"sp_size": a.sp, **long} if sequence_parallel else {}
+        extra = {"sp_size": a.sp, "verify_tolerance": a.verify, **long} if sequence_parallel else {}
         trainer = trainer_class(model=model, args=args, train_dataset=Dataset.from_list(train),
                                 eval_dataset=Dataset.from_list(held_out), processing_class=word_tokenizer(vocab),
                                 **extra)
@@ -134,7 +136,8 @@ def main() -> None:
         args = TrainingArguments(**common)  # Defaults: remove_unused_columns=True reads the forward's signature.
         if sequence_parallel:
             trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
-                                              data_collator=collator, sp_size=a.sp, **long)  # ulysses
+                                              data_collator=collator, sp_size=a.sp, verify_tolerance=a.verify,
+                                              **long)  # ulysses
         else:
             trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
                               data_collator=collator)
@@ -154,11 +157,15 @@ def main() -> None:
         kind += " batches" + (f", FSDP2 ({held_share:.0%} of the parameters per rank)" if a.fsdp else "")
         print(f"hf_trainer: world {world} (dp {dp} x sp {a.sp if sequence_parallel else 1}), {kind}, "
               f"step {first} loss {losses[first]:.4f}, step {last} loss {losses[last]:.4f}{evaluated}", flush=True)
+        verification = getattr(trainer, "verification", None)
+        if verification is not None:
+            print(f"hf_trainer: step 1 verified against the model unsharded: {verification}", flush=True)
         if a.report:
             with open(a.report + ".json", "w") as f:
                 json.dump({"losses": losses, "eval_loss": metrics.get("eval_loss"),
                            "total_train_batch_size": trainer.get_total_train_batch_size(trainer.args),
-                           "held_share": held_share, "wrapped": type(trainer.model_wrapped).__name__}, f)
+                           "held_share": held_share, "wrapped": type(trainer.model_wrapped).__name__,
+                           "verified": None if verification is None else verification.worst}, f)
             torch.save({k: v.detach().clone() for k, v in params.items()}, a.report + ".pt")
 
 

@@ -21,8 +21,10 @@ ids (RoPE and packed documents need them). Masks are honoured, not dropped:
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
+import logging
 import sys
 import types
 from collections.abc import Callable
@@ -47,6 +49,7 @@ from .training import (  # noqa: F401  (part of this module's API, as before)
 )
 
 IMPLEMENTATION = "ulysses"
+_log = logging.getLogger("ulysses.hf")
 
 
 def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
@@ -284,6 +287,8 @@ def sequence_parallel(model: PreTrainedModel, group: G.GroupLike = None, *,
         raise ValueError("ulysses.hf: mlp_tile_tokens and loss_tile_bytes must be >= 1")
     _check_backend(model)
     name = G.group_name(group)
+    if model.config._attn_implementation != IMPLEMENTATION:  # What verify's unsharded copy runs.
+        object.__setattr__(model, "_ulysses_unsharded_attention", model.config._attn_implementation or "eager")
     model.set_attn_implementation(IMPLEMENTATION)
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and module.config._attn_implementation != IMPLEMENTATION:
@@ -439,8 +444,100 @@ def _long_sequence_forward(model: PreTrainedModel, *args, ulysses_shift_labels: 
         return CausalLMOutputWithPast(loss=loss)
 
 
+@dataclass
+class Verification:
+    """What :func:`verify` found: the relative error of the global loss and of every parameter's
+    gradient (summed over the group) against the same model unsharded, the worst of each rank's
+    (the same on every rank)."""
+
+    loss_error: float
+    gradient_errors: dict[str, float]
+
+    @property
+    def worst(self) -> tuple[str, float]:
+        """The parameter whose gradient is the furthest off, and its error ("loss" where the loss
+        is further off than every gradient)."""
+        name, error = max(self.gradient_errors.items(), key=lambda item: item[1], default=("loss", 0.0))
+        return ("loss", self.loss_error) if self.loss_error >= error else (name, error)
+
+    def __str__(self) -> str:
+        name, error = self.worst
+        return (f"loss relative error {self.loss_error:.3g}; worst of {len(self.gradient_errors)} gradients: "
+                f"{max(self.gradient_errors.values(), default=0.0):.3g}; worst overall: {name} ({error:.3g})")
+
+
+def _unsharded_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """A copy of a sequence-parallel ``model`` that runs as it did before :func:`sequence_parallel`:
+    its own attention, its own forward and MLPs, no ulysses state."""
+    copy_ = copy.deepcopy(model)
+    for module in copy_.modules():
+        for key in [k for k in module.__dict__ if k.startswith("_ulysses_") or k == "forward"]:
+            del module.__dict__[key]
+        if isinstance(module, GradientCheckpointingLayer):
+            module.gradient_checkpointing = False
+    copy_.set_attn_implementation(model.__dict__.get("_ulysses_unsharded_attention", "eager"))
+    return copy_
+
+
+def _relative_error(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
+    if got is None or want is None:
+        return 0.0 if got is None and (want is None or not want.any()) else float("inf")
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
+
+
+def verify(model: PreTrainedModel, batch: dict, group: G.GroupLike = None, *,
+           reduce_gradients: Callable[[list[torch.Tensor], str], None] | None = None,
+           tolerance: float | None = None) -> Verification:
+    """Runs one forward and backward of the sequence-parallel ``model`` on this rank's shard of
+    ``batch`` (unsharded ``[B, S]``: ``input_ids``, optional ``labels``, ``attention_mask``,
+    ``position_ids``, as :func:`shard_batch` takes it) and the same unsharded on the whole batch,
+    on every rank, and returns the relative error of the global loss and of every parameter's
+    gradient, each rank's worst taken over ``group`` (so every rank returns the same). Nothing is
+    trained: gradients are computed with ``torch.autograd.grad`` and never reach ``.grad`` (nor a
+    DDP hook). ``reduce_gradients(grads, group_name)`` sums the sharded gradients over the group
+    in place (default: ``all_reduce_gradients``'s one collective); pass another to check a
+    reduction of your own. Logs the result at INFO on ``ulysses.hf``; with ``tolerance``, raises
+    ``ValueError`` (on every rank alike) naming the worst parameter when it is above it.
+    Models sharded by FSDP are not supported (the copy would be a shard)."""
+    name = G.group_name(group)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    reference = _unsharded_copy(model)
+    ref_params = dict(reference.named_parameters())
+    whole = torch.ops.ulysses.shard_batch(batch["input_ids"], batch.get("labels"), batch.get("attention_mask"),
+                                          batch.get("position_ids"), 0, 1, 1, IGNORE_INDEX)
+    logits = reference(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                       position_ids=batch.get("position_ids")).logits
+    ref_loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), whole[1].flatten(),
+                                                 ignore_index=IGNORE_INDEX)
+    ref_grads = torch.autograd.grad(ref_loss, [ref_params[n] for n, _ in params], allow_unused=True)
+    del reference, logits
+    shard = shard_batch(batch, name)
+    out = model(input_ids=shard["input_ids"], attention_mask=shard.get("attention_mask"),
+                position_ids=shard["position_ids"], ulysses_seq_lens=shard["seq_lens"])
+    loss, global_loss = sequence_parallel_loss(out.logits, shard["shift_labels"], name)
+    grads = list(torch.autograd.grad(loss, [p for _, p in params], allow_unused=True))
+    grads = [torch.zeros_like(p) if g is None else g for g, (_, p) in zip(grads, params)]
+    (reduce_gradients or _sum_gradients)(grads, name)
+    errors = [abs(global_loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-30)]
+    errors += [_relative_error(g, r) for g, r in zip(grads, ref_grads)]
+    # Every rank's worst, so every rank returns (and raises) the same.
+    size = G.rank_and_size(name)[1]
+    worst = O.all_gather_sequence(torch.tensor([errors], dtype=torch.float64), 0, [1] * size, name).amax(0)
+    result = Verification(worst[0].item(), {n: e for (n, _), e in zip(params, worst[1:].tolist())})
+    _log.info("ulysses.hf.verify: %s", result)
+    if tolerance is not None and result.worst[1] > tolerance:
+        raise ValueError(f"ulysses.hf.verify: the sharded model differs from itself unsharded above {tolerance:g}: "
+                         f"{result}")
+    return result
+
+
+def _sum_gradients(grads: list[torch.Tensor], group: str) -> None:
+    torch.ops.ulysses.all_reduce_gradients(grads, group, G.group_options(None))
+
+
 PreTrainedModel.get_correct_attn_implementation = _refuse_incompatible(  # type: ignore[method-assign]
     PreTrainedModel.get_correct_attn_implementation)
 
-__all__ = ["IMPLEMENTATION", "LongSequence", "long_sequence", "sequence_parallel", "shard_batch",
-           "sequence_parallel_loss", "token_mean", "all_reduce_gradients", "ulysses_attention_forward"]
+__all__ = ["IMPLEMENTATION", "LongSequence", "Verification", "all_reduce_gradients", "long_sequence",
+           "sequence_parallel", "sequence_parallel_loss", "shard_batch", "token_mean", "ulysses_attention_forward",
+           "verify"]

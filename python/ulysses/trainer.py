@@ -115,12 +115,16 @@ def _let_collectives_settle_at_exit() -> None:
 
 class SequenceParallel:
     """Mixin for a ``transformers.Trainer`` class: trains with Ulysses sequence parallelism over
-    ``sp_size`` ranks per data-parallel group (module docstring). Put it first in the bases."""
+    ``sp_size`` ranks per data-parallel group (module docstring). Put it first in the bases.
+    ``verify_tolerance``: before the first step trains, check the model on that step's batch
+    against itself unsharded (:func:`ulysses.hf.verify`) and stop with its error above this
+    relative error (DDP or one process; not FSDP2)."""
 
     ignore_index = hf.IGNORE_INDEX
 
     def __init__(self, *args: Any, sp_size: int, tiled_mlp: bool = False, tiled_loss: bool = False,
-                 checkpoint: str | None = None, mlp_tile_tokens: int | None = None, **kwargs: Any) -> None:
+                 checkpoint: str | None = None, mlp_tile_tokens: int | None = None,
+                 verify_tolerance: float | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         trainer: Any = self
         world = trainer.args.world_size
@@ -144,6 +148,11 @@ class SequenceParallel:
             self._fully_shard(fsdp)
         # compute_loss normalises by the count of the whole optimizer step (get_batch_samples).
         trainer.loss_is_scaled_for_ga = True
+        if verify_tolerance is not None and self._shards_itself:
+            raise ValueError("ulysses.trainer: verify_tolerance checks a model whose every rank holds it whole; "
+                             "it does not run under FSDP2")
+        self._verify_tolerance = verify_tolerance  # None once the first step is verified (or never).
+        self.verification: hf.Verification | None = None  # The first step's, with verify_tolerance.
         self._step_tokens: torch.Tensor | None = None
 
     # --- FSDP2 where the Trainer does not apply it (CPU) ---------------------------------
@@ -284,6 +293,12 @@ class SequenceParallel:
 
     def compute_loss(self, model: torch.nn.Module, inputs: Mapping[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
+        if model.training and self._verify_tolerance is not None:
+            # The first step's batch, sharded and unsharded, before it trains (ulysses.hf.verify).
+            tolerance, self._verify_tolerance = self._verify_tolerance, None
+            batch = {k: v for k, v in inputs.items() if k in _SHARDED_KEYS}
+            self.verification = hf.verify(self.model, batch, self.sequence_mesh["sp"],  # type: ignore[attr-defined]
+                                          tolerance=tolerance)
         settings = hf.long_sequence(self.model)  # type: ignore[attr-defined]
         tiled_loss = settings is not None and settings.tiled_loss and not return_outputs
         outputs, shard = self._sharded_forward(model, inputs, tiled_loss)

@@ -567,3 +567,64 @@ def test_an_all_true_padding_mask_adds_no_rule(padded, monkeypatch):
     # count as documents (flex: Python runs the layer), and after it, where the gathered ids split
     # nothing and the mask is the padding's or none.
     assert sorted(chosen) == sorted(["flex"] * 4 + ["flex" if padded else "sdpa"] * 4), chosen
+
+
+VERIFIED = ["llama", "qwen3_moe", "gemma2", "gpt_oss"]
+
+
+def make_verified(name: str) -> torch.nn.Module:
+    if name != "qwen3_moe":
+        return make_model(name)
+    from transformers import Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1, **COMMON)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+
+
+@pytest.mark.parametrize("name", VERIFIED)
+def test_verify_passes_on_models_that_are_exact(name):
+    """ulysses.hf.verify: one call, the model against itself unsharded (Llama; Qwen3 MoE; Gemma2's
+    softcap and window; gpt-oss's sinks), at P = 2 on a padded batch."""
+    base = make_verified(name)
+    batch = make_batch("padded")
+    models = [copy.deepcopy(base) for _ in range(2)]
+
+    def body(rank, group):
+        model = uhf.sequence_parallel(models[rank], group)
+        result = uhf.verify(model, batch, group, tolerance=1e-5)
+        assert all(p.grad is None for p in model.parameters())  # nothing reached .grad
+        return result.loss_error, result.worst
+
+    results = run_ranks(2, body)
+    assert results[0] == results[1], results
+    assert results[0][0] <= 1e-5 and results[0][1][1] <= 1e-5, results
+
+
+def test_verify_names_the_parameter_a_broken_reduction_left_out():
+    """A reduction that skips one parameter (the mistake SP code makes most: a gradient not summed
+    over the group) is caught, named, and raised alike on every rank above the tolerance."""
+    base = make_model("llama")
+    batch = make_batch("packed")
+    models = [copy.deepcopy(base) for _ in range(2)]
+    skipped = "model.layers.1.self_attn.k_proj.weight"
+
+    def body(rank, group):
+        import ulysses
+
+        model = uhf.sequence_parallel(models[rank], group)
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+
+        def broken(grads, group_name):
+            summed = [g for n, g in zip(names, grads) if n != skipped]
+            torch.ops.ulysses.all_reduce_gradients(summed, group_name, ulysses.groups.group_options(None))
+
+        result = uhf.verify(model, batch, group, reduce_gradients=broken)
+        with pytest.raises(ValueError, match=f"worst overall: {skipped}"):
+            uhf.verify(model, batch, group, reduce_gradients=broken, tolerance=1e-5)
+        return result.worst, result.gradient_errors
+
+    for (worst, error), errors in run_ranks(2, body):
+        assert worst == skipped and error > 1e-2, (worst, error)
+        assert max(e for n, e in errors.items() if n != skipped) <= 1e-5

@@ -91,6 +91,15 @@ def test_dp2_sp2_matches_one_process(runs):
     assert got["total_train_batch_size"] == 8  # two DP groups of 4 sequences, not four ranks'
 
 
+def test_the_first_step_verified_against_the_model_unsharded(runs):
+    """verify_tolerance: before step 1 trains, its batch runs sharded and unsharded on every rank
+    (ulysses.hf.verify); the run passes it and trains as before."""
+    got = runs("dp2sp2_verified", 4, "--sp", "2", "--verify", "1e-5")
+    _assert_same_run(got, runs("plain", 1, "--sp", "1", "--eval") | {"eval_loss": None})
+    name, error = got["verified"]
+    assert error <= 1e-5, (name, error)
+
+
 def test_dp2_sp2_packed_with_gradient_accumulation(runs):
     want = runs("plain_packed", 1, "--sp", "1", "--packed", "--grad-accum", "2")
     _assert_same_run(runs("dp2sp2_packed", 4, "--sp", "2", "--packed", "--grad-accum", "2"), want)
