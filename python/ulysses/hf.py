@@ -21,14 +21,16 @@ ids (RoPE and packed documents need them). Masks are honoured, not dropped:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
 import logging
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -405,22 +407,108 @@ def _logit_rules(config) -> tuple[float, float]:
     return scale, float(getattr(config, "final_logit_softcapping", None) or 0.0)
 
 
+@contextlib.contextmanager
+def _shard_forward(model: PreTrainedModel, seq_lens: list[int]) -> Iterator[dict]:
+    """What a forward of this rank's shard runs inside: the keyword arguments its layers take (the
+    agreed split, so no layer learns it, and one StepContext, so the layers share the gathered
+    padding mask, rebuilt mask and position ids, a checkpoint's recompute too), the declared
+    sequence rows (tiles cut alike on every rank) and the offload scope."""
+    settings: LongSequence = model.__dict__["_ulysses_long"]
+    if settings.tiled_mlp or settings.checkpoint:
+        _use_our_checkpoint(model, settings)
+    with tiled.sequence_rows(max(seq_lens)), tiled.offload_scope():
+        yield {"ulysses_seq_lens": seq_lens, "ulysses_step": StepContext()}
+
+
+# The per-token fields of TRL's fused LM head output (trl's add_fused_lm_head).
+_PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+@contextlib.contextmanager
+def unsharded(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
+    """Inside, the sequence-parallel ``model`` runs as it did before :func:`sequence_parallel`, on
+    the whole sequences each rank holds: its own attention implementation and forward, no
+    exchange, no collective, and a KV cache where the caller asks for one. For generation (every
+    rank has the whole prompt; transformers' ``generate``); training forwards stay sharded.
+    Yields the model; leaves it sequence-parallel again on exit."""
+    if "_ulysses_long" not in model.__dict__:
+        raise ValueError(f"ulysses.hf: unsharded() takes a model made sequence-parallel by sequence_parallel(); "
+                         f"{type(model).__name__} is not")
+    if model.__dict__.get("_ulysses_whole"):
+        yield model
+        return
+    model.set_attn_implementation(model.__dict__.get("_ulysses_unsharded_attention", "eager"))
+    object.__setattr__(model, "_ulysses_whole", True)
+    try:
+        yield model
+    finally:
+        del model.__dict__["_ulysses_whole"]
+        model.set_attn_implementation(IMPLEMENTATION)
+
+
+def _check_same_batch(input_ids: torch.Tensor, group: str) -> None:
+    """Every rank of an SP group scores the same whole sequences: their shapes and a digest of
+    their tokens agree, or every rank raises the same error naming each rank's (one small
+    collective, before any exchange; a shard of another rank's sequences would be a silent
+    wrong)."""
+    size = G.rank_and_size(group)[1]
+    flat = input_ids.reshape(-1).long()
+    weights = (torch.arange(1, flat.numel() + 1, device=flat.device) * 2654435761) % 2147483647
+    mine = torch.stack([torch.tensor(input_ids.shape[0], device=flat.device),
+                        torch.tensor(input_ids.shape[-1], device=flat.device), (flat * weights).sum()])
+    shapes = O.all_gather_sequence(mine[None], 0, [1] * size, group).tolist()
+    if any(s[:2] != shapes[0][:2] for s in shapes):
+        each = ", ".join(f"rank {r} has {b}x{t}" for r, (b, t, _) in enumerate(shapes))
+        raise ValueError("ulysses.hf: the ranks of a sequence-parallel group score the same batch of whole "
+                         f"sequences (B x S), and they differ: {each}")
+    if any(s[2] != shapes[0][2] for s in shapes):
+        differ = [r for r, s in enumerate(shapes) if s[2] != shapes[0][2]]
+        raise ValueError("ulysses.hf: the ranks of a sequence-parallel group score the same batch of whole "
+                         f"sequences, and rank(s) {differ} hold other tokens than rank 0 (same shape "
+                         f"{shapes[0][0]}x{shapes[0][1]}): feed every rank of the group the same batch")
+
+
+def whole_sequence_fused_forward(model: PreTrainedModel, fused_forward: Callable, *, input_ids: torch.Tensor,
+                                 labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                                 position_ids: torch.Tensor | None = None, **kwargs) -> Any:
+    """TRL's fused LM head (``fused_forward``: the model's forward as trl's ``add_fused_lm_head``
+    made it) over whole sequences ``[B, S]``, run sequence-parallel: this rank's shard of the batch
+    (:func:`shard_batch`: labels shifted on the whole sequence) is scored with its pre-shifted
+    labels, and each per-token field (log-probabilities, entropy, ...) is gathered along the
+    sequence, ``[B, S - 1]`` as the unsharded head returns them. Every rank then computes the
+    trainer's loss over whole sequences; the gather's backward sums every rank's copy, so each
+    rank's gradient is P times its tokens' part (what an average over the SP ranks wants)."""
+    group = model.__dict__["_ulysses_group"]
+    _check_same_batch(input_ids, group)
+    whole = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask, "position_ids": position_ids}
+    shard = shard_batch({k: v for k, v in whole.items() if v is not None}, group)
+    seq_lens = shard["seq_lens"]
+    with _shard_forward(model, seq_lens) as extra:
+        out = fused_forward(input_ids=shard["input_ids"], attention_mask=shard.get("attention_mask"),
+                            position_ids=shard["position_ids"], shift_labels=shard["shift_labels"],
+                            fused_lm_head=True, **extra, **kwargs)
+    for name in _PER_TOKEN_FIELDS:
+        value = getattr(out, name, None)
+        if value is not None:
+            setattr(out, name, O.all_gather_sequence(value, 1, seq_lens, group)[:, :-1])
+    if getattr(out, "loss", None) is not None:
+        out.loss = None  # this shard's alone: trainers read the gathered fields
+    return out
+
+
 def _long_sequence_forward(model: PreTrainedModel, *args, ulysses_shift_labels: torch.Tensor | None = None,
                            ulysses_ignore_index: int = IGNORE_INDEX, **kwargs):
     """The model's forward under sequence parallelism (bound to the model: a deep copy rebinds)."""
+    if model.__dict__.get("_ulysses_whole"):  # inside unsharded(model)
+        return type(model).forward(model, *args, **kwargs)
     if args:
         raise ValueError("ulysses.hf: pass the model's inputs by keyword under sequence parallelism")
     settings: LongSequence = model.__dict__["_ulysses_long"]
     seq_lens = _sequence_rows(kwargs, model.__dict__["_ulysses_group"], model.__dict__["_ulysses_timeout"])
-    kwargs["ulysses_seq_lens"] = seq_lens  # the layers skip learning them
     if kwargs.get("position_ids") is None:
         kwargs["position_ids"] = _global_positions(_tokens(kwargs), seq_lens, model.__dict__["_ulysses_group"])
-    # The layers share this forward's gathered padding mask, rebuilt mask and position ids
-    # (gathered once, not once per layer); a checkpoint's recompute reuses them too.
-    kwargs["ulysses_step"] = StepContext()
-    if settings.tiled_mlp or settings.checkpoint:
-        _use_our_checkpoint(model, settings)
-    with tiled.sequence_rows(max(seq_lens)), tiled.offload_scope():
+    with _shard_forward(model, seq_lens) as extra:
+        kwargs.update(extra)
         if ulysses_shift_labels is None:
             return type(model).forward(model, **kwargs)
         if not settings.tiled_loss:
@@ -540,4 +628,4 @@ PreTrainedModel.get_correct_attn_implementation = _refuse_incompatible(  # type:
 
 __all__ = ["IMPLEMENTATION", "LongSequence", "Verification", "all_reduce_gradients", "long_sequence",
            "sequence_parallel", "sequence_parallel_loss", "shard_batch", "token_mean", "ulysses_attention_forward",
-           "verify"]
+           "unsharded", "verify", "whole_sequence_fused_forward"]

@@ -42,6 +42,7 @@ import contextlib
 import functools
 import os
 import time
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
-from accelerate.utils import recursively_apply
+from accelerate.utils import recursively_apply, set_seed
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -121,6 +122,7 @@ class SequenceParallel:
     relative error (DDP or one process; not FSDP2)."""
 
     ignore_index = hf.IGNORE_INDEX
+    _normalises_the_step = True  # compute_loss is SequenceParallel's (the token mean of the step)
 
     def __init__(self, *args: Any, sp_size: int, tiled_mlp: bool = False, tiled_loss: bool = False,
                  checkpoint: str | None = None, mlp_tile_tokens: int | None = None,
@@ -142,18 +144,21 @@ class SequenceParallel:
         self.sp_size = sp_size
         self.sequence_mesh = init_device_mesh(trainer.args.device.type, (world // sp_size, sp_size),
                                               mesh_dim_names=("dp", "sp"))
-        hf.sequence_parallel(trainer.model, self.sequence_mesh["sp"], tiled_mlp=tiled_mlp, tiled_loss=tiled_loss,
-                             checkpoint=checkpoint, mlp_tile_tokens=mlp_tile_tokens)
+        self._make_sequence_parallel(trainer.model, tiled_mlp=tiled_mlp, tiled_loss=tiled_loss,
+                                     checkpoint=checkpoint, mlp_tile_tokens=mlp_tile_tokens)
         if fsdp is not None and not trainer.is_fsdp_enabled:  # the Trainer ignored fsdp (CPU): shard here
             self._fully_shard(fsdp)
-        # compute_loss normalises by the count of the whole optimizer step (get_batch_samples).
-        trainer.loss_is_scaled_for_ga = True
+        if self._normalises_the_step:  # compute_loss divides by the whole optimizer step's count
+            trainer.loss_is_scaled_for_ga = True
         if verify_tolerance is not None and self._shards_itself:
             raise ValueError("ulysses.trainer: verify_tolerance checks a model whose every rank holds it whole; "
                              "it does not run under FSDP2")
         self._verify_tolerance = verify_tolerance  # None once the first step is verified (or never).
         self.verification: hf.Verification | None = None  # The first step's, with verify_tolerance.
         self._step_tokens: torch.Tensor | None = None
+
+    def _make_sequence_parallel(self, model: Any, **long: Any) -> None:
+        hf.sequence_parallel(model, self.sequence_mesh["sp"], **long)
 
     # --- FSDP2 where the Trainer does not apply it (CPU) ---------------------------------
 
@@ -362,8 +367,92 @@ class SequenceParallel:
         return super().evaluation_loop(*args, **kwargs)  # type: ignore[misc]
 
 
+class WholeSequenceLogProbs(SequenceParallel):
+    """Mixin for TRL trainers whose loss reads per-token log-probabilities of whole sequences
+    through TRL's fused LM head (``DPOTrainer``, ``GRPOTrainer``, ``RLOOTrainer``): put it first in
+    the bases, as ``class SequenceParallelDPOTrainer(WholeSequenceLogProbs, DPOTrainer)``.
+
+    The data follows :class:`SequenceParallel` (every rank of an SP group gets the same batch),
+    and the trainer's own loss, metrics and evaluation run unchanged, on whole sequences: each of
+    its calls ``model(..., labels=labels, fused_lm_head=True)`` (the policy's, the reference
+    model's, the old policy's) runs sequence-parallel (:func:`ulysses.hf.whole_sequence_fused_forward`):
+    each rank scores its shard and the per-token fields are gathered along the sequence. Every
+    rank of an SP group computes the same loss; the gather's backward sums their copies, so the
+    Trainer's average of gradients over the world is the exact mean over the data-parallel groups.
+
+    GRPO and RLOO generate as TRL does, on whole prompts (:func:`ulysses.hf.unsharded`: the
+    policy's own attention and KV cache), and each SP group keeps its first rank's completions, so
+    the group scores one set. Refused, with the reason: an MoE router loss (a shard's), and reward
+    statistics over the whole gathered batch (GRPO's ``scale_rewards="batch"`` and
+    ``multi_objective_aggregation="normalize_then_sum"``, RLOO's ``normalize_advantages=True``:
+    TRL gathers rewards from every rank, and an SP group's ranks hold copies)."""
+
+    _normalises_the_step = False  # the trainer's own loss and its normalisation
+
+    def _make_sequence_parallel(self, model: Any, **long: Any) -> None:
+        trainer: Any = self
+        args = trainer.args
+        if getattr(trainer, "aux_loss_enabled", False):
+            raise ValueError("ulysses.trainer: an MoE router loss is a shard's under sequence parallelism; set "
+                             "router_aux_loss_coef=0 (or output_router_logits=False) to train with it")
+        batch_wide = {"scale_rewards": "batch", "multi_objective_aggregation": "normalize_then_sum",
+                      "normalize_advantages": True}  # GRPO's, GRPO's, RLOO's
+        chosen = sorted(f"{k}={v!r}" for k, v in batch_wide.items() if getattr(args, k, None) == v)
+        if chosen:
+            raise ValueError(f"ulysses.trainer: {', '.join(chosen)} takes reward statistics over the whole gathered "
+                             "batch, which would count each SP group's copies; not supported with sequence "
+                             "parallelism (GRPO: scale_rewards='group' or 'none' with 'sum_then_normalize'; RLOO: "
+                             "normalize_advantages=False)")
+        if getattr(args, "generation_batch_size", None):  # GRPO/RLOO: TRL counted every rank as a DP rank
+            args.generation_batch_size //= self.sp_size
+            # ... and seeded each apart (seed + process index) to sample apart; an SP group samples as one.
+            set_seed(args.seed + self.sequence_mesh["dp"].get_local_rank())
+        for wrapped in (model, getattr(trainer, "ref_model", None)):
+            if wrapped is None:
+                continue
+            m: Any = getattr(wrapped, "module", wrapped)  # the reference model as the accelerator prepared it
+            fused = m.__dict__.get("forward")  # trl's add_fused_lm_head put it there
+            if fused is None:
+                raise ValueError("ulysses.trainer: WholeSequenceLogProbs needs the trainer's fused LM head (TRL's "
+                                 f"add_fused_lm_head, as DPOTrainer adds it); {type(m).__name__} has none")
+            hf.sequence_parallel(m, self.sequence_mesh["sp"], **long)
+            sharded = m.__dict__["forward"]
+
+            def forward(self_: Any, *args: Any, fused_lm_head: bool = False, sharded_: Any = sharded,
+                        fused_: Any = fused, **kwargs: Any) -> Any:
+                if not fused_lm_head:  # a shard's forward, as sequence_parallel's (whole inside unsharded())
+                    return sharded_(*args, **kwargs)
+                if self_.__dict__.get("_ulysses_whole"):  # inside unsharded(): TRL's head, whole sequences
+                    return fused_(*args, fused_lm_head=True, **kwargs)
+                return hf.whole_sequence_fused_forward(self_, fused_, **kwargs)
+
+            m.forward = types.MethodType(forward, m)
+
+    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
+        """GRPO's and RLOO's generation: TRL's own, on whole prompts, with the policy unsharded; the
+        SP group then keeps its first rank's completions (sampling need not agree across ranks)."""
+        trainer: Any = self
+        with hf.unsharded(trainer.accelerator.unwrap_model(trainer.model)):
+            out = [super()._generate_single_turn(*args, **kwargs)]  # type: ignore[misc]
+        dist.broadcast_object_list(out, group=self.sequence_mesh["sp"].get_group(), group_src=0)
+        return out[0]
+
+    # The trainer's own steps: its loss runs on whole sequences.
+    def get_batch_samples(self, *args: Any, **kwargs: Any) -> Any:
+        return super(SequenceParallel, self).get_batch_samples(*args, **kwargs)  # type: ignore[misc]
+
+    def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+        return super(SequenceParallel, self).compute_loss(*args, **kwargs)  # type: ignore[misc]
+
+    def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
+        return super(SequenceParallel, self).prediction_step(*args, **kwargs)  # type: ignore[misc]
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        return super(SequenceParallel, self).evaluation_loop(*args, **kwargs)  # type: ignore[misc]
+
+
 class SequenceParallelTrainer(SequenceParallel, Trainer):
     """``transformers.Trainer`` with Ulysses sequence parallelism (:class:`SequenceParallel`)."""
 
 
-__all__ = ["SequenceParallel", "SequenceParallelTrainer"]
+__all__ = ["SequenceParallel", "SequenceParallelTrainer", "WholeSequenceLogProbs"]

@@ -628,3 +628,109 @@ def test_verify_names_the_parameter_a_broken_reduction_left_out():
     for (worst, error), errors in run_ranks(2, body):
         assert worst == skipped and error > 1e-2, (worst, error)
         assert max(e for n, e in errors.items() if n != skipped) <= 1e-5
+
+
+# --- whole-sequence log-probabilities (TRL's fused LM head: DPO, GRPO) and unsharded() ---
+
+def fused_models(name: str, world: int):
+    """The model with TRL's fused LM head (the unsharded reference) and, per rank, a copy made
+    sequence-parallel the way WholeSequenceLogProbs does: (reference, [(model, trl's forward)])."""
+    trl_utils = pytest.importorskip("trl.trainer.utils", reason="TRL's fused LM head needs trl (pip install trl)")
+    base = make_model(name)
+    reference_model = copy.deepcopy(base)
+    trl_utils.add_fused_lm_head(reference_model, outputs=("log_probs", "entropy"))
+    copies = []
+    for _ in range(world):
+        model = copy.deepcopy(base)
+        trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+        copies.append((model, model.__dict__["forward"]))
+    return reference_model, copies
+
+
+def scored(out, weights):
+    return (out.log_probs * weights).sum() + 0.1 * out.entropy.sum()
+
+
+@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_whole_sequence_log_probs_equal_the_unsharded_fused_head(name, P):
+    """Per-token log-probabilities and entropies of whole sequences, each rank scoring its shard
+    (hf.whole_sequence_fused_forward), equal TRL's fused head on the model unsharded, and the
+    gradients averaged over the ranks (as DDP does) equal its gradients: padded rows (left and
+    right), completion-only labels, S not divisible by P; Gemma2's softcaps too."""
+    reference_model, copies = fused_models(name, P)
+    batch = make_batch("padded")
+    labels = batch["labels"].clone()
+    labels[:, :6] = -100  # a prompt: only the completion is scored
+    weights = torch.randn(B, S - 1, generator=torch.Generator().manual_seed(3))
+    want = reference_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels,
+                           fused_lm_head=True)
+    scored(want, weights).backward()
+
+    def body(rank, group):
+        model, fused = copies[rank]
+        uhf.sequence_parallel(model, group)
+        out = uhf.whole_sequence_fused_forward(model, fused, input_ids=batch["input_ids"],
+                                               attention_mask=batch["attention_mask"], labels=labels)
+        scored(out, weights).backward()
+        return out.log_probs.detach(), out.entropy.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    results = run_ranks(P, body)
+    for log_probs, entropy, _ in results:
+        torch.testing.assert_close(log_probs, want.log_probs.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(entropy, want.entropy.detach(), rtol=1e-5, atol=1e-5)
+    for n, p in reference_model.named_parameters():
+        averaged = sum(r[2][n] for r in results) / P
+        err = (averaged - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12)
+        assert err <= 1e-5, (n, err.item())
+
+
+@pytest.mark.parametrize("other", ["longer", "more_rows", "other_tokens"])
+def test_ranks_holding_other_sequences_fail_every_rank_alike(other):
+    """Each rank of an SP group must hold the group's whole batch: a rank with a longer
+    completion, more completions, or the same shape with other tokens (a shard of someone else's
+    sequence would be a silent wrong) raises the same error on every rank, before any exchange."""
+    _, copies = fused_models("llama", 2)
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(2, VOCAB, (B, S), generator=gen)] * 2
+    batches[1] = {"longer": torch.randint(2, VOCAB, (B, S + 2), generator=gen),
+                  "more_rows": torch.randint(2, VOCAB, (B + 2, S), generator=gen),
+                  "other_tokens": torch.randint(2, VOCAB, (B, S), generator=gen)}[other]
+
+    def body(rank, group):
+        model, fused = copies[rank]
+        uhf.sequence_parallel(model, group)
+        ids = batches[rank]
+        uhf.whole_sequence_fused_forward(model, fused, input_ids=ids, labels=ids)
+
+    errors = run_ranks_errors(2, body)
+    assert errors[0] == errors[1] and "ulysses.hf: the ranks of a sequence-parallel group" in errors[0], errors
+    assert ("rank(s) [1] hold other tokens" if other == "other_tokens" else "rank 1 has") in errors[0]
+
+
+def test_generation_inside_unsharded_equals_the_plain_model():
+    """hf.unsharded(model): transformers' generate (KV cache and all) on whole prompts gives the
+    plain model's tokens, with no collective; on exit the model is sequence-parallel again and
+    its training forward still equals the unsharded reference."""
+    base = make_model("llama")
+    prompt = torch.randint(2, VOCAB, (2, 5), generator=torch.Generator().manual_seed(7))
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, use_cache=True)
+    want_tokens = copy.deepcopy(base).generate(prompt, **kwargs)
+    batch = make_batch("packed")
+    want = reference(copy.deepcopy(base), batch)
+    models = [copy.deepcopy(base) for _ in range(2)]
+
+    def body(rank, group):
+        model = uhf.sequence_parallel(models[rank], group)
+        with uhf.unsharded(model):
+            tokens = model.generate(prompt, **kwargs) if rank == 0 else None  # rank 1 takes no part
+        assert model.config._attn_implementation == uhf.IMPLEMENTATION
+        return tokens, sharded_step(model, batch, group)
+
+    results = run_ranks(2, body)
+    assert torch.equal(results[0][0], want_tokens)
+    for _, got in results:
+        assert_matches(got, want)
+    with pytest.raises(ValueError, match="takes a model made sequence-parallel"):
+        with uhf.unsharded(make_model("llama")):
+            pass
