@@ -9,8 +9,8 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   python3 -m venv .venv
 fi
-want=(torch==2.13.0 scikit-build-core pytest numpy hypothesis clang-format==18.1.8 ruff==0.17.6 mypy==2.4.1 transformers==5.24.0)
-if ! .venv/bin/python -c "import torch, pytest, scikit_build_core, numpy, hypothesis, clang_format, ruff, mypy, transformers; assert torch.__version__.startswith('2.13.')" 2>/dev/null; then
+want=(torch==2.13.0 'scikit-build-core>=1.1' pytest numpy hypothesis clang-format==18.1.8 ruff==0.17.6 mypy==2.4.1 transformers==5.24.0)
+if ! .venv/bin/python -c "import torch, pytest, scikit_build_core, numpy, hypothesis, clang_format, ruff, mypy, transformers; assert torch.__version__.startswith('2.13.'); assert tuple(map(int, scikit_build_core.__version__.split('.')[:2])) >= (1, 1)" 2>/dev/null; then
   echo "setup: installing ${want[*]} into .venv"
   # (This machine's pip configuration warns about index folders it lacks: noise, filtered.)
   .venv/bin/pip install -q --disable-pip-version-check "${want[@]}" 2>&1 |

@@ -57,3 +57,34 @@ def test_the_distribution_is_ulysses_sp():
     import ulysses
 
     assert metadata.version("ulysses-sp") == ulysses.__version__
+
+
+def test_the_torch_requirement_follows_the_torch_the_build_compiles_against(tmp_path):
+    """The package requires torch==X.Y.* of the torch its build imports (cmake/torch_requirement.py),
+    so `pip install --no-build-isolation .` keeps a user's torch instead of replacing it. A
+    stand-in torch 2.11 first on the path, then the build backend's own metadata hook (no
+    compile): the requirement follows it."""
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    fake = tmp_path / "stand_in" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("__version__ = '2.11.0+cu128'\n")
+    out = tmp_path / "metadata"
+    out.mkdir()
+    code = ("import sys; from scikit_build_core.build import prepare_metadata_for_build_wheel as p; "
+            "print(p(sys.argv[1]))")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "stand_in"))
+    r = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=240,
+                       cwd=root, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    metadata = (out / r.stdout.strip().splitlines()[-1] / "METADATA").read_text()
+    requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist: torch")]
+    assert requires == ["Requires-Dist: torch==2.11.*"], requires
+
+
+def test_the_installed_package_requires_the_torch_it_was_built_against():
+    from importlib import metadata
+
+    import torch
+
+    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    assert f"torch=={release}.*" in (metadata.requires("ulysses-sp") or []), metadata.requires("ulysses-sp")
