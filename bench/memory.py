@@ -7,6 +7,17 @@ the same model (ulysses attention under both) when DeepSpeed is installed.
                            [--vocab 32000] [--json FILE] [--plot FILE]
     python bench/memory.py --fsdp [--seq-lens 2048] [--sp 2,4] [--vocab 128000] [--layers 8]
 
+``--attention`` measures one attention layer instead (``DistributedAttention``, Llama-8B's 32
+query and 8 kv heads of 128, causal, float32), two forward and backward passes from before its
+first call, for each ``--head-chunks`` count: ``peak_MiB`` is the high-water mark above the
+layer's inputs (the group's buffer cache included: it keeps what the exchanges freed for the next
+step), ``outputs_MiB`` what the layer must hand back (o and the gradients of q, k and v),
+``saved_MiB`` what the kernel keeps for backward (q, k, v and o by heads over the whole sequence,
+every chunk's, from the head plan), and ``transient_MiB`` = peak - outputs - saved: what running
+the layer costs beyond both (exchange buffers, whole-sequence copies, gradients by heads).
+``--head-chunks`` also applies to the model rows (``sequence_parallel(head_chunks=k)``; give
+``--heads 32,8`` there for a model with enough kv heads).
+
 ``--fsdp`` compares how the parameters are held instead, with an AdamW step: ``ddp`` (every rank
 holds the whole model, its gradients and both Adam moments; gradients summed over the group)
 against ``fsdp2`` (``fully_shard`` on every decoder layer and the root, over every rank: each
@@ -70,12 +81,13 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def _model(vocab: int, layers: int):
+def _model(vocab: int, layers: int, heads: tuple[int, int] = (8, 2)):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=512, intermediate_size=1408, num_hidden_layers=layers,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1 << 17,
+                         num_attention_heads=heads[0], num_key_value_heads=heads[1],
+                         head_dim=512 // heads[0], max_position_embeddings=1 << 17,
                          attention_dropout=0.0, tie_word_embeddings=False)
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().train()
 
@@ -128,13 +140,15 @@ def _rank(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
     import ulysses.hf as uhf
     import ulysses.tiled as T
 
+    if task.get("attention"):
+        return _attention_rank(rank, task, out_dir)
     feature = task["features"]
-    model = _model(task["vocab"], task["layers"])
+    model = _model(task["vocab"], task["layers"], tuple(task.get("heads", (8, 2))))
     if task.get("freeze_vocab"):  # the embedding and the head take no gradient: only activations grow with V
         for p in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
             p.requires_grad_(False)
     group = dist.group.WORLD
-    uhf.sequence_parallel(model, group, **FEATURES[feature])
+    uhf.sequence_parallel(model, group, **FEATURES[feature], head_chunks=task.get("head_chunks", 1))
     holding = task.get("holding")  # --fsdp: "ddp" or "fsdp2", with an AdamW step
     if holding == "fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -193,6 +207,72 @@ def _rank(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def _attention_rank(rank: int, task: dict, out_dir: str) -> None:
+    """--attention: one DistributedAttention layer's forward and backward on this rank's shard."""
+    import ulysses
+
+    sp, S, chunks = task["sp"], task["seq_len"], task["head_chunks"]
+    hq, hkv, D = 32, 8, 128
+    lens = ulysses._C.sequence_split(S, sp)
+    gen = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(1, lens[rank], h, D, generator=gen).requires_grad_() for h in (hq, hkv, hkv))
+    grad = torch.randn(1, lens[rank], hq, D, generator=gen)
+    attention = ulysses.DistributedAttention(dist.group.WORLD, q_heads=hq, kv_heads=hkv, causal=True,
+                                             head_chunks=chunks)
+
+    def step() -> float:
+        start = time.perf_counter()
+        attention(q, k, v, seq_lens=lens).backward(grad)
+        dist.barrier()
+        return time.perf_counter() - start
+
+    # From before the first call: the group's buffer cache keeps what the exchanges freed
+    # (reused by the next step), so its high-water mark is part of what the layer costs.
+    dist.barrier()
+    baseline = _status_kib("VmRSS")
+    _reset_peak()
+    for _ in range(task["steps"] - 1):  # warm-up
+        step()
+        q.grad = k.grad = v.grad = None
+    seconds = step()
+    peak = _status_kib("VmHWM")
+    outputs = 2 * q.nbytes + k.nbytes + v.nbytes  # o is q-shaped
+    saved = 0  # q, k, v and o by heads, each chunk's (this rank's heads in its plan) x S x D
+    for (qb, qe), (kb, ke) in ulysses._C.head_chunks(hq, hkv, sp, chunks):
+        plan = ulysses._C.plan(qe - qb, ke - kb, sp)
+        saved += (2 * plan["q_heads"][rank] + 2 * plan["kv_heads"][rank]) * S * D * q.element_size()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"peak_mib": (peak - baseline) / 1024, "outputs_mib": outputs / 2**20, "saved_mib": saved / 2**20,
+                   "step_s": seconds, "grad_mib": 0.0, "state_mib": 0.0}, f)
+    dist.destroy_process_group()
+
+
+def compare_chunks(a: argparse.Namespace, rows: list[dict]) -> int:
+    """--attention: each (S, P) at every chunk count, side by side with k = 1."""
+    print(f"{'S':>6} {'P':>2} {'chunks':>6} {'peak_MiB':>9} {'outputs_MiB':>11} {'saved_MiB':>9} "
+          f"{'transient_MiB':>13} {'step_s':>7} {'peak_over_k1':>12} {'transient_over_k1':>17} {'step_over_k1':>12}",
+          flush=True)
+    for seq_len in map(int, a.seq_lens.split(",")):
+        for sp in map(int, a.sp.split(",")):
+            first = None
+            for chunks in map(int, a.head_chunks.split(",")):
+                row = measure(dict(seq_len=seq_len, sp=sp, head_chunks=chunks, attention=True, steps=a.steps or 2))
+                row["transient_mib"] = row["peak_mib"] - row["outputs_mib"] - row["saved_mib"]
+                first = first or row
+                for key in ("peak", "transient", "step"):
+                    unit = "s" if key == "step" else "mib"
+                    row[f"{key}_over_k1"] = row[f"{key}_{unit}"] / first[f"{key}_{unit}"]
+                rows.append(row)
+                print(f"{seq_len:>6} {sp:>2} {chunks:>6} {row['peak_mib']:>9.1f} {row['outputs_mib']:>11.1f} "
+                      f"{row['saved_mib']:>9.1f} {row['transient_mib']:>13.1f} {row['step_s']:>7.2f} "
+                      f"{row['peak_over_k1']:>12.3f} {row['transient_over_k1']:>17.3f} {row['step_over_k1']:>12.3f}",
+                      flush=True)
+                if a.json:
+                    with open(a.json, "w") as f:
+                        json.dump(rows, f, indent=1)
+    return 0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -209,6 +289,8 @@ def measure(task: dict) -> dict:
                            start_method="spawn", join=True)
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(task["sp"])]
     return {**task, "peak_mib": max(r["peak_mib"] for r in ranks), "step_s": max(r["step_s"] for r in ranks),
+            "outputs_mib": max(r.get("outputs_mib", 0.0) for r in ranks),
+            "saved_mib": max(r.get("saved_mib", 0.0) for r in ranks),
             "grad_mib": ranks[0]["grad_mib"], "state_mib": max(r["state_mib"] for r in ranks)}
 
 
@@ -280,6 +362,10 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=0, help="steps per run, the last measured (0: 2 below S = 16K, else 1)")
     p.add_argument("--fsdp", action="store_true",
                    help="DDP-style replicas against FSDP2 sharding, with an AdamW step (features: none)")
+    p.add_argument("--attention", action="store_true",
+                   help="one attention layer (fwd + bwd) at each --head-chunks count instead of a model step")
+    p.add_argument("--head-chunks", default="1", help="head chunk counts (DistributedAttention(head_chunks=))")
+    p.add_argument("--heads", default="8,2", help="the model's query and kv heads (hidden size 512)")
     p.add_argument("--json", default=None, help="append the rows to this JSON file (a list)")
     p.add_argument("--plot", default=None, help="plot peak memory vs S from the JSON file into this PNG")
     a = p.parse_args()
@@ -289,20 +375,33 @@ def main() -> int:
     rows: list[dict] = json.load(open(a.json)) if a.json and os.path.exists(a.json) else []
     if a.fsdp:
         return compare_holdings(a, rows)
+    if a.attention:
+        return compare_chunks(a, rows)
+    heads = [int(h) for h in a.heads.split(",")]
     features = [f for f in a.features.split(",") if not f.startswith("ds") or _have_deepspeed()]
-    print(f"{'S':>6} {'P':>2} {'vocab':>6} {'features':<16} {'peak_MiB':>9} {'grad_MiB':>9} {'step_s':>8}", flush=True)
+    chunk_counts = [int(k) for k in a.head_chunks.split(",")]
+    show = chunk_counts != [1]  # the chunks column, when chunk counts are asked for
+
+    def chunk_cell(value: object) -> str:
+        return f" {value:>6}" if show else ""
+
+    print(f"{'S':>6} {'P':>2} {'vocab':>6} {'features':<16}{chunk_cell('chunks')} {'peak_MiB':>9} {'grad_MiB':>9} "
+          f"{'step_s':>8}", flush=True)
     for vocab in map(int, a.vocab.split(",")):
         for seq_len in map(int, a.seq_lens.split(",")):
             for sp in map(int, a.sp.split(",")):
                 for feature in features:
-                    steps = a.steps or (2 if seq_len < 16384 else 1)
-                    task = dict(seq_len=seq_len, sp=sp, vocab=vocab, features=feature, layers=a.layers, steps=steps,
-                                **({"freeze_vocab": True} if a.freeze_vocab else {}))
-                    row = measure(task)
-                    rows = [r for r in rows if {k: r.get(k) for k in task if k != "steps"}
-                            != {k: task[k] for k in task if k != "steps"}] + [row]
-                    print(f"{seq_len:>6} {sp:>2} {vocab:>6} {feature:<16} {row['peak_mib']:>9.1f} "
-                          f"{row['grad_mib']:>9.1f} {row['step_s']:>8.2f}", flush=True)
+                    for chunks in chunk_counts:
+                        steps = a.steps or (2 if seq_len < 16384 else 1)
+                        task = dict(seq_len=seq_len, sp=sp, vocab=vocab, features=feature, layers=a.layers,
+                                    steps=steps, **({"freeze_vocab": True} if a.freeze_vocab else {}),
+                                    **({"heads": heads} if heads != [8, 2] else {}),
+                                    **({"head_chunks": chunks} if chunks > 1 else {}))
+                        row = measure(task)
+                        rows = [r for r in rows if {k: r.get(k) for k in task if k != "steps"}
+                                != {k: task[k] for k in task if k != "steps"}] + [row]
+                        print(f"{seq_len:>6} {sp:>2} {vocab:>6} {feature:<16}{chunk_cell(chunks)} "
+                              f"{row['peak_mib']:>9.1f} {row['grad_mib']:>9.1f} {row['step_s']:>8.2f}", flush=True)
                     if a.json:
                         with open(a.json, "w") as f:
                             json.dump(rows, f, indent=1)

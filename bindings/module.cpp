@@ -88,6 +88,18 @@ void bind_plans(py::module_& m) {
   m.def("plan", &plan, py::arg("q_heads"), py::arg("kv_heads"), py::arg("sp"),
         py::arg("seq_len") = py::none());
   m.def(
+      "head_chunks",
+      [](int64_t q_heads, int64_t kv_heads, int64_t sp, int64_t count) {
+        py::list out;
+        for (const HeadChunk& c : head_chunks(q_heads, kv_heads, sp, count))
+          out.append(py::make_tuple(py::make_tuple(c.q.begin, c.q.end),
+                                    py::make_tuple(c.kv.begin, c.kv.end)));
+        return out;
+      },
+      py::arg("q_heads"), py::arg("kv_heads"), py::arg("sp"), py::arg("count"),
+      "Attention in `count` chunks of heads (Note [Head chunks]): each chunk's query and kv "
+      "heads, as ((begin, end), (begin, end)).");
+  m.def(
       "sequence_split",
       [](int64_t seq_len, int64_t sp) { return SequencePartition::even(seq_len, sp).lengths(); },
       py::arg("seq_len"), py::arg("sp"),

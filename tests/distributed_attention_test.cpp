@@ -42,12 +42,14 @@ struct Case {
   bool causal = false;
   bool packed = false;
   int64_t B = 2, D = 8, Dv = 8;
+  int64_t chunks = 1;  // AttentionOptions::head_chunks.
 };
 
 std::string describe(const Case& c) {
   std::ostringstream os;
   os << "P" << c.P << "_q" << c.hq << "_kv" << c.hkv << "_S" << c.S << "_" << to_string(c.layout)
-     << "_mask_" << c.mask.name << (c.causal ? "_causal" : "") << (c.packed ? "_packed" : "");
+     << "_mask_" << c.mask.name << (c.causal ? "_causal" : "") << (c.packed ? "_packed" : "")
+     << (c.chunks > 1 ? "_chunks" + std::to_string(c.chunks) : "");
   return os.str();
 }
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -112,6 +114,7 @@ void check_case(const Case& c) {
     AttentionOptions opts;
     opts.layout = L;
     opts.causal = c.causal;
+    opts.head_chunks = c.chunks;
     DistributedAttention attention(g, opts);
     at::Tensor o = attention(q, k, v, in);
     (o * W.narrow(sdim, mine.begin, mine.size())).sum().backward();
@@ -202,6 +205,13 @@ std::vector<Case> cases() {
   out.push_back({2, 2, 1, 7, mask_specs()[10], Layout::kBSHD});  // MQA with learnable bias.
   out.push_back({4, 7, 7, 6, none, Layout::kBSHD, true});        // Uneven heads.
   out.push_back({2, 4, 2, 8, none, Layout::kBHSD, false, false, 1, 16, 8});  // Dv != D.
+  // Head chunks (Note [Head chunks]): every layout, per-head and learnable masks, uneven
+  // chunks, and kv heads replicated within a chunk (2 kv heads a chunk over 4 ranks).
+  for (Layout l : {Layout::kBSHD, Layout::kSBHD, Layout::kBHSD})
+    out.push_back({2, 8, 4, 11, mask_specs()[12], l, true, true, 2, 8, 8, 2});
+  out.push_back({2, 6, 3, 10, mask_specs()[3], Layout::kBSHD, false, false, 2, 8, 8, 3});
+  out.push_back({2, 7, 7, 9, mask_specs()[10], Layout::kBSHD, true, false, 2, 8, 8, 3});
+  out.push_back({4, 8, 4, 13, mask_specs()[0], Layout::kBSHD, true, true, 2, 8, 8, 2});
   return out;
 }
 
@@ -231,6 +241,29 @@ TEST(DistributedAttention, SharedMaskIsGatheredOncePerStep) {
     EXPECT_EQ(step.reuses(), 2);
     EXPECT_EQ(step.agreements_reused(), 2);
   });
+}
+
+// Head chunks run one call per chunk: its agreement, scatter and gather.
+TEST(DistributedAttention, HeadChunksRunOneCallPerChunk) {
+  expect_ranks_succeed(2, [](Group& g) {
+    at::Tensor q = seeded_randn({1, 4, 8, 8}, 1), k = seeded_randn({1, 4, 4, 8}, 2),
+               v = seeded_randn({1, 4, 4, 8}, 3);
+    AttentionOptions whole, chunked;
+    chunked.head_chunks = 4;
+    const int64_t before = g.recorder().collectives();
+    const at::Tensor o1 = DistributedAttention(g, whole)(q, k, v);
+    const int64_t one = g.recorder().collectives() - before;
+    const at::Tensor o4 = DistributedAttention(g, chunked)(q, k, v);
+    EXPECT_EQ(g.recorder().collectives() - before - one, 4 * one);
+    EXPECT_LT(rel_error(o4, o1), 1e-6) << where(g, o4);
+  });
+  EXPECT_THROW(DistributedAttention(Group::solo(),
+                                    [] {
+                                      AttentionOptions o;
+                                      o.q_heads = 4, o.kv_heads = 2, o.head_chunks = 3;
+                                      return o;
+                                    }()),
+               c10::ValueError);
 }
 
 // Whether the gathered ids split documents is read on the host once per step (a device wait on

@@ -107,6 +107,9 @@ struct AttentionOptions : AttentionRules {  // causal, scale, window (needs caus
   QkvExchange exchange = QkvExchange::kFused;  // One all-to-all for q, k, v (else three).
   LocalKernel kernel = LocalKernel::kAuto;     // Local attention's kernel (attention.h).
   LocalAttention local;  // A local attention of the caller's; empty: `kernel`.
+  // Attention in this many chunks of heads, one after another (Note [Head chunks] in
+  // partition.h): each chunk's whole-sequence q, k, v, o exist only while it runs. 1: whole.
+  int64_t head_chunks = 1;
 };
 
 // Optional per-call inputs.

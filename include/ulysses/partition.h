@@ -102,6 +102,22 @@ class HeadPartition {
 };
 std::ostream& operator<<(std::ostream& os, const HeadPartition& p);
 
+// Note [Head chunks]: attention in `count` chunks of heads, each run as its own call (exchange,
+// local attention, exchange back) so only one chunk's whole-sequence tensors exist at a time.
+// Chunk c is the c-th even block of the kv heads with their query heads (kv groups kept whole),
+// a contiguous block of every head tensor, so a chunk's inputs are slices of the call's. Each
+// chunk needs >= P query heads; where its kv heads are fewer than P they are replicated within
+// it, as in any call. Heads are independent, so the chunks' outputs, concatenated in order, are
+// the unchunked call's.
+struct HeadChunk {
+  Range q;
+  Range kv;
+};
+// The chunks of `count` (>= 1) for an attention of (Hq, Hkv) over `sp_size` ranks; throws
+// c10::ValueError when `count` < 1, > Hkv, or leaves a chunk with fewer query heads than ranks.
+std::vector<HeadChunk> head_chunks(int64_t q_heads, int64_t kv_heads, int64_t sp_size,
+                                   int64_t count);
+
 // How S tokens are split over an SP group: contiguous, in rank order, S_r = S/P + (r < S%P),
 // or given explicitly as per-rank lengths (learned from the ranks themselves).
 class SequencePartition {

@@ -124,12 +124,18 @@ class DistributedAttention(nn.Module):
             D]``; query head h uses kv head ``kv_map[h]``; ``mask`` rebuilt, broadcastable to
             ``[B, Hq_r, S, S]``, or None; ``positions`` ``[B, S]`` or None; ``scale`` a float or
             None) and returning ``[B, Hq_r, S, Dv]``, differentiable by autograd.
+        head_chunks: attention in this many chunks of heads, one after another (exchange, local
+            attention, exchange back per chunk; backward likewise), so only one chunk's
+            whole-sequence q, k, v and o exist at a time: less transient memory, the same result.
+            A chunk keeps kv groups whole (1 to Hkv chunks); where each rank's Hkv/P kv heads
+            divide by it, every chunk moves a share of each rank's own heads (no extra bytes).
     """
 
     def __init__(self, group: G.GroupLike = None, *, q_heads: int | None = None, kv_heads: int | None = None,
                  layout: str = "BSHD", causal: bool = False, scale: float | None = None,
                  window: int | None = None, softcap: float | None = None, timeout: G.Timeout = None,
-                 ring_group: G.GroupLike = None, local: str | LocalAttention = "auto") -> None:
+                 ring_group: G.GroupLike = None, local: str | LocalAttention = "auto",
+                 head_chunks: int = 1) -> None:
         super().__init__()
         window = int(window or 0)
         softcap = float(softcap or 0.0)
@@ -164,15 +170,21 @@ class DistributedAttention(nn.Module):
         self.timeout_ms = G.timeout_ms(timeout)
         self._options = G.group_options(self.timeout_ms)  # The ops' group_options.
         self.q_heads, self.kv_heads = q_heads, kv_heads
+        if head_chunks < 1:
+            raise ValueError(f"DistributedAttention: head_chunks must be >= 1; got {head_chunks}")
+        self.head_chunks = int(head_chunks)
         if q_heads is not None:  # Fail fast on an invalid setup (kv heads may come later).
             _C.plan(q_heads, kv_heads if kv_heads is not None else 1, self.sp_size)
+            if kv_heads is not None:
+                _C.head_chunks(q_heads, kv_heads, self.sp_size, self.head_chunks)
 
     def extra_repr(self) -> str:
         ring = f", ring={self.ring_name!r} ({self.ring_size} ranks)" if self.ring_size > 1 else ""
         local = self.local if isinstance(self.local, str) else getattr(self.local, "__name__", "callable")
         return (f"group={self.group_name!r}, sp={self.sp_size}{ring}, q_heads={self.q_heads}, "
                 f"kv_heads={self.kv_heads}, layout={self.layout}, causal={self.causal}, "
-                f"window={self.window or None}, softcap={self.softcap or None}, local={local}")
+                f"window={self.window or None}, softcap={self.softcap or None}, local={local}"
+                + (f", head_chunks={self.head_chunks}" if self.head_chunks > 1 else ""))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -195,7 +207,8 @@ class DistributedAttention(nn.Module):
         hq, hkv = self._heads(q, k)
         o = attend(q, k, v, mask, position_ids, hq, hkv, self._seq_lens(seq_lens), self.layout, self.causal,
                    self.scale, self.local, self.group_name, self._options, ring=self.ring_name,
-                   step=self._step(step), window=self.window, softcap=self.softcap, sinks=sinks)
+                   step=self._step(step), window=self.window, softcap=self.softcap, sinks=sinks,
+                   head_chunks=self.head_chunks)
         self.q_heads, self.kv_heads = hq, hkv  # This instance's from the first call on.
         return o
 
@@ -213,9 +226,9 @@ class DistributedAttention(nn.Module):
             _C.fail_together("DistributedAttention.forward_parts: give q_heads and kv_heads at "
                              "construction (parts do not show the totals)", self.group_name,
                              self.timeout_ms)
-        if callable(self.local) or self.local == "flex":
-            raise ValueError("DistributedAttention.forward_parts: a callable or flex local attention takes "
-                             "whole tensors; use forward")
+        if callable(self.local) or self.local == "flex" or self.head_chunks > 1:
+            raise ValueError("DistributedAttention.forward_parts: a callable or flex local attention, and "
+                             "head_chunks, take whole tensors; use forward")
         seq_lens = self._seq_lens(seq_lens)
         q, k, v = (list(_under_autocast(*parts)) for parts in (q, k, v))
         return torch.ops.ulysses.attention_parts(list(q), list(k), list(v), mask, position_ids, self.q_heads,
@@ -283,12 +296,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
            positions: torch.Tensor | None, q_heads: int, kv_heads: int, seq_lens: Sequence[int], layout: str,
            causal: bool, scale: float | None, local: str | LocalAttention, group: str, options: list[int], *,
            ring: str | None = None, step: StepContext | None = None, window: int = 0, softcap: float = 0.0,
-           sinks: torch.Tensor | None = None, mask_rebuilt: bool = False) -> torch.Tensor:
+           sinks: torch.Tensor | None = None, mask_rebuilt: bool = False, head_chunks: int = 1) -> torch.Tensor:
     """One attention call on this rank's shard, as ``DistributedAttention.forward`` and AutoSP's
     rewritten graphs run it: the C++ orchestration (``torch.ops.ulysses.attention``), or where
     Python runs the local attention (a callable; FlexAttention where the kernel rule names it)
     the orchestration's first half (``attention_heads``), the local attention on this rank's
-    heads, then the exchange back. ``seq_lens`` [] learns the split in the call's agreement."""
+    heads, then the exchange back. ``seq_lens`` [] learns the split in the call's agreement.
+    ``head_chunks`` > 1: one such call per chunk of heads (Note [Head chunks], partition.h)."""
+    if head_chunks > 1:
+        return _attend_in_head_chunks(q, k, v, mask, positions, q_heads, kv_heads, seq_lens, layout, causal,
+                                      scale, local, group, options, head_chunks, ring=ring, step=step,
+                                      window=window, softcap=softcap, sinks=sinks, mask_rebuilt=mask_rebuilt)
     scale_arg = 0.0 if scale is None else float(scale)
     if not _python_local(q, mask, positions, causal, local, ring, window, softcap, sinks):
         return torch.ops.ulysses.attention(q, k, v, mask, positions, q_heads, kv_heads, list(seq_lens), layout,
@@ -324,3 +342,108 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
                               softcap=softcap, sinks=rest.pop(0) if rest else None, step=step)
     o = o.permute(from_bhsd)
     return torch.ops.ulysses.gather_heads([o], ["q"], q_heads, kv_heads, list(seq_lens), layout, group, options)[0]
+
+
+def _head_chunks(q_heads: int, kv_heads: int, group: str, count: int, layout: str) -> tuple[list, int]:
+    """Each chunk's ((q begin, end), (kv begin, end)) (C++ ``head_chunks``) and the layout's head
+    dim: constants of the call, read from C++ (torch.compile does not trace into C++)."""
+    return _C.head_chunks(q_heads, kv_heads, G.rank_and_size(group)[1], count), _C.layout_dims(layout)[1]
+
+
+_head_chunks._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+class _GradientBuffer:
+    """The one gradient the chunks of an input write their heads' parts into (Note [Head chunks])."""
+
+    def __init__(self, x: torch.Tensor, slices: int) -> None:
+        self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
+        self.slices = self.left = slices
+        self.grad: torch.Tensor | None = None
+
+
+class _HeadsOf(torch.autograd.Function):
+    """``x.narrow(dim, begin, end - begin)`` whose backward writes into the input's one gradient
+    buffer: k chunks make one input-sized gradient, not k (narrow's backward is a zero-filled
+    input-sized tensor per chunk)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, begin, end, buffer):  # type: ignore[override]
+        ctx.dim, ctx.begin, ctx.end, ctx.buffer = dim, begin, end, buffer
+        return x.narrow(dim, begin, end - begin)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        buffer = ctx.buffer
+        if buffer.grad is None:
+            buffer.grad = torch.zeros(buffer.shape, dtype=buffer.dtype, device=buffer.device)
+        buffer.grad.narrow(ctx.dim, ctx.begin, ctx.end - ctx.begin).add_(grad)  # k may be v
+        buffer.left -= 1
+        if buffer.left:
+            return None, None, None, None, None
+        whole, buffer.grad, buffer.left = buffer.grad, None, buffer.slices  # (again, for retain_graph)
+        return whole, None, None, None, None
+
+
+class _PutHeads(torch.autograd.Function):
+    """``out.narrow(dim, begin, n).copy_(part)`` in place, returning ``out``: each chunk's output
+    lands in o as it comes and is freed, where a concatenation would hold every chunk's output and
+    o at once. Backward hands each chunk its heads' slice of o's gradient (a view)."""
+
+    @staticmethod
+    def forward(ctx, out, part, dim, begin):  # type: ignore[override]
+        ctx.mark_dirty(out)
+        ctx.dim, ctx.begin, ctx.n = dim, begin, part.shape[dim]
+        out.narrow(dim, begin, ctx.n).copy_(part)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, grad.narrow(ctx.dim, ctx.begin, ctx.n), None, None
+
+
+def _attend_in_head_chunks(q, k, v, mask, positions, q_heads, kv_heads, seq_lens, layout, causal, scale, local,
+                           group, options, count, **call) -> torch.Tensor:
+    """``attend`` on each chunk of heads in turn (as the C++ ``DistributedAttention`` with
+    ``head_chunks``): slices of q, k, v (and of a per-head mask and the sinks) in, each output
+    put into o as it comes (``_PutHeads``); in backward each chunk's input gradients go into one
+    buffer per input (``_HeadsOf``). So one chunk's exchange buffers, whole-sequence tensors and
+    gradients by heads exist at a time beyond what the call keeps. A chunk count this rank
+    cannot make fails every rank alike."""
+    try:
+        chunks, dim = _head_chunks(q_heads, kv_heads, group, count, layout)
+    except ValueError as e:
+        _C.fail_together(f"DistributedAttention: {e}", group, options[0])
+    per_head_mask = mask is not None and mask.dim() == 4 and mask.shape[1] == q_heads > 1
+    sinks = call.pop("sinks")
+    # One gradient buffer per input (k and v may be one tensor: it then has two slices a chunk).
+    uses: dict[int, int] = {}
+    for t in (q, k, v):
+        uses[id(t)] = uses.get(id(t), 0) + len(chunks)
+    streams = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    buffers = {id(t): _GradientBuffer(t, uses[id(t)]) for t in (q, k, v) if t.requires_grad and streams}
+
+    def heads(t, d, block):
+        if id(t) in buffers:
+            return _HeadsOf.apply(t, d, block[0], block[1], buffers[id(t)])
+        return t.narrow(d, block[0], block[1] - block[0])
+
+    outs, o = [], None
+    for q_block, kv_block in chunks:
+        part = attend(heads(q, dim, q_block), heads(k, dim, kv_block), heads(v, dim, kv_block),
+                      heads(mask, 1, q_block) if per_head_mask else mask, positions,
+                      q_block[1] - q_block[0], kv_block[1] - kv_block[0], seq_lens, layout, causal, scale,
+                      local, group, options, sinks=None if sinks is None else heads(sinks, 0, q_block), **call)
+        if not streams:
+            outs.append(part)
+            continue
+        if o is None:
+            shape = list(part.shape)
+            shape[dim] = q_heads
+            o = part.new_empty(shape)
+        o = _PutHeads.apply(o, part, dim, q_block[0])
+        del part  # freed here: its heads live on in o
+    if outs:
+        return torch.cat(outs, dim)
+    assert o is not None  # at least one chunk
+    return o

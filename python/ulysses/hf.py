@@ -70,7 +70,8 @@ def _attention_of(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
         timeout = module.__dict__.get("_ulysses_timeout")
         attention = DistributedAttention(group, q_heads=query.shape[1], kv_heads=key.shape[1],
                                          layout="BHSD", causal=getattr(module, "is_causal", True),
-                                         timeout=timeout, local=module.__dict__.get("_ulysses_local", "auto"))
+                                         timeout=timeout, local=module.__dict__.get("_ulysses_local", "auto"),
+                                         head_chunks=module.__dict__.get("_ulysses_head_chunks", 1))
         object.__setattr__(module, "_ulysses_attention", attention)  # state, not a submodule
     return attention
 
@@ -257,7 +258,7 @@ def sequence_parallel(model: PreTrainedModel, group: G.GroupLike = None, *,
                       timeout: G.Timeout = None, tiled_mlp: bool = False, tiled_loss: bool = False,
                       checkpoint: str | None = None, mlp_tile_tokens: int | None = None,
                       loss_tile_bytes: int = LOSS_TILE_BYTES,
-                      local: str | LocalAttention = "auto") -> PreTrainedModel:
+                      local: str | LocalAttention = "auto", head_chunks: int = 1) -> PreTrainedModel:
     """Makes ``model`` (a ``transformers`` PreTrainedModel) run attention through ulysses over
     ``group`` (any form of ``ulysses.groups.GroupLike``; None: the default group). Turns the KV cache off
     (training; a cache of sharded keys would be wrong). Returns the model.
@@ -279,7 +280,11 @@ def sequence_parallel(model: PreTrainedModel, group: G.GroupLike = None, *,
 
     ``local`` is every layer's local attention, as ``DistributedAttention`` takes it: a kernel
     name (``"auto"``, ``"fused"``, ``"sdpa"``, ``"math"``, ``"flex"``) or a callable.
+    ``head_chunks`` runs every layer's attention in that many chunks of heads
+    (``DistributedAttention``'s option: less transient memory, the same result).
     """
+    if head_chunks < 1:
+        raise ValueError(f"ulysses.hf: head_chunks must be >= 1; got {head_chunks}")
     if not callable(local) and local not in O.LOCAL_KERNELS:
         raise ValueError(f"ulysses.hf: local must be one of {list(O.LOCAL_KERNELS)} or a callable; "
                          f"got {local!r}")
@@ -301,6 +306,7 @@ def sequence_parallel(model: PreTrainedModel, group: G.GroupLike = None, *,
         object.__setattr__(module, "_ulysses_group", name)
         object.__setattr__(module, "_ulysses_timeout", timeout)
         object.__setattr__(module, "_ulysses_local", local)
+        object.__setattr__(module, "_ulysses_head_chunks", head_chunks)
         module.__dict__.pop("_ulysses_attention", None)
     hidden = model.config.get_text_config().hidden_size
     settings = LongSequence(tiled_mlp, tiled_loss, checkpoint, mlp_tile_tokens or hidden, loss_tile_bytes)

@@ -412,8 +412,11 @@ void check_ring_kernel(const c10::optional<LocalKernel>& kernel) {
 DistributedAttention::DistributedAttention(Group group, AttentionOptions options)
     : group_(std::move(group)), options_(std::move(options)) {
   check_attention_options(options_.q_heads, options_.kv_heads, options_.rules());
+  TORCH_CHECK_VALUE(options_.head_chunks >= 1,
+                    "DistributedAttention: head_chunks must be >= 1; got ", options_.head_chunks);
   if (options_.q_heads > 0 && options_.kv_heads > 0) {
     partition_ = HeadPartition::make(options_.q_heads, options_.kv_heads, group_.size());
+    head_chunks(options_.q_heads, options_.kv_heads, group_.size(), options_.head_chunks);
   }
 }
 
@@ -443,6 +446,32 @@ AttentionCall call_of(const DistributedAttention& module, const AttentionInputs&
   return c;
 }
 
+// Note [Head chunks] (partition.h): each chunk is a call of its own on the chunk's heads (a
+// per-head mask and the sinks keep the chunk's rows), the outputs concatenated in order.
+at::Tensor attend_in_head_chunks(AttentionCall call, const at::Tensor& q, const at::Tensor& k,
+                                 const at::Tensor& v, const AttentionInputs& in, int64_t count) {
+  const int64_t hq = call.q_heads, dim = head_dim(call.layout);
+  const std::vector<HeadChunk> chunks = fail_together_on_error(
+      call.group, [&] { return head_chunks(hq, call.kv_heads, call.group.size(), count); });
+  const bool per_head_mask = in.mask && in.mask->dim() == 4 && in.mask->size(1) == hq && hq > 1;
+  std::vector<at::Tensor> outs;
+  for (const HeadChunk& chunk : chunks) {
+    const auto heads = [](const at::Tensor& t, int64_t d, Range r) {
+      return t.narrow(d, r.begin, r.size());
+    };
+    AttentionCall c = call;
+    c.q_heads = chunk.q.size();
+    c.kv_heads = chunk.kv.size();
+    if (call.sinks) c.sinks = heads(*call.sinks, 0, chunk.q);
+    c10::optional<at::Tensor> mask = in.mask;
+    if (per_head_mask) mask = heads(*mask, 1, chunk.q);
+    outs.push_back(
+        attend(c, {{heads(q, dim, chunk.q)}, {heads(k, dim, chunk.kv)}, {heads(v, dim, chunk.kv)}},
+               HeadForm::kWhole, mask, in.positions)[0]);
+  }
+  return at::cat(outs, dim);
+}
+
 }  // namespace
 
 at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& k,
@@ -452,7 +481,9 @@ at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& 
   // are checked in the call's agreement).
   if (c.q_heads == 0) c.q_heads = heads_of(q, options_.layout);
   if (c.kv_heads == 0) c.kv_heads = heads_of(k, options_.layout);
-  at::Tensor o = attend(c, {{q}, {k}, {v}}, HeadForm::kWhole, in.mask, in.positions)[0];
+  at::Tensor o = options_.head_chunks > 1
+                     ? attend_in_head_chunks(c, q, k, v, in, options_.head_chunks)
+                     : attend(c, {{q}, {k}, {v}}, HeadForm::kWhole, in.mask, in.positions)[0];
   if (!partition_) partition_ = HeadPartition::make(c.q_heads, c.kv_heads, group_.size());
   return o;
 }

@@ -113,6 +113,23 @@ std::vector<int64_t> HeadPartition::kv_map(int64_t rank) const {
   return map;
 }
 
+std::vector<HeadChunk> head_chunks(int64_t q_heads, int64_t kv_heads, int64_t sp_size,
+                                   int64_t count) {
+  HeadPartition::make(q_heads, kv_heads, sp_size);  // The counts' own checks.
+  TORCH_CHECK_VALUE(count >= 1 && count <= kv_heads, "head_chunks: ", count,
+                    " chunks of an attention with ", kv_heads, " kv heads; give 1 to ", kv_heads,
+                    " (a chunk keeps kv groups whole)");
+  const int64_t group = q_heads / kv_heads;
+  std::vector<HeadChunk> chunks;
+  for (const Range& kv : even_split(kv_heads, count)) {
+    chunks.push_back({{kv.begin * group, kv.end * group}, kv});
+    TORCH_CHECK_VALUE(chunks.back().q.size() >= sp_size, "head_chunks: ", count, " chunks of ",
+                      q_heads, " query heads leave a chunk with ", chunks.back().q.size(),
+                      ", fewer than the ", sp_size, " ranks of the group; give fewer chunks");
+  }
+  return chunks;
+}
+
 std::ostream& operator<<(std::ostream& os, const HeadPartition& p) {
   os << "HeadPartition(q_heads=" << p.q_heads() << ", kv_heads=" << p.kv_heads()
      << ", sp=" << p.sp_size() << ", q=";

@@ -17,7 +17,7 @@ HERE = os.path.dirname(__file__)
 class TinyGQA(torch.nn.Module):
     """Embedding -> q/k/v projections -> sequence-parallel attention -> output projection."""
 
-    def __init__(self, group, vocab=32, dim=32, hq=4, hkv=2, layers=2):
+    def __init__(self, group, vocab=32, dim=32, hq=4, hkv=2, layers=2, head_chunks=1):
         super().__init__()
         import ulysses
 
@@ -26,7 +26,7 @@ class TinyGQA(torch.nn.Module):
         self.qkv = torch.nn.ModuleList(
             torch.nn.Linear(dim, (hq + 2 * hkv) * self.hd) for _ in range(layers))
         self.attn = torch.nn.ModuleList(
-            ulysses.DistributedAttention(group, q_heads=hq, kv_heads=hkv, causal=True)
+            ulysses.DistributedAttention(group, q_heads=hq, kv_heads=hkv, causal=True, head_chunks=head_chunks)
             for _ in range(layers))
         self.out = torch.nn.Linear(dim, vocab)
 
@@ -41,7 +41,7 @@ class TinyGQA(torch.nn.Module):
         return self.out(x)
 
 
-def _worker(rank, world, store_path, S, result_path):
+def _worker(rank, world, store_path, S, result_path, head_chunks):
     sys.path.insert(0, HERE)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
@@ -53,7 +53,7 @@ def _worker(rank, world, store_path, S, result_path):
     lens = even_lens(S, world)
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
-    model = TinyGQA((mesh, "sp"))  # the SP group as a DeviceMesh dimension
+    model = TinyGQA((mesh, "sp"), head_chunks=head_chunks)  # the SP group as a DeviceMesh dimension
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 32, (2, S), generator=gen)
     targets = torch.randint(0, 32, (2, S), generator=gen)
@@ -79,10 +79,10 @@ def _worker(rank, world, store_path, S, result_path):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,S", [(1, 10), (2, 13), (3, 14)])
-def test_compiled_matches_eager(tmp_path, world, S):
+@pytest.mark.parametrize("world,S,head_chunks", [(1, 10, 1), (2, 13, 1), (3, 14, 1), (2, 13, 2)])
+def test_compiled_matches_eager(tmp_path, world, S, head_chunks):
     result = str(tmp_path / "result")
-    mp.start_processes(_worker, args=(world, str(tmp_path / "store"), S, result), nprocs=world,
+    mp.start_processes(_worker, args=(world, str(tmp_path / "store"), S, result, head_chunks), nprocs=world,
                        start_method="spawn")
     for rank in range(world):
         r = torch.load(f"{result}.{rank}")

@@ -140,6 +140,25 @@ def test_loss_and_every_gradient_equal_the_unsharded_model(name, kind, P):
         assert_matches(got, want)
 
 
+@pytest.mark.parametrize("name,chunks", [("gemma2", 2), ("gpt_oss", 2), ("deepseek_v3", 2), ("llama", 2)])
+def test_attention_in_head_chunks_trains_the_same_model(name, chunks):
+    # sequence_parallel(head_chunks=k): every layer's attention in k chunks of heads, with the
+    # model's window, softcap, sinks or narrow value heads, padded rows; loss and every gradient.
+    base = make_model(name)
+    batch = make_batch("padded")
+    want = reference(copy.deepcopy(base), batch)
+    models = [copy.deepcopy(base) for _ in range(2)]
+
+    def body(rank, group):
+        uhf.sequence_parallel(models[rank], group, head_chunks=chunks)
+        return sharded_step(models[rank], batch, group)
+
+    for got in run_ranks(2, body):
+        assert_matches(got, want)
+    with pytest.raises(ValueError, match="head_chunks must be >= 1"):
+        uhf.sequence_parallel(make_model(name), head_chunks=0)
+
+
 @pytest.mark.parametrize("kind", ["padded", "packed"])
 def test_default_position_ids_add_no_document_rule(kind):
     """transformers passes position ids to every layer; 0..S-1 on every row splits nothing, so

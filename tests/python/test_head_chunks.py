@@ -1,0 +1,183 @@
+"""Attention in chunks of heads (DistributedAttention(head_chunks=k)): the plan, exactness
+against the whole call (forward and backward) for every rule, and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ulysses
+from conftest import run_ranks, run_ranks_errors, seq_lens, shard
+from reference import reference_attention
+from test_attention import make_mask, positions_for, rel
+from ulysses import _C
+
+
+def test_a_chunk_is_a_block_of_kv_heads_with_their_query_heads():
+    # Llama-8B's heads over 4 ranks in 2 chunks: 4 kv heads and their 16 query heads each, so
+    # each chunk's partition still gives every rank one kv head of its own (no replication).
+    assert _C.head_chunks(32, 8, 4, 2) == [((0, 16), (0, 4)), ((16, 32), (4, 8))]
+    assert _C.plan(16, 4, 4)["kv_heads"] == [1, 1, 1, 1]
+    assert _C.head_chunks(15, 15, 2, 4) == [((0, 4), (0, 4)), ((4, 8), (4, 8)), ((8, 12), (8, 12)),
+                                            ((12, 15), (12, 15))]
+
+
+@pytest.mark.parametrize("hq,hkv,P,k", [(15, 15, 2, 4), (12, 6, 4, 3), (8, 2, 2, 2), (4, 4, 3, 1)])
+def test_chunks_cover_every_head_once_and_keep_kv_groups_whole(hq, hkv, P, k):
+    chunks = _C.head_chunks(hq, hkv, P, k)
+    assert len(chunks) == k
+    assert [c[0][0] for c in chunks[1:]] == [c[0][1] for c in chunks[:-1]] and chunks[-1][0][1] == hq
+    assert [c[1][0] for c in chunks[1:]] == [c[1][1] for c in chunks[:-1]] and chunks[-1][1][1] == hkv
+    for (qb, qe), (kb, ke) in chunks:  # a chunk's query heads are exactly those of its kv heads
+        assert (qb, qe) == (kb * hq // hkv, ke * hq // hkv) and qe - qb >= P
+
+
+@pytest.mark.parametrize("hq,hkv,P,k,message", [
+    (8, 2, 2, 4, "4 chunks of an attention with 2 kv heads; give 1 to 2"),
+    (4, 1, 2, 2, "2 chunks of an attention with 1 kv heads; give 1 to 1"),
+    (6, 3, 4, 3, "leave a chunk with 2, fewer than the 4 ranks"),
+    (4, 4, 2, 0, "0 chunks"),
+])
+def test_chunk_counts_that_cannot_be_made_are_refused(hq, hkv, P, k, message):
+    with pytest.raises(ValueError, match=message):
+        _C.head_chunks(hq, hkv, P, k)
+
+
+CASES = [
+    # (world, S, hq, hkv, chunks, mask kind, packed, causal, window, softcap, sinks)
+    (2, 13, 4, 2, 2, None, False, True, 0, 0.0, False),
+    (2, 13, 15, 15, 4, "bool_padding", False, False, 0, 0.0, False),  # uneven heads
+    (3, 14, 12, 6, 2, "float_learnable", False, False, 0, 0.0, False),  # GQA, uneven S
+    (2, 10, 8, 2, 2, "bool_per_head", False, True, 0, 0.0, True),      # per-head mask, sinks
+    (4, 17, 8, 4, 2, "float_full", True, True, 5, 0.0, False),        # documents, window
+    (2, 12, 4, 2, 2, "key_broadcast", True, False, 0, 20.0, True),     # softcap, sinks
+]
+
+
+@pytest.mark.parametrize("world,S,hq,hkv,chunks,mask_kind,packed,causal,window,softcap,use_sinks", CASES)
+def test_chunked_attention_is_the_whole_call(world, S, hq, hkv, chunks, mask_kind, packed, causal, window,
+                                             softcap, use_sinks):
+    # The same thread ranks run the call whole and in chunks: o and the gradients of q, k, v,
+    # a learnable mask and the sinks agree to rounding (float64), and both match the reference.
+    B, D = 2, 8
+    gen = torch.Generator().manual_seed(world * 100 + S + chunks)
+    Q, K, V = (torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
+    M = make_mask(mask_kind, B, hq, S, gen)
+    M = M.double() if M is not None and M.is_floating_point() else M
+    sinks = torch.randn(hq, generator=gen, dtype=torch.float64) if use_sinks else None
+    pos = positions_for(S) if packed else None
+    lens = seq_lens(S, world)
+    ref = reference_attention(Q, K, V, M, pos, causal=causal, window=window, softcap=softcap, sinks=sinks)
+
+    def run(rank, group, k):
+        q, k_, v = (shard(t, 1, rank, lens).clone().requires_grad_() for t in (Q, K, V))
+        m = None
+        if M is not None:
+            m = M if M.shape[2] == 1 else shard(M, 2, rank, lens)
+            m = m.clone().requires_grad_() if m.is_floating_point() else m
+        s = sinks.clone().requires_grad_() if sinks is not None else None
+        attention = ulysses.DistributedAttention(group, causal=causal, window=window or None,
+                                                 softcap=softcap or None, head_chunks=k)
+        o = attention(q, k_, v, mask=m, position_ids=shard(pos, 1, rank, lens) if pos is not None else None,
+                      sinks=s)
+        o.square().sum().backward()
+        # A mask held whole and the sinks: each rank's gradient holds its heads' share (the
+        # chunks split heads otherwise), so their sums over the group are compared.
+        learnt = m is not None and m.requires_grad
+        whole_mask = learnt and M.shape[2] == 1
+        own = [q.grad, k_.grad, v.grad] + ([m.grad] if learnt and not whole_mask else [])
+        shared = ([m.grad] if whole_mask else []) + ([s.grad] if s is not None else [])
+        return o.detach(), own, shared
+
+    def body(rank, group):
+        return run(rank, group, 1), run(rank, group, chunks)
+
+    results = run_ranks(world, body)
+    for whole, chunked in results:
+        assert rel(chunked[0], whole[0]) < 1e-13
+        for got, want in zip(chunked[1], whole[1], strict=True):
+            assert rel(got, want) < 1e-13
+    for i in range(len(results[0][0][2])):
+        assert rel(sum(r[1][2][i] for r in results), sum(r[0][2][i] for r in results)) < 1e-13
+    assert rel(torch.cat([r[1][0] for r in results], 1), ref) < 1e-10
+
+
+def test_each_chunk_runs_the_local_attention_on_its_own_heads():
+    # A callable local attention sees the chunks: 2 calls of 2 query heads and 1 kv head each
+    # (P = 2, 8/4 heads), where the whole call hands it 4 and 2; the result is the same.
+    S, hq, hkv, D = 10, 8, 4, 8
+    gen = torch.Generator().manual_seed(5)
+    Q, K, V = (torch.randn(1, S, h, D, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
+    lens = seq_lens(S, 2)
+
+    def body(rank, group):
+        seen = {1: [], 2: []}
+        outs = {}
+        for k in (1, 2):
+            def local(q, k_, v, kv_map, mask, positions, causal, scale, k=k):
+                seen[k].append((q.shape[1], k_.shape[1]))
+                return ulysses.local_attention(q, k_, v, kv_map, causal=causal, kernel="math")
+            outs[k] = ulysses.DistributedAttention(group, causal=True, local=local, head_chunks=k)(
+                *(shard(t, 1, rank, lens) for t in (Q, K, V)))
+        return seen, outs
+
+    for seen, outs in run_ranks(2, body):
+        assert seen == {1: [(4, 2)], 2: [(2, 1), (2, 1)]}
+        assert rel(outs[2], outs[1]) < 1e-14
+
+
+def test_a_chunk_count_the_heads_cannot_make_fails_alike():
+    S = 8
+    Q, K = torch.randn(1, S, 4, 8), torch.randn(1, S, 2, 8)
+    lens = seq_lens(S, 2)
+    # Heads given: refused at construction.
+    errors = run_ranks_errors(2, lambda rank, group: ulysses.DistributedAttention(
+        group, q_heads=4, kv_heads=2, head_chunks=4))
+    assert all("4 chunks of an attention with 2 kv heads" in e for e in errors)
+    errors = run_ranks_errors(2, lambda rank, group: ulysses.DistributedAttention(group, head_chunks=0))
+    assert all("head_chunks must be >= 1" in e for e in errors)
+    # Heads learned from the first call: every rank raises the same error, none hangs.
+    errors = run_ranks_errors(2, lambda rank, group: ulysses.DistributedAttention(group, head_chunks=4)(
+        shard(Q, 1, rank, lens), shard(K, 1, rank, lens), shard(K, 1, rank, lens)))
+    assert len(set(errors)) == 1 and "4 chunks of an attention with 2 kv heads" in errors[0]
+
+
+def test_on_the_fused_kernel_chunks_are_bit_identical():
+    # float32 on the CPU's fused kernel: each head's arithmetic is the same in any chunk.
+    S = 64
+    gen = torch.Generator().manual_seed(3)
+    Q, K, V = (torch.randn(1, S, h, 16, generator=gen) for h in (8, 4, 4))
+    lens = seq_lens(S, 2)
+
+    def body(rank, group):
+        runs = []
+        for k in (1, 2, 4):
+            q, k_, v = (shard(t, 1, rank, lens).clone().requires_grad_() for t in (Q, K, V))
+            o = ulysses.DistributedAttention(group, causal=True, local="fused", head_chunks=k)(q, k_, v)
+            o.square().sum().backward()
+            runs.append((o.detach(), q.grad, k_.grad, v.grad))
+        return runs
+
+    for runs in run_ranks(2, body):
+        for chunked in runs[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(chunked, runs[0]))
+
+
+def test_one_tensor_given_as_k_and_v_gets_both_gradients():
+    # Chunks write each input's gradient into one buffer: k and v the same tensor add up there.
+    S = 12
+    gen = torch.Generator().manual_seed(9)
+    Q, KV = torch.randn(1, S, 8, 8, generator=gen, dtype=torch.float64), torch.randn(1, S, 4, 8, generator=gen,
+                                                                                      dtype=torch.float64)
+    lens = seq_lens(S, 2)
+
+    def body(rank, group):
+        grads = []
+        for k in (1, 2):
+            q, kv = (shard(t, 1, rank, lens).clone().requires_grad_() for t in (Q, KV))
+            ulysses.DistributedAttention(group, causal=True, head_chunks=k)(q, kv, kv).square().sum().backward()
+            grads.append((q.grad, kv.grad))
+        return grads
+
+    for whole, chunked in run_ranks(2, body):
+        assert rel(chunked[0], whole[0]) < 1e-13 and rel(chunked[1], whole[1]) < 1e-13
