@@ -29,7 +29,7 @@ number) and summary.txt (a line per result):
    the plain run's under the same seed; on CUDA the peak memory is lower.
 5. layer: DistributedAttention at P = 1, bf16, causal, Hq 32 / Hkv 8,
    D 128, at S = 32K, 64K, 128K (--quick: 8K; on CPU a small fp32 case): fwd+bwd time and
-   peak, against torch's SDPA (kv heads expanded).
+   peak, against torch's SDPA (kv heads expanded), and with head_chunks=4 (Note [Head chunks]; time and peak).
 6. device_group: 2 processes on a group registered for the device alone (Gloo underneath, as
    NCCL would be): the group keeps its name through two DistributedAttention modules, the loss
    and gradient helpers stay exact, and ULYSSES_TRANSPORT=messages runs (batched off the CPU).
@@ -289,12 +289,17 @@ SWEEP = [  # name, S, Hq, Hkv, case (local_inputs' options)
 ]
 
 
-def sweep_part(device: torch.device, tmp: str) -> dict:
-    out = os.path.join(tmp, "sweep.json")
-    mp.start_processes(_sweep_worker, args=(str(device), os.path.join(tmp, "store_sweep"), out), nprocs=2,
+def _two_ranks(worker, name: str, device: torch.device, tmp: str) -> dict:
+    """Runs ``worker(rank, device, store, out)`` on two spawned ranks; returns what it wrote to ``out``."""
+    out = os.path.join(tmp, f"{name}.json")
+    mp.start_processes(worker, args=(str(device), os.path.join(tmp, f"store_{name}"), out), nprocs=2,
                        start_method="spawn")
     with open(out) as f:
         return json.load(f)
+
+
+def sweep_part(device: torch.device, tmp: str) -> dict:
+    return _two_ranks(_sweep_worker, "sweep", device, tmp)
 
 
 def _sweep_worker(rank: int, device_name: str, store: str, out: str) -> None:
@@ -465,6 +470,8 @@ def layer_at_length(S: int, hq: int, hkv: int, D: int, dtype, device: torch.devi
 
     q, k, v = (torch.randn(1, S, h, D, device=device, dtype=dtype, requires_grad=True) for h in (hq, hkv, hkv))
     attn = ulysses.DistributedAttention(dist.group.WORLD, causal=True)
+    chunks = min(4, hkv)  # Note [Head chunks]: 4 on the GPU's 32/8 heads
+    chunked = ulysses.DistributedAttention(dist.group.WORLD, causal=True, head_chunks=chunks)
 
     def sdpa():
         rep = hq // hkv  # kv heads expanded: SDPA's flash backend then applies
@@ -473,7 +480,7 @@ def layer_at_length(S: int, hq: int, hkv: int, D: int, dtype, device: torch.devi
         return o.transpose(1, 2)
 
     row = {"S": S}
-    for label, fn in (("ulysses", lambda: attn(q, k, v)), ("sdpa", sdpa)):
+    for label, fn in (("ulysses", lambda: attn(q, k, v)), ("chunked", lambda: chunked(q, k, v)), ("sdpa", sdpa)):
         fn().sum().backward()
         base = peak_reset(device)
         synchronize(device)
@@ -484,17 +491,15 @@ def layer_at_length(S: int, hq: int, hkv: int, D: int, dtype, device: torch.devi
         row[f"{label}_ms"] = (time.perf_counter() - t0) / 3 * 1e3
         row[f"{label}_peak_MiB"] = peak_mib(device, base)
     row["ulysses_over_sdpa"] = row["ulysses_ms"] / row["sdpa_ms"]
+    row["head_chunks"] = chunks
+    row["chunked_over_ulysses"] = row["chunked_ms"] / row["ulysses_ms"]
     return row
 
 
 # ---- a group registered for the device alone -----------------------------------------------------
 
 def device_group_part(device: torch.device, tmp: str) -> dict:
-    out = os.path.join(tmp, "device_group.json")
-    mp.start_processes(_device_group_worker, args=(str(device), os.path.join(tmp, "store_device"), out), nprocs=2,
-                       start_method="spawn")
-    with open(out) as f:
-        return json.load(f)
+    return _two_ranks(_device_group_worker, "device_group", device, tmp)
 
 
 def _device_only_backend(store, rank, size, timeout):
