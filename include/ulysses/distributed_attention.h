@@ -108,7 +108,7 @@ struct AttentionOptions : AttentionRules {  // causal, scale, window (needs caus
   LocalKernel kernel = LocalKernel::kAuto;     // Local attention's kernel (attention.h).
   LocalAttention local;  // A local attention of the caller's; empty: `kernel`.
   // Attention in this many chunks of heads, one after another (Note [Head chunks] in
-  // partition.h): each chunk's whole-sequence q, k, v, o exist only while it runs. 1: whole.
+  // partition.h): each chunk's exchange buffers are made while it runs. 1: whole.
   int64_t head_chunks = 1;
 };
 

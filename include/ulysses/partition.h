@@ -103,7 +103,8 @@ class HeadPartition {
 std::ostream& operator<<(std::ostream& os, const HeadPartition& p);
 
 // Note [Head chunks]: attention in `count` chunks of heads, each run as its own call (exchange,
-// local attention, exchange back) so only one chunk's whole-sequence tensors exist at a time.
+// local attention, exchange back) so only one chunk's exchange buffers and whole-sequence copies
+// exist at a time (what the kernel keeps for backward is every chunk's, as unchunked).
 // Chunk c is the c-th even block of the kv heads with their query heads (kv groups kept whole),
 // a contiguous block of every head tensor, so a chunk's inputs are slices of the call's. Each
 // chunk needs >= P query heads; where its kv heads are fewer than P they are replicated within

@@ -125,10 +125,11 @@ class DistributedAttention(nn.Module):
             ``[B, Hq_r, S, S]``, or None; ``positions`` ``[B, S]`` or None; ``scale`` a float or
             None) and returning ``[B, Hq_r, S, Dv]``, differentiable by autograd.
         head_chunks: attention in this many chunks of heads, one after another (exchange, local
-            attention, exchange back per chunk; backward likewise), so only one chunk's
-            whole-sequence q, k, v and o exist at a time: less transient memory, the same result.
-            A chunk keeps kv groups whole (1 to Hkv chunks); where each rank's Hkv/P kv heads
-            divide by it, every chunk moves a share of each rank's own heads (no extra bytes).
+            attention, exchange back per chunk; backward likewise), so only one chunk's exchange
+            buffers and whole-sequence copies exist at a time (what backward keeps is not
+            chunked): less transient memory, the same result. Chunk c is the c-th block of the
+            kv heads with their query heads (1 to Hkv chunks, each with >= P query heads); a
+            chunk with fewer kv heads than P replicates them, as any call does.
     """
 
     def __init__(self, group: G.GroupLike = None, *, q_heads: int | None = None, kv_heads: int | None = None,
