@@ -181,3 +181,14 @@ def test_one_tensor_given_as_k_and_v_gets_both_gradients():
 
     for whole, chunked in run_ranks(2, body):
         assert rel(chunked[0], whole[0]) < 1e-13 and rel(chunked[1], whole[1]) < 1e-13
+
+
+def test_a_chunk_count_given_on_one_rank_only_fails_alike():
+    # Rank 0 chunks, rank 1 does not: rank 0's first chunk call meets rank 1's whole call in the
+    # agreement, so both raise the same error (no rank waits in an exchange).
+    S = 8
+    Q, K = torch.randn(1, S, 4, 8), torch.randn(1, S, 2, 8)
+    lens = seq_lens(S, 2)
+    errors = run_ranks_errors(2, lambda rank, group: ulysses.DistributedAttention(
+        group, head_chunks=2 if rank == 0 else 1)(*(shard(t, 1, rank, lens) for t in (Q, K, K))))
+    assert len(set(errors)) == 1 and "ranks disagree on q_heads" in errors[0]
