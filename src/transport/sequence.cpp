@@ -3,6 +3,7 @@
 
 #include <string>
 
+#include "plan/fnv1a.h"
 #include "transport/ops.h"
 #include "transport/wire.h"
 #include "ulysses/all_to_all.h"
@@ -49,28 +50,35 @@ at::Tensor reduce_scatter_impl(const at::Tensor& x, int64_t dim, const SequenceP
 int64_t wrap_dim(int64_t dim, int64_t ndim) { return dim < 0 ? dim + ndim : dim; }
 
 // Checks `x` on every rank before a sequence collective along `dim` moves its bytes: the
-// sequence dim holds `tokens` tokens on this rank, and every rank has the same number of dims,
-// dtype and elements per token (so Gloo never sees mismatched sizes). Returns the wrapped dim.
-int64_t agree_sequence_tensor(const char* op, const at::Tensor& x, int64_t dim, int64_t tokens,
-                              const Group& group) {
+// sequence dim holds this rank's tokens of `seq`, and every rank has the same split, number of
+// dims, dtype and elements per token (so Gloo never sees mismatched sizes). Returns the
+// wrapped dim.
+int64_t agree_sequence_tensor(const char* op, const at::Tensor& x, int64_t dim,
+                              const SequencePartition& seq, bool gather, const Group& group) {
   int64_t d = 0;
   auto all = group.agree(
       [&] {
         TORCH_CHECK_INDEX(x.dim() > 0 && dim >= -x.dim() && dim < x.dim(), op, ": dim ", dim,
                           " is out of range for shape ", x.sizes());
         d = wrap_dim(dim, x.dim());
+        TORCH_CHECK_VALUE(static_cast<int>(seq.lengths().size()) == group.size(), op,
+                          ": seq_lens must give one length per rank (", group.size(), "); got ",
+                          seq.lengths().size());
+        const int64_t tokens = gather ? seq.length(group.rank()) : seq.seq_len();
         TORCH_CHECK_VALUE(x.size(d) == tokens, op, ": dim ", d, " of shape ", x.sizes(),
                           " must hold ", tokens, " tokens");
         int64_t per_token =
             1;  // From the shape: an empty shard (S_r = 0) has elements per token too.
         for (int64_t i = 0; i < x.dim(); ++i) per_token *= i == d ? 1 : x.size(i);
-        return std::vector<int64_t>{x.dim(), static_cast<int64_t>(x.scalar_type()), d, per_token};
+        const int64_t split = Fnv1a().add(seq.lengths()).non_negative();
+        return std::vector<int64_t>{x.dim(), static_cast<int64_t>(x.scalar_type()), d, per_token,
+                                    split};
       },
       std::string("the sequence tensor (") + op + ")");
   const char* what[] = {"number of dims", "dtype (as c10::ScalarType)", "sequence dim",
-                        "elements per token"};
+                        "elements per token", "sequence split (seq_lens; as its FNV-1a hash)"};
   for (size_t r = 0; r < all.size(); ++r) {
-    for (size_t i = 0; i < 4; ++i) {
+    for (size_t i = 0; i < 5; ++i) {
       TORCH_CHECK_VALUE(all[r][i] == all[0][i], op, ": ranks disagree on the tensor's ", what[i],
                         ": rank 0 has ", all[0][i], ", rank ", r, " has ", all[r][i]);
     }
@@ -88,8 +96,7 @@ at::Tensor sequence_collective_kernel(const at::Tensor& x, int64_t dim,
   if (group.size() == 1) return x;
   const bool gather = which == SequenceCollective::kAllGather;
   const char* op = gather ? "all_gather_sequence" : "reduce_scatter_sequence";
-  const int64_t tokens = gather ? seq.length(group.rank()) : seq.seq_len();
-  dim = shapes == ShapeAgreement::kAgree ? agree_sequence_tensor(op, x, dim, tokens, group)
+  dim = shapes == ShapeAgreement::kAgree ? agree_sequence_tensor(op, x, dim, seq, gather, group)
                                          : wrap_dim(dim, x.dim());
   at::NoGradGuard no_grad;
   return gather ? gather_impl(x, dim, seq, group) : reduce_scatter_impl(x, dim, seq, group);

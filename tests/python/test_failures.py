@@ -253,3 +253,17 @@ def test_math_scores_above_their_bound_off_the_cpu_are_refused_alike():
     assert "would run the math kernel (SDPA has no softcap)" in errors[0] and 'use local="flex"' in errors[0]
     flex = run_ranks_errors(2, lambda rank, group: body(rank, group, "flex"))
     assert all("math kernel" not in e for e in flex), flex
+
+
+@pytest.mark.parametrize("op", ["all_gather_sequence", "reduce_scatter_sequence"])
+def test_a_sequence_split_given_otherwise_on_one_rank_fails_alike(op):
+    """Each rank gives the split (seq_lens); one that differs used to reach Gloo with other sizes
+    (an abort). The agreement round compares the splits first."""
+
+    def body(rank, group):
+        lens = [3, 2] if rank == 0 else [2, 3]
+        tokens = lens[rank] if op == "all_gather_sequence" else sum(lens)
+        getattr(ulysses.ops, op)(torch.ones(1, tokens), 1, lens, group)
+
+    errors = run_ranks_errors(2, body)
+    assert errors[0] == errors[1] and f"{op}: ranks disagree on the tensor's sequence split" in errors[0], errors
