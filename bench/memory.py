@@ -18,6 +18,9 @@ the layer costs beyond both (exchange buffers, whole-sequence copies, gradients 
 ``--head-chunks`` also applies to the model rows (``sequence_parallel(head_chunks=k)``; give
 ``--heads 32,8`` there for a model with enough kv heads).
 
+``--family qwen3_next|bamba|lfm2`` measures a hybrid instead of Llama: a linear-time mixer
+(gated delta-net, Mamba-2, short convolution; ``ulysses.hybrid``) in every other layer.
+
 ``--fsdp`` compares how the parameters are held instead, with an AdamW step: ``ddp`` (every rank
 holds the whole model, its gradients and both Adam moments; gradients summed over the group)
 against ``fsdp2`` (``fully_shard`` on every decoder layer and the root, over every rank: each
@@ -81,14 +84,35 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def _model(vocab: int, layers: int, heads: tuple[int, int] = (8, 2)):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def _config(family: str, vocab: int, layers: int, heads: tuple[int, int]):
+    """The benchmark's model, hidden size 512: Llama, or a hybrid whose every other layer is a
+    linear-time mixer (Qwen3-Next's gated delta-net, 8 value heads over 4 key heads of 64; Bamba's
+    Mamba-2, 16 heads of 32 over one B/C group; LFM2's short convolution)."""
+    import transformers
+
+    common = dict(vocab_size=vocab, hidden_size=512, intermediate_size=1408, num_hidden_layers=layers,
+                  num_attention_heads=heads[0], num_key_value_heads=heads[1], max_position_embeddings=1 << 17,
+                  tie_word_embeddings=False)
+    mixed = ["linear_attention", "full_attention"] * (layers // 2) + ["linear_attention"] * (layers % 2)
+    if family == "qwen3_next":
+        return transformers.Qwen3NextConfig(head_dim=512 // heads[0], layer_types=mixed,
+                                            mlp_only_layers=list(range(layers)), linear_num_value_heads=8,
+                                            linear_num_key_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+                                            **common)
+    if family == "bamba":
+        return transformers.BambaConfig(attn_layer_indices=list(range(1, layers, 2)), mamba_n_heads=16,
+                                        mamba_d_head=32, mamba_n_groups=1, mamba_d_state=64, mamba_expand=1,
+                                        mamba_chunk_size=256, **common)
+    if family == "lfm2":
+        return transformers.Lfm2Config(layer_types=[t.replace("linear_attention", "conv") for t in mixed], **common)
+    return transformers.LlamaConfig(head_dim=512 // heads[0], attention_dropout=0.0, **common)
+
+
+def _model(vocab: int, layers: int, heads: tuple[int, int] = (8, 2), family: str = "llama"):
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=512, intermediate_size=1408, num_hidden_layers=layers,
-                         num_attention_heads=heads[0], num_key_value_heads=heads[1],
-                         head_dim=512 // heads[0], max_position_embeddings=1 << 17,
-                         attention_dropout=0.0, tie_word_embeddings=False)
+    config = _config(family, vocab, layers, heads)
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().train()
 
 
@@ -143,7 +167,7 @@ def _rank(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
     if task.get("attention"):
         return _attention_rank(rank, task, out_dir)
     feature = task["features"]
-    model = _model(task["vocab"], task["layers"], tuple(task.get("heads", (8, 2))))
+    model = _model(task["vocab"], task["layers"], tuple(task.get("heads", (8, 2))), task.get("family", "llama"))
     if task.get("freeze_vocab"):  # the embedding and the head take no gradient: only activations grow with V
         for p in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
             p.requires_grad_(False)
@@ -366,6 +390,8 @@ def main() -> int:
                    help="one attention layer (fwd + bwd) at each --head-chunks count instead of a model step")
     p.add_argument("--head-chunks", default="1", help="head chunk counts (DistributedAttention(head_chunks=))")
     p.add_argument("--heads", default="8,2", help="the model's query and kv heads (hidden size 512)")
+    p.add_argument("--family", default="llama", choices=("llama", "qwen3_next", "bamba", "lfm2"),
+                   help="the model: Llama, or a hybrid with a linear-time mixer in every other layer")
     p.add_argument("--json", default=None, help="append the rows to this JSON file (a list)")
     p.add_argument("--plot", default=None, help="plot peak memory vs S from the JSON file into this PNG")
     a = p.parse_args()
@@ -396,6 +422,7 @@ def main() -> int:
                         task = dict(seq_len=seq_len, sp=sp, vocab=vocab, features=feature, layers=a.layers,
                                     steps=steps, **({"freeze_vocab": True} if a.freeze_vocab else {}),
                                     **({"heads": heads} if heads != [8, 2] else {}),
+                                    **({"family": a.family} if a.family != "llama" else {}),
                                     **({"head_chunks": chunks} if chunks > 1 else {}))
                         row = measure(task)
                         rows = [r for r in rows if {k: r.get(k) for k in task if k != "steps"}

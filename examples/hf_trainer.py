@@ -4,6 +4,7 @@ and ulysses sequence parallelism, no DeepSpeed:
     torchrun --nproc_per_node 4 examples/hf_trainer.py --sp 2      # DP 2 x SP 2
     torchrun --nproc_per_node 2 examples/hf_trainer.py --sp 2 --packed
     torchrun --nproc_per_node 4 examples/hf_trainer.py --sp 2 --fsdp   # parameters sharded too
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --sp 2 --model qwen3_next   # a hybrid
     python examples/hf_trainer.py --sp 1                           # the plain Trainer, one process
 
 The lines that make it sequence parallel are marked "ulysses". The task: copy the first half of
@@ -24,14 +25,17 @@ import os
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    BambaConfig,
     DataCollatorWithFlattening,
     LlamaConfig,
     PreTrainedTokenizerFast,
+    Qwen3NextConfig,
     Trainer,
     TrainingArguments,
 )
 
 import ulysses.hf  # noqa: F401  (registers attn_implementation="ulysses")
+from hf_hybrid import slow_decays
 from ulysses.trainer import SequenceParallel, SequenceParallelTrainer
 
 
@@ -59,6 +63,33 @@ def word_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", unk_token="t1", eos_token="t1")
 
 
+# The tiny models: Llama, and two hybrids whose mixers ulysses.hybrid runs under SP (gated
+# delta-nets; Mamba-2 layers with fewer B/C groups than heads), each with one attention layer.
+MODELS = {
+    "llama": lambda vocab, positions: LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=positions, attention_dropout=0.0, pad_token_id=0),
+    "qwen3_next": lambda vocab, positions: Qwen3NextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"],
+        mlp_only_layers=[0, 1], max_position_embeddings=positions, pad_token_id=0),
+    "bamba": lambda vocab, positions: BambaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2,
+        mamba_d_state=16, mamba_expand=1, mamba_chunk_size=32, max_position_embeddings=positions, pad_token_id=0),
+}
+
+
+def model_config(name: str, vocab: int, positions: int):
+    return MODELS[name](vocab, positions)
+
+
+def layer_class(model: torch.nn.Module) -> str:
+    """The class name of the model's decoder layers (what FSDP wraps)."""
+    return type(model.model.layers[0]).__name__
+
+
 def pad_right(rows: list[dict]) -> dict:
     longest = max(len(r["input_ids"]) for r in rows)
 
@@ -74,6 +105,8 @@ def main() -> None:
     p.add_argument("--sp", type=int, default=2, help="sequence-parallel ranks per data-parallel group")
     p.add_argument("--packed", action="store_true", help="pack each batch into one row (position ids restart)")
     p.add_argument("--trl", action="store_true", help="TRL's SFTTrainer with packing instead of Trainer")
+    p.add_argument("--model", choices=list(MODELS), default="llama",
+                   help="the tiny model: Llama, or a hybrid (gated delta-nets, Mamba-2 layers) among attention")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, over all ranks")
     p.add_argument("--grad-accum", type=int, default=1)
@@ -101,11 +134,10 @@ def main() -> None:
 
     torch.manual_seed(0)  # the same initial weights on every rank
     vocab = 32
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4 * a.max_len,
-                         attention_dropout=0.0, pad_token_id=0)
+    config = model_config(a.model, vocab, 4 * a.max_len)
     sequence_parallel = world > 1
     model = AutoModelForCausalLM.from_config(config, attn_implementation="ulysses" if sequence_parallel else "eager")
+    slow_decays(model)
     train = copy_task(a.steps * a.global_batch, a.max_len, vocab, seed=1)
     held_out = copy_task(2 * a.global_batch + 3, a.max_len, vocab, seed=2)  # uneven last batch
     common = dict(output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=per_device,
@@ -115,7 +147,7 @@ def main() -> None:
                   use_cpu=True, bf16=a.bf16, seed=0, ddp_find_unused_parameters=False, dataloader_drop_last=False)
     if a.fsdp and sequence_parallel:  # as on GPUs; on CPU the mixin applies FSDP2 from these arguments
         common.update(fsdp=True,
-                      fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+                      fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer_class(model)]})
     collator = DataCollatorWithFlattening() if a.packed else pad_right
     # Small tiles, so that the tiny model runs several of each.
     long = dict(tiled_mlp=True, tiled_loss=True, checkpoint="offload", mlp_tile_tokens=16) if a.long else {}

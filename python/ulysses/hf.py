@@ -38,7 +38,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import _C, tiled
+from . import _C, hybrid, tiled
 from . import groups as G
 from . import ops as O
 from .attention import DistributedAttention, LocalAttention, StepContext
@@ -187,7 +187,8 @@ def _token_mixers(model: torch.nn.Module) -> list[str]:
             convolution = isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d))
             if convolution and any(k > 1 for k in module.kernel_size):
                 owner = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
-                found.append(type(owner).__name__)
+                if type(owner).__name__ not in hybrid.MIXERS:  # those run exactly (ulysses.hybrid)
+                    found.append(type(owner).__name__)
     return sorted(set(found))
 
 
@@ -198,7 +199,8 @@ def _refusal_of(module: PreTrainedModel) -> str | None:
     types = _layer_types(module.config)
     if "chunked_attention" in types:
         return _chunked_refusal(type(module))
-    if mixing := sorted(types - _ATTENTION_ONLY_LAYERS - {"chunked_attention"}):
+    served = hybrid.layer_types_served(type(module))
+    if mixing := sorted(types - _ATTENTION_ONLY_LAYERS - served - {"chunked_attention"}):
         return _mixing_refusal(type(module), f"its {', '.join(repr(t) for t in mixing)} layers")
     return None
 
@@ -308,6 +310,7 @@ def sequence_parallel(model: PreTrainedModel, group: G.GroupLike = None, *,
         object.__setattr__(module, "_ulysses_local", local)
         object.__setattr__(module, "_ulysses_head_chunks", head_chunks)
         module.__dict__.pop("_ulysses_attention", None)
+    object.__setattr__(model, "_ulysses_mixers", hybrid.install(model))
     hidden = model.config.get_text_config().hidden_size
     settings = LongSequence(tiled_mlp, tiled_loss, checkpoint, mlp_tile_tokens or hidden, loss_tile_bytes)
     _install_long_sequence(model, settings)
@@ -489,6 +492,7 @@ def whole_sequence_fused_forward(model: PreTrainedModel, fused_forward: Callable
     whole = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask, "position_ids": position_ids}
     shard = shard_batch({k: v for k, v in whole.items() if v is not None}, group)
     seq_lens = shard["seq_lens"]
+    _refuse_documents_for_mixers(model, shard["position_ids"], shard.get("attention_mask"), seq_lens)
     with _shard_forward(model, seq_lens) as extra:
         out = fused_forward(input_ids=shard["input_ids"], attention_mask=shard.get("attention_mask"),
                             position_ids=shard["position_ids"], shift_labels=shard["shift_labels"],
@@ -502,6 +506,14 @@ def whole_sequence_fused_forward(model: PreTrainedModel, fused_forward: Callable
     return out
 
 
+def _refuse_documents_for_mixers(model: PreTrainedModel, positions: torch.Tensor, attention_mask, seq_lens) -> None:
+    """Packed rows of a model with mixers outside attention fail every rank alike
+    (``ulysses.hybrid.refuse_documents``)."""
+    if model.__dict__.get("_ulysses_mixers"):
+        hybrid.refuse_documents(type(model), positions, attention_mask, seq_lens, model.__dict__["_ulysses_group"],
+                                model.__dict__["_ulysses_timeout"])
+
+
 def _long_sequence_forward(model: PreTrainedModel, *args, ulysses_shift_labels: torch.Tensor | None = None,
                            ulysses_ignore_index: int = IGNORE_INDEX, **kwargs):
     """The model's forward under sequence parallelism (bound to the model: a deep copy rebinds)."""
@@ -513,6 +525,8 @@ def _long_sequence_forward(model: PreTrainedModel, *args, ulysses_shift_labels: 
     seq_lens = _sequence_rows(kwargs, model.__dict__["_ulysses_group"], model.__dict__["_ulysses_timeout"])
     if kwargs.get("position_ids") is None:
         kwargs["position_ids"] = _global_positions(_tokens(kwargs), seq_lens, model.__dict__["_ulysses_group"])
+    else:
+        _refuse_documents_for_mixers(model, kwargs["position_ids"], kwargs.get("attention_mask"), seq_lens)
     with _shard_forward(model, seq_lens) as extra:
         kwargs.update(extra)
         if ulysses_shift_labels is None:

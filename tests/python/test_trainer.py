@@ -207,6 +207,14 @@ def test_trl_rloo_matches_one_process(preference_runs):
                      preference_runs("grpo_rloo_plain", 1, "--rloo"))
 
 
+@pytest.mark.parametrize("model,nproc,extra", [("qwen3_next", 2, ()), ("bamba", 4, ("--fsdp",))])
+def test_a_hybrid_model_trains_as_in_one_process(runs, model, nproc, extra):
+    """Gated delta-nets (SP 2, DDP-free) and Mamba-2 layers with fewer B/C groups than heads
+    (DP 2 x SP 2 under FSDP2) beside attention: every logged loss and the final parameters."""
+    want = runs(f"plain_{model}", 1, "--sp", "1", "--model", model)
+    _assert_same_run(runs(f"sp_{model}", nproc, "--sp", "2", "--model", model, *extra), want)
+
+
 def test_the_trainer_needs_torch_distributed(tmp_path):
     from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
 
