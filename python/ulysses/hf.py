@@ -192,10 +192,24 @@ def _token_mixers(model: torch.nn.Module) -> list[str]:
     return sorted(set(found))
 
 
+# Sub-configs of encoders whose outputs are merged into the text sequence (vision, audio).
+_ENCODER_CONFIGS = ("vision_config", "audio_config", "vision_tower_config")
+
+
+def _encoder_refusal(model_class: type, which: str) -> str:
+    return (f"ulysses.hf: {model_class.__name__} merges the outputs of an encoder ({which}) into its text "
+            "sequence. Under sequence parallelism that encoder's own attention would be taken over and "
+            "its inputs treated as sequence shards, and the merge and multimodal positions (mrope, "
+            "bidirectional image blocks) would be made per shard: not exact, so not supported yet. Train it "
+            "without sequence parallelism, or its language model alone on text")
+
+
 def _refusal_of(module: PreTrainedModel) -> str | None:
     """Why ``module`` cannot run the "ulysses" implementation exactly, or None."""
     if not _uses_attention_interface(type(module)):
         return _refusal(type(module))
+    if which := [name for name in _ENCODER_CONFIGS if getattr(module.config, name, None) is not None]:
+        return _encoder_refusal(type(module), ", ".join(which))
     types = _layer_types(module.config)
     if "chunked_attention" in types:
         return _chunked_refusal(type(module))

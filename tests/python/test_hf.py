@@ -764,3 +764,40 @@ def test_generation_inside_unsharded_equals_the_plain_model():
     with pytest.raises(ValueError, match="takes a model made sequence-parallel"):
         with uhf.unsharded(make_model("llama")):
             pass
+
+
+def _qwen2_5_vl_config():
+    from transformers import Qwen2_5_VLConfig
+
+    return Qwen2_5_VLConfig(text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2),
+                            vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2,
+                                               out_hidden_size=32),
+                            image_token_id=60, video_token_id=61, vision_start_token_id=62)
+
+
+def _gemma3_config():
+    from transformers import Gemma3Config
+
+    return Gemma3Config(text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8),
+                        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=28, patch_size=14), mm_tokens_per_image=4,
+                        image_token_id=60)
+
+
+@pytest.mark.parametrize("config", [_qwen2_5_vl_config, _gemma3_config])
+def test_a_vision_language_model_is_refused_alike_with_what_to_do(config):
+    """A VLM used to fail at its first forward with an agreement error about sequence lengths (the
+    vision tower's attention taken over, its patches treated as a shard); it is refused by name
+    before any collective, on every rank alike."""
+    from transformers import AutoModelForImageTextToText
+
+    with pytest.raises(ValueError, match=r"merges the outputs of an encoder \(vision_config\)"):
+        AutoModelForImageTextToText.from_config(config(), attn_implementation="ulysses")
+
+    def body(rank, group):
+        uhf.sequence_parallel(AutoModelForImageTextToText.from_config(config()), group)
+
+    errors = run_ranks_errors(2, body)
+    assert errors[0] == errors[1] and "ForConditionalGeneration merges the outputs of an encoder" in errors[0], errors
