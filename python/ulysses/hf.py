@@ -38,7 +38,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import _C, hybrid, tiled
+from . import _C, hybrid, tiled, vision
 from . import groups as G
 from . import ops as O
 from .attention import DistributedAttention, LocalAttention, StepContext
@@ -208,7 +208,8 @@ def _refusal_of(module: PreTrainedModel) -> str | None:
     """Why ``module`` cannot run the "ulysses" implementation exactly, or None."""
     if not _uses_attention_interface(type(module)):
         return _refusal(type(module))
-    if which := [name for name in _ENCODER_CONFIGS if getattr(module.config, name, None) is not None]:
+    which = [name for name in _ENCODER_CONFIGS if getattr(module.config, name, None) is not None]
+    if which and not vision.is_vision_language(module):
         return _encoder_refusal(type(module), ", ".join(which))
     types = _layer_types(module.config)
     if "chunked_attention" in types:
@@ -312,9 +313,13 @@ def sequence_parallel(model: PreTrainedModel, group: G.GroupLike = None, *,
     name = G.group_name(group)
     if model.config._attn_implementation != IMPLEMENTATION:  # What verify's unsharded copy runs.
         object.__setattr__(model, "_ulysses_unsharded_attention", model.config._attn_implementation or "eager")
-    model.set_attn_implementation(IMPLEMENTATION)
+    sharded = _sharded_implementation(model)
+    object.__setattr__(model, "_ulysses_implementation", sharded)
+    model.set_attn_implementation(sharded)
+    encoders = {id(c) for c in _encoder_configs(model)}
     for module in model.modules():
-        if isinstance(module, PreTrainedModel) and module.config._attn_implementation != IMPLEMENTATION:
+        if (isinstance(module, PreTrainedModel) and id(module.config) not in encoders
+                and module.config._attn_implementation != IMPLEMENTATION):
             raise ValueError(f"ulysses.hf: {type(module).__name__} kept attn_implementation="
                              f"{module.config._attn_implementation!r} after set_attn_implementation('ulysses')")
     model.config.use_cache = False
@@ -325,10 +330,31 @@ def sequence_parallel(model: PreTrainedModel, group: G.GroupLike = None, *,
         object.__setattr__(module, "_ulysses_head_chunks", head_chunks)
         module.__dict__.pop("_ulysses_attention", None)
     object.__setattr__(model, "_ulysses_mixers", hybrid.install(model))
+    if vision.is_vision_language(model):
+        vision.install(model)
     hidden = model.config.get_text_config().hidden_size
     settings = LongSequence(tiled_mlp, tiled_loss, checkpoint, mlp_tile_tokens or hidden, loss_tile_bytes)
     _install_long_sequence(model, settings)
     return model
+
+
+def _encoder_configs(model: PreTrainedModel) -> list:
+    """The configs of a vision-language model's encoders (they keep their own attention)."""
+    if not vision.is_vision_language(model):
+        return []
+    return [c for c in (getattr(model.config, name, None) for name in vision.ENCODERS) if c is not None]
+
+
+def _sharded_implementation(model: PreTrainedModel) -> str | dict:
+    """What ``set_attn_implementation`` takes under SP: "ulysses", but for a vision-language model's
+    encoders, which keep the implementation they had ("sdpa" where they were given "ulysses")."""
+    if not vision.is_vision_language(model):
+        return IMPLEMENTATION
+    implementations = {name: getattr(model.config, name) for name in model.config.sub_configs}
+    own = {name: ((c._attn_implementation if c._attn_implementation not in (None, IMPLEMENTATION) else "sdpa")
+                  if name in vision.ENCODERS else IMPLEMENTATION)
+           for name, c in implementations.items() if c is not None}
+    return {"": IMPLEMENTATION, **own}
 
 
 def long_sequence(model: torch.nn.Module) -> LongSequence | None:
@@ -466,7 +492,7 @@ def unsharded(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
         yield model
     finally:
         del model.__dict__["_ulysses_whole"]
-        model.set_attn_implementation(IMPLEMENTATION)
+        model.set_attn_implementation(model.__dict__.get("_ulysses_implementation", IMPLEMENTATION))
 
 
 def _check_same_batch(input_ids: torch.Tensor, group: str) -> None:
@@ -528,6 +554,26 @@ def _refuse_documents_for_mixers(model: PreTrainedModel, positions: torch.Tensor
                                 model.__dict__["_ulysses_timeout"])
 
 
+def _vision_language_forward(model: PreTrainedModel, kwargs: dict):
+    """A vision-language model's forward under SP (``ulysses.vision``): the whole batch on every
+    rank, this rank's shard of the logits back."""
+    group, timeout = model.__dict__["_ulysses_group"], model.__dict__["_ulysses_timeout"]
+    ids = kwargs.get("input_ids")
+    if ids is None:
+        raise ValueError("ulysses.hf: a vision-language model under sequence parallelism takes the whole batch's "
+                         "input_ids (by keyword) on every rank")
+    if kwargs.get("labels") is not None:
+        raise ValueError("ulysses.hf: a vision-language model under sequence parallelism returns this rank's shard "
+                         "of the logits: give labels to shard_batch and score its shift_labels with "
+                         "sequence_parallel_loss, not labels to the model")
+    _check_same_batch(ids, group)
+    vision.check_same_inputs(kwargs, group, timeout)
+    seq_lens = list(kwargs.get("ulysses_seq_lens") or vision.even_split(ids.shape[1], G.rank_and_size(group)[1]))
+    with _shard_forward(model, seq_lens) as extra:
+        kwargs.update(extra)
+        return type(model).forward(model, **kwargs)
+
+
 def _long_sequence_forward(model: PreTrainedModel, *args, ulysses_shift_labels: torch.Tensor | None = None,
                            ulysses_ignore_index: int = IGNORE_INDEX, **kwargs):
     """The model's forward under sequence parallelism (bound to the model: a deep copy rebinds)."""
@@ -536,6 +582,11 @@ def _long_sequence_forward(model: PreTrainedModel, *args, ulysses_shift_labels: 
     if args:
         raise ValueError("ulysses.hf: pass the model's inputs by keyword under sequence parallelism")
     settings: LongSequence = model.__dict__["_ulysses_long"]
+    if vision.is_vision_language(model):
+        if ulysses_shift_labels is not None:
+            raise ValueError("ulysses.hf: the tiled loss (ulysses_shift_labels) does not take a vision-language "
+                             "model yet; score its logits with sequence_parallel_loss")
+        return _vision_language_forward(model, kwargs)
     seq_lens = _sequence_rows(kwargs, model.__dict__["_ulysses_group"], model.__dict__["_ulysses_timeout"])
     if kwargs.get("position_ids") is None:
         kwargs["position_ids"] = _global_positions(_tokens(kwargs), seq_lens, model.__dict__["_ulysses_group"])
@@ -612,7 +663,8 @@ def verify(model: PreTrainedModel, batch: dict, group: G.GroupLike = None, *,
            tolerance: float | None = None) -> Verification:
     """Runs one forward and backward of the sequence-parallel ``model`` on this rank's shard of
     ``batch`` (unsharded ``[B, S]``: ``input_ids``, optional ``labels``, ``attention_mask``,
-    ``position_ids``, as :func:`shard_batch` takes it) and the same unsharded on the whole batch,
+    ``position_ids``, as :func:`shard_batch` takes it; a vision-language model's images, grids and
+    ``mm_token_type_ids`` too) and the same unsharded on the whole batch,
     on every rank, and returns the relative error of the global loss and of every parameter's
     gradient, each rank's worst taken over ``group`` (so every rank returns the same). Nothing is
     trained: gradients are computed with ``torch.autograd.grad`` and never reach ``.grad`` (nor a
@@ -627,15 +679,24 @@ def verify(model: PreTrainedModel, batch: dict, group: G.GroupLike = None, *,
     ref_params = dict(reference.named_parameters())
     whole = torch.ops.ulysses.shard_batch(batch["input_ids"], batch.get("labels"), batch.get("attention_mask"),
                                           batch.get("position_ids"), 0, 1, 1, IGNORE_INDEX)
+    text = ("input_ids", "labels", "attention_mask", "position_ids")
+    extra = {k: v for k, v in batch.items() if k not in text}  # a vision-language model's images
+    if extra and not vision.is_vision_language(model):
+        raise ValueError(f"ulysses.hf.verify: the batch takes {', '.join(text)} (and a vision-language model's "
+                         f"images); got {sorted(extra)} too")
     logits = reference(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                       position_ids=batch.get("position_ids")).logits
+                       position_ids=batch.get("position_ids"), **extra).logits
     ref_loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), whole[1].flatten(),
                                                  ignore_index=IGNORE_INDEX)
     ref_grads = torch.autograd.grad(ref_loss, [ref_params[n] for n, _ in params], allow_unused=True)
     del reference, logits
-    shard = shard_batch(batch, name)
-    out = model(input_ids=shard["input_ids"], attention_mask=shard.get("attention_mask"),
-                position_ids=shard["position_ids"], ulysses_seq_lens=shard["seq_lens"])
+    shard = shard_batch({k: v for k, v in batch.items() if k in text}, name)
+    if vision.is_vision_language(model):  # the whole batch on every rank (ulysses.vision)
+        out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                    ulysses_seq_lens=shard["seq_lens"], **extra)
+    else:
+        out = model(input_ids=shard["input_ids"], attention_mask=shard.get("attention_mask"),
+                    position_ids=shard["position_ids"], ulysses_seq_lens=shard["seq_lens"], **extra)
     loss, global_loss = sequence_parallel_loss(out.logits, shard["shift_labels"], name)
     grads = list(torch.autograd.grad(loss, [p for _, p in params], allow_unused=True))
     grads = [torch.zeros_like(p) if g is None else g for g, (_, p) in zip(grads, params)]

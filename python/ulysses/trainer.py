@@ -63,7 +63,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME
 
-from . import hf, training
+from . import hf, training, vision
 from . import ops as O
 
 # Batch keys that carry nothing the shard needs: documents are given by position_ids, and
@@ -131,6 +131,10 @@ class SequenceParallel:
         super().__init__(*args, **kwargs)
         trainer: Any = self
         world = trainer.args.world_size
+        if vision.is_vision_language(trainer.model):  # Its batches are whole sequences with images.
+            raise ValueError(f"ulysses.trainer: the Trainer shards text batches; {type(trainer.model).__name__} takes "
+                             "the whole batch with its images on every rank: train it with ulysses.hf directly "
+                             "(docs/huggingface.md, 'Vision-language models')")
         if not dist.is_initialized():
             raise RuntimeError("ulysses.trainer: torch.distributed is not initialized; launch the script with "
                                f"torchrun (e.g. torchrun --nproc_per_node {sp_size} train.py)")

@@ -228,6 +228,17 @@ def test_the_trainer_needs_torch_distributed(tmp_path):
         SequenceParallelTrainer(model=model, args=args, sp_size=2)
 
 
+def test_a_vision_language_model_is_refused_with_what_to_do(tmp_path):
+    from transformers import TrainingArguments
+
+    from test_vision import make_model
+    from ulysses.trainer import SequenceParallelTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match="the Trainer shards text batches; Qwen2VLForConditionalGeneration takes"):
+        SequenceParallelTrainer(model=make_model("qwen2_vl"), args=args, sp_size=2)
+
+
 @pytest.mark.parametrize("setting", [{"scale_rewards": "batch"}, {"multi_objective_aggregation": "normalize_then_sum"},
                                      {"normalize_advantages": True}, {"aux_loss_enabled": True}])
 def test_what_whole_sequence_trainers_cannot_do_exactly_is_refused(setting):

@@ -1,0 +1,102 @@
+"""Vision-language models under sequence parallelism (Qwen2-VL, Qwen2.5-VL): the vision tower
+keeps its own attention, and the language model takes its shard of the merged sequence.
+
+Every rank of an SP group runs the model's forward on the whole batch (input_ids ``[B, S]``,
+pixel values, grids), so the model's own rules run on the whole sequence as they do unsharded:
+the vision tower encodes the images, their embeddings are merged into the text sequence, and
+the multimodal rotary positions (mrope: ``[3, B, S]`` from ``get_rope_index``, with its video
+time axis) are made. Then, at the language model's door, each rank keeps its shard of the merged
+embeddings, of the positions and of the padding mask (the agreed split, ``shard_batch``'s), and
+the language model runs sharded, its attention through ulysses. Gradients of the vision tower
+on each rank are its tokens' part; ``all_reduce_gradients`` sums them, as every parameter's.
+
+``ulysses.hf`` binds this (``sequence_parallel``); the model's forward then returns this rank's
+shard of the logits, scored with ``shard_batch``'s ``shift_labels`` (``sequence_parallel_loss``).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+from . import _C
+from . import groups as G
+from . import ops as O
+
+#: The VLM classes whose merge and positions are made on the whole sequence by their own forward,
+#: then sharded at their language model (``language_model`` called with ``inputs_embeds``).
+MODELS = frozenset({"Qwen2VLForConditionalGeneration", "Qwen2VLModel", "Qwen2_5_VLForConditionalGeneration",
+                    "Qwen2_5_VLModel"})
+#: The sub-configs of their encoders, which keep their own attention implementation.
+ENCODERS = ("vision_config",)
+
+
+def is_vision_language(model: torch.nn.Module) -> bool:
+    return type(model).__name__ in MODELS
+
+
+def even_split(seq_len: int, size: int) -> list[int]:
+    """Every rank's token count of a ``seq_len`` sequence (``shard_batch``'s rule, in C++)."""
+    return list(_C.even_split(seq_len, size))
+
+
+def _language_model(model: Any) -> Any:
+    return getattr(model, "model", model).language_model
+
+
+def _narrow(x: torch.Tensor | None, dim: int, seq_lens: list[int], rank: int) -> torch.Tensor | None:
+    if x is None:
+        return None
+    return x.narrow(dim, sum(seq_lens[:rank]), seq_lens[rank])
+
+
+def _sharded_language_model(language_model: Any, *args, **kwargs):
+    """The language model's forward on this rank's shard of the merged sequence (bound to it)."""
+    seq_lens = kwargs.get("ulysses_seq_lens")
+    if not seq_lens or args:
+        return type(language_model).forward(language_model, *args, **kwargs)
+    group = language_model.__dict__["_ulysses_group"]
+    rank = G.rank_and_size(group)[0]
+    embeds = kwargs["inputs_embeds"]
+    if embeds.shape[1] != sum(seq_lens):
+        raise ValueError(f"ulysses.hf: the language model of a vision-language model takes the whole merged "
+                         f"sequence ({embeds.shape[1]} tokens here) and keeps its shard of the agreed split "
+                         f"{seq_lens}: give the model the whole batch on every rank")
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.dim() != 2:
+        raise ValueError("ulysses.hf: a vision-language model under sequence parallelism takes a 2-D padding "
+                         f"mask [B, S]; got {list(mask.shape)}")
+    positions = kwargs.get("position_ids")
+    if positions is None:  # (the language model's default: 0..S-1 on the whole sequence)
+        positions = torch.arange(embeds.shape[1], device=embeds.device).expand(embeds.shape[0], -1)
+    kwargs.update(inputs_embeds=_narrow(embeds, 1, seq_lens, rank), attention_mask=_narrow(mask, 1, seq_lens, rank),
+                  position_ids=_narrow(positions, positions.dim() - 1, seq_lens, rank))
+    return type(language_model).forward(language_model, **kwargs)
+
+
+def install(model: torch.nn.Module) -> None:
+    """Binds the sharding language-model forward of a supported VLM."""
+    language_model = _language_model(model)
+    language_model.forward = types.MethodType(_sharded_language_model, language_model)
+
+
+def check_same_inputs(kwargs: dict, group: str, timeout: G.Timeout) -> None:
+    """Every rank of the group holds the same images (one small collective): the shapes and sums
+    of the pixel values and grids, so a rank given other images raises on every rank alike."""
+    size = G.rank_and_size(group)[1]
+    digest = []
+    for name in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw"):
+        x = kwargs.get(name)
+        digest += [-1.0, -1.0] if x is None else [float(x.numel()), x.double().sum().item()]
+    mine = torch.tensor([digest], dtype=torch.float64)
+    every = O.all_gather_sequence(mine, 0, [1] * size, group, timeout)
+    differ = [r for r in range(size) if not torch.equal(every[r], every[0])]
+    if differ:
+        raise ValueError(f"ulysses.hf: the ranks of a sequence-parallel group run a vision-language model on the "
+                         f"same whole batch, and rank(s) {differ} hold other images or grids than rank 0 "
+                         "(pixel values, image_grid_thw, video_grid_thw): feed every rank of the group the same batch")
+
+
+__all__ = ["ENCODERS", "MODELS", "check_same_inputs", "even_split", "install", "is_vision_language"]

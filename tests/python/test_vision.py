@@ -1,0 +1,159 @@
+"""Vision-language models (Qwen2-VL, Qwen2.5-VL) under ulysses.hf on thread ranks: every rank
+encodes the images and makes the mrope positions on the whole sequence, the language model runs
+on its shard; loss and every parameter gradient (the vision tower's included) equal
+transformers' own single-process model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForImageTextToText
+
+import ulysses.hf as uhf
+from conftest import run_ranks, run_ranks_errors
+from test_hf import assert_matches
+
+IMAGE, VIDEO, VISION_START = 60, 61, 62
+S, B = 23, 2  # S not divisible by 2 or 3
+TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2],
+                                                    "rope_theta": 10000.0})
+VISION = dict(depth=2, num_heads=2)
+TOKENS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VISION_START)
+CONFIGS = {
+    "qwen2_vl": lambda: transformers.Qwen2VLConfig(
+        text_config=TEXT, vision_config=dict(embed_dim=16, hidden_size=32, mlp_ratio=2, **VISION), **TOKENS),
+    # A window attention block and a full one in the vision tower.
+    "qwen2_5_vl": lambda: transformers.Qwen2_5_VLConfig(
+        text_config=TEXT, vision_config=dict(hidden_size=16, intermediate_size=32, out_hidden_size=32,
+                                             fullatt_block_indexes=[1], window_size=56, **VISION), **TOKENS),
+}
+PATCH = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch
+
+
+def make_model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return AutoModelForImageTextToText.from_config(CONFIGS[name](), attn_implementation="eager").float()
+
+
+def make_batch(kind: str, start: int) -> dict:
+    """Two rows, row 1 right-padded by 3: one 4-token image per row from token ``start`` (a 4x4
+    patch grid, merged 2x2), or a video of 8 tokens (two temporal steps), or both (the image
+    at 1)."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, IMAGE - 1, (B, S), generator=gen)
+    batch: dict = {}
+    spans = {"image": [(IMAGE, start, 4)], "video": [(VIDEO, start, 8)],
+             "both": [(IMAGE, 1, 4), (VIDEO, start, 8)]}[kind]
+    for token, at, count in spans:
+        ids[:, at - 1] = VISION_START
+        ids[:, at:at + count] = token
+    if kind in ("image", "both"):
+        batch["pixel_values"] = torch.randn(B * 16, PATCH, generator=gen)
+        batch["image_grid_thw"] = torch.tensor([[1, 4, 4]] * B)
+    if kind in ("video", "both"):
+        batch["pixel_values_videos"] = torch.randn(B * 32, PATCH, generator=gen)
+        batch["video_grid_thw"] = torch.tensor([[2, 4, 4]] * B)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, -3:] = 0
+    batch.update(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100),
+                 mm_token_type_ids=(ids == IMAGE).long() + 2 * (ids == VIDEO).long())
+    return batch
+
+
+def reference(model, batch):
+    model.zero_grad()
+    out = model(**batch)
+    out.loss.backward()
+    return out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def sharded_step(model, batch, group):
+    sb = uhf.shard_batch({k: batch[k] for k in ("input_ids", "labels", "attention_mask")}, group)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    out = model(**inputs, ulysses_seq_lens=sb["seq_lens"])  # the whole batch on every rank
+    loss, global_loss = uhf.sequence_parallel_loss(out.logits, sb["shift_labels"], group)
+    loss.backward()
+    uhf.all_reduce_gradients(model, group)
+    return global_loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+# start 10 at P = 2 and 7 at P = 3: the image or video straddles a shard boundary (12 | 11;
+# 8 | 8 | 7); start 2 at P = 3: rank 2's shard holds no vision token. "both": an image at 1..4
+# and a video from start.
+CASES = [(kind, P, start) for kind in ("image", "video") for P, start in ((2, 10), (3, 7), (3, 2))]
+CASES += [("both", 2, 10), ("both", 3, 7)]
+
+
+@pytest.mark.parametrize("kind,P,start", CASES)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_loss_and_every_gradient_equal_the_unsharded_model(name, kind, P, start):
+    base = make_model(name)
+    batch = make_batch(kind, start)
+    want = reference(copy.deepcopy(base), batch)
+    models = [copy.deepcopy(base) for _ in range(P)]
+
+    def body(rank, group):
+        return sharded_step(uhf.sequence_parallel(models[rank], group), batch, group)
+
+    for got in run_ranks(P, body):
+        assert_matches(got, want)
+
+
+def test_the_vision_tower_keeps_its_own_attention():
+    model = uhf.sequence_parallel(make_model("qwen2_5_vl"), "")
+    assert model.config.vision_config._attn_implementation == "eager"
+    assert model.config.text_config._attn_implementation == "ulysses"
+    with uhf.unsharded(model):
+        assert model.config.text_config._attn_implementation == "eager"
+    assert model.config.vision_config._attn_implementation == "eager"
+    assert model.config.text_config._attn_implementation == "ulysses"
+
+
+@pytest.mark.parametrize("change", ["grid", "pixels"])
+def test_one_rank_given_other_images_fails_alike(change):
+    base = make_model("qwen2_5_vl")
+    models = [copy.deepcopy(base) for _ in range(2)]
+    batch = make_batch("image", 10)
+
+    def body(rank, group):
+        mine = dict(batch)
+        if rank == 1 and change == "grid":  # the same patches, another grid (2 x 8)
+            mine["image_grid_thw"] = torch.tensor([[1, 2, 8]] * B)
+        elif rank == 1:
+            mine["pixel_values"] = batch["pixel_values"] + 1
+        sharded_step(uhf.sequence_parallel(models[rank], group), mine, group)
+
+    errors = run_ranks_errors(2, body)
+    assert errors[0] == errors[1] and "rank(s) [1] hold other images or grids than rank 0" in errors[0], errors
+
+
+def test_labels_given_to_the_model_are_refused_with_what_to_do():
+    model = uhf.sequence_parallel(make_model("qwen2_vl"), "")
+    with pytest.raises(ValueError, match="give labels to shard_batch and score its shift_labels"):
+        model(**make_batch("image", 10))
+
+
+def test_verify_takes_a_vision_language_model():
+    base = make_model("qwen2_5_vl")
+    models = [copy.deepcopy(base) for _ in range(2)]
+    batch = make_batch("both", 10)
+
+    def body(rank, group):
+        result = uhf.verify(uhf.sequence_parallel(models[rank], group), batch, group, tolerance=1e-5)
+        return result.worst, sorted(n for n in result.gradient_errors if ".visual." in n)
+
+    (worst, tower), (worst_1, _) = run_ranks(2, body)
+    assert worst == worst_1 and worst[1] <= 1e-5
+    assert tower  # the vision tower's gradients are among those checked
+
+
+def test_the_vision_example_verifies_and_trains():
+    from conftest import run_example
+
+    r = run_example("hf_vision.py", 2, "--steps", "2")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "verify: loss relative error" in r.stdout and "step 2/2 loss" in r.stdout, r.stdout
