@@ -802,3 +802,29 @@ def test_a_vision_language_model_is_refused_alike_with_what_to_do(config):
 
     errors = run_ranks_errors(2, body)
     assert errors[0] == errors[1] and "ForConditionalGeneration merges the outputs of an encoder" in errors[0], errors
+
+
+def test_gradients_some_ranks_lack_are_summed_as_zeros():
+    """A parameter with a gradient on some ranks only (an expert no token of this shard chose, a
+    vision tower that encoded no frame here) used to give the ranks flat buffers of different
+    sizes (Gloo aborted); it is summed as zeros where missing, and one no rank used stays None."""
+    torch.manual_seed(0)
+    base = torch.nn.ModuleDict({name: torch.nn.Linear(3, 3) for name in "abc"})
+    models = [copy.deepcopy(base) for _ in range(2)]
+
+    def forward(model, rank):  # rank 0 uses a and b, rank 1 only a; nobody uses c
+        x = torch.full((1, 3), float(rank + 1))
+        return model["b"](model["a"](x)) if rank == 0 else model["a"](x)
+
+    def body(rank, group):
+        forward(models[rank], rank).sum().backward()
+        uhf.all_reduce_gradients(models[rank], group)
+        return {n: None if p.grad is None else p.grad.clone() for n, p in models[rank].named_parameters()}
+
+    for rank in range(2):
+        forward(base, rank).sum().backward()
+    for grads in run_ranks(2, body):
+        assert grads["c.weight"] is None and grads["c.bias"] is None
+        for name, p in base.named_parameters():
+            if p.grad is not None:
+                torch.testing.assert_close(grads[name], p.grad)
