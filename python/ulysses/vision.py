@@ -20,6 +20,7 @@ import types
 from typing import Any
 
 import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from . import _C
 from . import groups as G
@@ -76,10 +77,61 @@ def _sharded_language_model(language_model: Any, *args, **kwargs):
     return type(language_model).forward(language_model, **kwargs)
 
 
+def frame_split(grid_thw: torch.Tensor, size: int) -> list[list[tuple[int, int, int, int]]]:
+    """The frames (an image is one; a video has t) of ``grid_thw`` ``[N, 3]`` split over ``size``
+    ranks in order, balanced by patches: for each rank, its runs ``(item, first frame, frames,
+    patches per frame)``. A rank may get none (more ranks than frames)."""
+    frames = [(item, f, int(h * w)) for item, (t, h, w) in enumerate(grid_thw.tolist()) for f in range(int(t))]
+    total = sum(p for _, _, p in frames)
+    runs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(size)]
+    done = 0
+    for item, f, patches in frames:
+        rank = min(size - 1, done * size // max(total, 1))  # where this frame's first patch falls
+        done += patches
+        last = runs[rank][-1] if runs[rank] else None
+        if last is not None and last[0] == item and last[1] + last[2] == f:
+            runs[rank][-1] = (item, last[1], last[2] + 1, patches)
+        else:
+            runs[rank].append((item, f, 1, patches))
+    return runs
+
+
+def _encoded_once(visual: Any, pixels: torch.Tensor, grid_thw: torch.Tensor | None = None, **kwargs):
+    """The vision tower's forward (bound to it) under SP: each rank encodes its frames of the
+    batch's images and videos (``frame_split``; a video's frames are encoded independently, so
+    any split of them is exact), and one all-gather hands every rank every frame's merged
+    embeddings, in order; its backward returns each frame's gradient to the rank that encoded it.
+    Only ``pooler_output`` (what the merge reads) is whole; the other fields are dropped."""
+    seq_lens = kwargs.get("ulysses_seq_lens")
+    if not seq_lens or grid_thw is None:
+        return type(visual).forward(visual, pixels, grid_thw=grid_thw, **kwargs)
+    group, timeout = visual.__dict__["_ulysses_group"], visual.__dict__.get("_ulysses_timeout")
+    rank, size = G.rank_and_size(group)
+    merge = visual.spatial_merge_size ** 2
+    starts = torch.cat([grid_thw.new_zeros(1), grid_thw.prod(-1).cumsum(0)]).tolist()  # each item's first row
+    runs = frame_split(grid_thw, size)
+    tokens = [sum(n * p for _, _, n, p in mine) // merge for mine in runs]
+    mine = runs[rank]
+    if mine:
+        rows = [pixels[starts[item] + first * p: starts[item] + (first + n) * p] for item, first, n, p in mine]
+        grid = torch.tensor([[n, *grid_thw[item, 1:].tolist()] for item, _, n, _ in mine], device=grid_thw.device)
+        out = type(visual).forward(visual, torch.cat(rows), grid_thw=grid, **kwargs)
+        own = out.pooler_output
+    else:  # no frame here: an empty shard of the embeddings (its rows: the merger's width)
+        out = None
+        width = visual.merger.mlp[-1].out_features
+        own = pixels.new_zeros(0, width).requires_grad_(torch.is_grad_enabled())
+    whole = O.all_gather_sequence(own, 0, tokens, group, timeout)
+    return BaseModelOutputWithPooling(pooler_output=whole) if out is None else type(out)(pooler_output=whole)
+
+
 def install(model: torch.nn.Module) -> None:
-    """Binds the sharding language-model forward of a supported VLM."""
+    """Binds the sharding language-model forward of a supported VLM, and its vision tower's
+    forward that encodes each frame once per group."""
     language_model = _language_model(model)
     language_model.forward = types.MethodType(_sharded_language_model, language_model)
+    visual: Any = getattr(model, "model", model).visual
+    visual.forward = types.MethodType(_encoded_once, visual)
 
 
 def check_same_inputs(kwargs: dict, group: str, timeout: G.Timeout) -> None:
@@ -99,4 +151,4 @@ def check_same_inputs(kwargs: dict, group: str, timeout: G.Timeout) -> None:
                          "(pixel values, image_grid_thw, video_grid_thw): feed every rank of the group the same batch")
 
 
-__all__ = ["ENCODERS", "MODELS", "check_same_inputs", "even_split", "install", "is_vision_language"]
+__all__ = ["ENCODERS", "MODELS", "check_same_inputs", "even_split", "frame_split", "install", "is_vision_language"]

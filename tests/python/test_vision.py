@@ -157,3 +157,34 @@ def test_the_vision_example_verifies_and_trains():
     r = run_example("hf_vision.py", 2, "--steps", "2")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "verify: loss relative error" in r.stdout and "step 2/2 loss" in r.stdout, r.stdout
+
+
+def test_each_frame_is_encoded_once_per_group():
+    """At P = 2 the vision tower of each rank sees its own frames only (an image is one frame, a
+    video of two temporal steps two), together every patch once; the gradients above equal the
+    single-process model's, so the exchange of the embeddings and its backward are exact."""
+    base = make_model("qwen2_5_vl")
+    batch = make_batch("both", 10)
+    models = [copy.deepcopy(base) for _ in range(2)]
+    total = batch["pixel_values"].shape[0] + batch["pixel_values_videos"].shape[0]
+
+    def body(rank, group):
+        seen = []
+        model = uhf.sequence_parallel(models[rank], group)
+        model.model.visual.patch_embed.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+        sharded_step(model, batch, group)
+        return sum(seen)
+
+    rows = run_ranks(2, body)
+    assert sum(rows) == total and max(rows) < total, rows
+
+
+def test_frame_split_balances_patches_and_keeps_order():
+    from ulysses.vision import frame_split
+
+    grid = torch.tensor([[1, 4, 4], [4, 2, 2], [1, 2, 2]])  # an image of 16 patches, a 4-frame video, an image
+    runs = frame_split(grid, 3)
+    # Each frame goes where its first patch falls in thirds of the 36 patches (16 | 8 | 12).
+    assert runs == [[(0, 0, 1, 16)], [(1, 0, 2, 4)], [(1, 2, 2, 4), (2, 0, 1, 4)]], runs
+    assert frame_split(torch.tensor([[8, 2, 2]]), 2) == [[(0, 0, 4, 4)], [(0, 4, 4, 4)]]  # a video cut by frames
+    assert frame_split(torch.tensor([[1, 2, 2]]), 3) == [[(0, 0, 1, 4)], [], []]  # more ranks than frames
