@@ -42,18 +42,19 @@ def make_model(name: str) -> torch.nn.Module:
 def make_batch(kind: str, start: int) -> dict:
     """Two rows, row 1 right-padded by 3: one 4-token image per row from token ``start`` (a 4x4
     patch grid, merged 2x2), or a video of 8 tokens (two temporal steps), or both (the image
-    at 1)."""
+    at 1), or two images (at 1 and at ``start``)."""
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, IMAGE - 1, (B, S), generator=gen)
     batch: dict = {}
     spans = {"image": [(IMAGE, start, 4)], "video": [(VIDEO, start, 8)],
-             "both": [(IMAGE, 1, 4), (VIDEO, start, 8)]}[kind]
+             "both": [(IMAGE, 1, 4), (VIDEO, start, 8)], "images": [(IMAGE, 1, 4), (IMAGE, start, 4)]}[kind]
     for token, at, count in spans:
         ids[:, at - 1] = VISION_START
         ids[:, at:at + count] = token
-    if kind in ("image", "both"):
-        batch["pixel_values"] = torch.randn(B * 16, PATCH, generator=gen)
-        batch["image_grid_thw"] = torch.tensor([[1, 4, 4]] * B)
+    if kind in ("image", "both", "images"):
+        images = B * (2 if kind == "images" else 1)
+        batch["pixel_values"] = torch.randn(images * 16, PATCH, generator=gen)
+        batch["image_grid_thw"] = torch.tensor([[1, 4, 4]] * images)
     if kind in ("video", "both"):
         batch["pixel_values_videos"] = torch.randn(B * 32, PATCH, generator=gen)
         batch["video_grid_thw"] = torch.tensor([[2, 4, 4]] * B)
@@ -85,7 +86,7 @@ def sharded_step(model, batch, group):
 # 8 | 8 | 7); start 2 at P = 3: rank 2's shard holds no vision token. "both": an image at 1..4
 # and a video from start.
 CASES = [(kind, P, start) for kind in ("image", "video") for P, start in ((2, 10), (3, 7), (3, 2))]
-CASES += [("both", 2, 10), ("both", 3, 7)]
+CASES += [("both", 2, 10), ("both", 3, 7), ("images", 2, 10), ("images", 3, 7)]
 
 
 @pytest.mark.parametrize("kind,P,start", CASES)
