@@ -1,5 +1,5 @@
-"""Vision-language models under sequence parallelism (Qwen2-VL, Qwen2.5-VL): the vision tower
-keeps its own attention, and the language model takes its shard of the merged sequence.
+"""Vision-language models under sequence parallelism (Qwen2-VL, Qwen2.5-VL, LLaVA): the vision
+tower keeps its own attention, and the language model takes its shard of the merged sequence.
 
 Every rank of an SP group runs the model's forward on the whole batch (input_ids ``[B, S]``,
 pixel values, grids), so the model's own rules run on the whole sequence as they do unsharded:
@@ -29,7 +29,7 @@ from . import ops as O
 #: The VLM classes whose merge and positions are made on the whole sequence by their own forward,
 #: then sharded at their language model (``language_model`` called with ``inputs_embeds``).
 MODELS = frozenset({"Qwen2VLForConditionalGeneration", "Qwen2VLModel", "Qwen2_5_VLForConditionalGeneration",
-                    "Qwen2_5_VLModel"})
+                    "Qwen2_5_VLModel", "LlavaForConditionalGeneration", "LlavaModel"})
 #: The sub-configs of their encoders, which keep their own attention implementation.
 ENCODERS = ("vision_config",)
 
@@ -130,8 +130,9 @@ def install(model: torch.nn.Module) -> None:
     forward that encodes each frame once per group."""
     language_model = _language_model(model)
     language_model.forward = types.MethodType(_sharded_language_model, language_model)
-    visual: Any = getattr(model, "model", model).visual
-    visual.forward = types.MethodType(_encoded_once, visual)
+    visual: Any = getattr(getattr(model, "model", model), "visual", None)
+    if visual is not None:  # Qwen-VL's tower (frames independent); LLaVA's encodes every image on every rank
+        visual.forward = types.MethodType(_encoded_once, visual)
 
 
 def check_same_inputs(kwargs: dict, group: str, timeout: G.Timeout) -> None:

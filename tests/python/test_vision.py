@@ -14,7 +14,6 @@ from transformers import AutoModelForImageTextToText
 
 import ulysses.hf as uhf
 from conftest import run_ranks, run_ranks_errors
-from test_hf import assert_matches
 
 IMAGE, VIDEO, VISION_START = 60, 61, 62
 S, B = 23, 2  # S not divisible by 2 or 3
@@ -30,6 +29,13 @@ CONFIGS = {
     "qwen2_5_vl": lambda: transformers.Qwen2_5_VLConfig(
         text_config=TEXT, vision_config=dict(hidden_size=16, intermediate_size=32, out_hidden_size=32,
                                              fullatt_block_indexes=[1], window_size=56, **VISION), **TOKENS),
+    # A CLIP tower of 28 x 28 images (4 patches: 4 image tokens each), a Llama language model
+    # (1-D positions: each rank's shard gets its global positions).
+    "llava": lambda: transformers.LlavaConfig(
+        text_config=dict(model_type="llama", **{k: v for k, v in TEXT.items() if k != "rope_parameters"}),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=28, patch_size=14),
+        image_token_index=IMAGE, vision_feature_layer=-1),
 }
 PATCH = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch
 
@@ -37,6 +43,17 @@ PATCH = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch
 def make_model(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     return AutoModelForImageTextToText.from_config(CONFIGS[name](), attn_implementation="eager").float()
+
+
+def make_llava_batch(kind: str, start: int) -> dict:
+    """make_batch's rows for LLaVA: its images as [N, 3, 28, 28] pixels, no grids or videos."""
+    batch = make_batch(kind, start)
+    images = batch.pop("image_grid_thw").shape[0]
+    batch["input_ids"] = batch["input_ids"].masked_fill(batch["input_ids"] == VISION_START, 1)
+    batch["labels"] = batch["labels"].masked_fill(batch["labels"] == VISION_START, 1)
+    batch.pop("mm_token_type_ids")
+    batch["pixel_values"] = torch.randn(images, 3, 28, 28, generator=torch.Generator().manual_seed(2))
+    return batch
 
 
 def make_batch(kind: str, start: int) -> dict:
@@ -69,7 +86,7 @@ def reference(model, batch):
     model.zero_grad()
     out = model(**batch)
     out.loss.backward()
-    return out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return out.loss.item(), _gradients(model)
 
 
 def sharded_step(model, batch, group):
@@ -79,7 +96,26 @@ def sharded_step(model, batch, group):
     loss, global_loss = uhf.sequence_parallel_loss(out.logits, sb["shift_labels"], group)
     loss.backward()
     uhf.all_reduce_gradients(model, group)
-    return global_loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return global_loss.item(), _gradients(model)
+
+
+def assert_matches(got, want):
+    """Loss and every gradient to 1e-5 relative, as test_hf's; but a key projection's bias, whose
+    gradient is zero in exact arithmetic (softmax ignores a shift of every score), is rounding on
+    both sides: held to 1e-6 of the model's largest gradient instead."""
+    loss, grads = got
+    ref_loss, ref_grads = want
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+    largest = max(g.abs().max() for g in ref_grads.values())
+    for name, g in ref_grads.items():
+        scale = largest if name.endswith("k_proj.bias") else g.abs().max().clamp_min(1e-12)
+        err = (grads[name] - g).abs().max() / scale
+        assert err <= (1e-6 if name.endswith("k_proj.bias") else 1e-5), (name, err.item())
+
+
+def _gradients(model) -> dict:
+    """Every parameter's gradient; zeros for one nothing used (CLIP's last norm under LLaVA)."""
+    return {n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
 
 
 # start 10 at P = 2 and 7 at P = 3: the image or video straddles a shard boundary (12 | 11;
@@ -89,11 +125,11 @@ CASES = [(kind, P, start) for kind in ("image", "video") for P, start in ((2, 10
 CASES += [("both", 2, 10), ("both", 3, 7), ("images", 2, 10), ("images", 3, 7)]
 
 
-@pytest.mark.parametrize("kind,P,start", CASES)
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name,kind,P,start", [(name, *case) for name in CONFIGS for case in CASES
+                                               if name != "llava" or "video" not in case[0] and case[0] != "both"])
 def test_loss_and_every_gradient_equal_the_unsharded_model(name, kind, P, start):
     base = make_model(name)
-    batch = make_batch(kind, start)
+    batch = (make_llava_batch if name == "llava" else make_batch)(kind, start)
     want = reference(copy.deepcopy(base), batch)
     models = [copy.deepcopy(base) for _ in range(P)]
 
