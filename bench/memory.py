@@ -303,15 +303,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(task: dict) -> dict:
+def spawn_ranks(rank_fn, task: dict) -> list[dict]:
+    """``rank_fn(rank, world, port, task, out_dir)`` in ``task["sp"]`` fresh processes (spawned, Gloo
+    on loopback); returns what each rank wrote to ``out_dir/rank{r}.json``."""
     # glibc keeps freed blocks below its (self-raising, up to 32 MiB) mmap threshold resident: a
     # first step would then leave the second's memory in the baseline. A fixed 1 MiB threshold
     # maps every large tensor on its own, so the resident set follows the live tensors.
     os.environ.update(MALLOC_MMAP_THRESHOLD_=str(1 << 20), MALLOC_TRIM_THRESHOLD_=str(1 << 20))
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(task["sp"], _free_port(), task, out), nprocs=task["sp"],
+        mp.start_processes(rank_fn, args=(task["sp"], _free_port(), task, out), nprocs=task["sp"],
                            start_method="spawn", join=True)
-        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(task["sp"])]
+        return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(task["sp"])]
+
+
+def measure(task: dict) -> dict:
+    ranks = spawn_ranks(_rank, task)
     return {**task, "peak_mib": max(r["peak_mib"] for r in ranks), "step_s": max(r["step_s"] for r in ranks),
             "outputs_mib": max(r.get("outputs_mib", 0.0) for r in ranks),
             "saved_mib": max(r.get("saved_mib", 0.0) for r in ranks),

@@ -20,15 +20,13 @@ import datetime
 import json
 import os
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from memory import _free_port, _reset_peak, _status_kib  # noqa: E402  (one copy of the RSS helpers)
+from memory import _reset_peak, _status_kib, spawn_ranks  # noqa: E402  (one copy of the helpers)
 
 
 def _tower():
@@ -77,11 +75,7 @@ def _rank(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
 
 
 def measure(task: dict) -> dict:
-    os.environ.update(MALLOC_MMAP_THRESHOLD_=str(1 << 20), MALLOC_TRIM_THRESHOLD_=str(1 << 20))
-    with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(task["sp"], _free_port(), task, out), nprocs=task["sp"],
-                           start_method="spawn", join=True)
-        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(task["sp"])]
+    ranks = spawn_ranks(_rank, task)
     return {**task, "cpu_s": max(r["cpu_s"] for r in ranks), "peak_mib": max(r["peak_mib"] for r in ranks)}
 
 
