@@ -139,9 +139,10 @@ def test_one_ranks_sequence_split_differs_and_every_rank_raises_alike(name):
     assert errors[0] == errors[1] != "", errors
 
 
+@pytest.mark.parametrize("name", ["qwen3_next", "bamba", "lfm2"])
 @pytest.mark.parametrize("boundary", [3, 9])  # a document starting on rank 0's shard, or rank 1's only
-def test_packed_rows_are_refused_alike_on_every_rank(boundary):
-    base = make_model("qwen3_next")
+def test_packed_rows_are_refused_alike_on_every_rank(name, boundary):
+    base = make_model(name)
     models = [copy.deepcopy(base) for _ in range(2)]
     batch = make_batch("plain")
     batch["position_ids"] = torch.cat([torch.arange(boundary), torch.arange(13 - boundary)]).expand(2, 13)
@@ -151,7 +152,7 @@ def test_packed_rows_are_refused_alike_on_every_rank(boundary):
         sharded_step(models[rank], batch, group)
 
     errors = run_ranks_errors(2, body)
-    assert errors[0] == errors[1] and "Qwen3NextForCausalLM got packed rows" in errors[0], errors
+    assert errors[0] == errors[1] and f"{type(base).__name__} got packed rows" in errors[0], errors
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "granitemoehybrid", "lfm2"])
