@@ -1,4 +1,4 @@
-"""Vision-language models under sequence parallelism (Qwen2-VL, Qwen2.5-VL, LLaVA): the vision
+"""Vision-language models under sequence parallelism (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA): the vision
 tower keeps its own attention, and the language model takes its shard of the merged sequence.
 
 Every rank of an SP group runs the model's forward on the whole batch (input_ids ``[B, S]``,
@@ -29,7 +29,13 @@ from . import ops as O
 #: The VLM classes whose merge and positions are made on the whole sequence by their own forward,
 #: then sharded at their language model (``language_model`` called with ``inputs_embeds``).
 MODELS = frozenset({"Qwen2VLForConditionalGeneration", "Qwen2VLModel", "Qwen2_5_VLForConditionalGeneration",
-                    "Qwen2_5_VLModel", "LlavaForConditionalGeneration", "LlavaModel"})
+                    "Qwen2_5_VLModel", "Qwen3VLForConditionalGeneration", "Qwen3VLModel",
+                    "Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeModel", "LlavaForConditionalGeneration",
+                    "LlavaModel"})
+#: Those whose vision tower encodes each frame on its own and returns only the merged embeddings
+#: the merge reads (Qwen3-VL's also returns deepstack features of inner layers: not split).
+ENCODED_ONCE = frozenset({"Qwen2VLForConditionalGeneration", "Qwen2VLModel", "Qwen2_5_VLForConditionalGeneration",
+                          "Qwen2_5_VLModel"})
 #: The sub-configs of their encoders, which keep their own attention implementation.
 ENCODERS = ("vision_config",)
 
@@ -74,6 +80,13 @@ def _sharded_language_model(language_model: Any, *args, **kwargs):
         positions = torch.arange(embeds.shape[1], device=embeds.device).expand(embeds.shape[0], -1)
     kwargs.update(inputs_embeds=_narrow(embeds, 1, seq_lens, rank), attention_mask=_narrow(mask, 1, seq_lens, rank),
                   position_ids=_narrow(positions, positions.dim() - 1, seq_lens, rank))
+    visual = kwargs.get("visual_pos_masks")
+    if visual is not None:  # Qwen3-VL's deepstack: the features of this shard's vision tokens
+        order = visual.flatten().cumsum(0).reshape(visual.shape) - 1  # each vision token's row in them
+        mine = visual.narrow(1, sum(seq_lens[:rank]), seq_lens[rank])
+        rows = order.narrow(1, sum(seq_lens[:rank]), seq_lens[rank])[mine]
+        kwargs["visual_pos_masks"] = mine
+        kwargs["deepstack_visual_embeds"] = [e.index_select(0, rows) for e in kwargs["deepstack_visual_embeds"]]
     return type(language_model).forward(language_model, **kwargs)
 
 
@@ -130,8 +143,8 @@ def install(model: torch.nn.Module) -> None:
     forward that encodes each frame once per group."""
     language_model = _language_model(model)
     language_model.forward = types.MethodType(_sharded_language_model, language_model)
-    visual: Any = getattr(getattr(model, "model", model), "visual", None)
-    if visual is not None:  # Qwen-VL's tower (frames independent); LLaVA's encodes every image on every rank
+    if type(model).__name__ in ENCODED_ONCE:  # (the others encode every image on every rank)
+        visual: Any = getattr(model, "model", model).visual
         visual.forward = types.MethodType(_encoded_once, visual)
 
 

@@ -766,16 +766,6 @@ def test_generation_inside_unsharded_equals_the_plain_model():
             pass
 
 
-def _qwen3_vl_config():
-    from transformers import Qwen3VLConfig
-
-    return Qwen3VLConfig(text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8),
-                         vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2,
-                                            out_hidden_size=32, deepstack_visual_indexes=[1]),
-                         image_token_id=60, video_token_id=61, vision_start_token_id=62)
-
-
 def _gemma3_config():
     from transformers import Gemma3Config
 
@@ -786,12 +776,12 @@ def _gemma3_config():
                         image_token_id=60)
 
 
-@pytest.mark.parametrize("config", [_qwen3_vl_config, _gemma3_config])
+@pytest.mark.parametrize("config", [_gemma3_config])
 def test_a_vision_language_model_is_refused_alike_with_what_to_do(config):
-    """A VLM that ulysses.vision does not run (Qwen3-VL's deepstack features, Gemma 3's
-    bidirectional image blocks) used to fail at its first forward with an agreement error about
-    sequence lengths (the vision tower's attention taken over, its patches treated as a shard); it
-    is refused by name before any collective, on every rank alike."""
+    """A VLM that ulysses.vision does not run (Gemma 3: bidirectional image blocks) used to fail at
+    its first forward with an agreement error about sequence lengths (the vision tower's attention
+    taken over, its patches treated as a shard); it is refused by name before any collective, on
+    every rank alike."""
     from transformers import AutoModelForImageTextToText
 
     with pytest.raises(ValueError, match=r"merges the outputs of an encoder \(vision_config\)"):

@@ -29,6 +29,11 @@ CONFIGS = {
     "qwen2_5_vl": lambda: transformers.Qwen2_5_VLConfig(
         text_config=TEXT, vision_config=dict(hidden_size=16, intermediate_size=32, out_hidden_size=32,
                                              fullatt_block_indexes=[1], window_size=56, **VISION), **TOKENS),
+    # Deepstack: the tower's first block's features added to the first decoder layer's vision tokens.
+    "qwen3_vl": lambda: transformers.Qwen3VLConfig(
+        text_config=dict(TEXT, head_dim=8, rope_parameters=dict(TEXT["rope_parameters"], mrope_interleaved=True)),
+        vision_config=dict(hidden_size=16, intermediate_size=32, out_hidden_size=32, deepstack_visual_indexes=[0],
+                           patch_size=14, **VISION), **TOKENS),
     # A CLIP tower of 28 x 28 images (4 patches: 4 image tokens each), a Llama language model
     # (1-D positions: each rank's shard gets its global positions).
     "llava": lambda: transformers.LlavaConfig(
@@ -125,8 +130,11 @@ CASES = [(kind, P, start) for kind in ("image", "video") for P, start in ((2, 10
 CASES += [("both", 2, 10), ("both", 3, 7), ("images", 2, 10), ("images", 3, 7)]
 
 
+IMAGES_ONLY = ("llava", "qwen3_vl")  # LLaVA has no video; Qwen3-VL's videos interleave timestamps between frames
+
+
 @pytest.mark.parametrize("name,kind,P,start", [(name, *case) for name in CONFIGS for case in CASES
-                                               if name != "llava" or "video" not in case[0] and case[0] != "both"])
+                                               if name not in IMAGES_ONLY or case[0] in ("image", "images")])
 def test_loss_and_every_gradient_equal_the_unsharded_model(name, kind, P, start):
     base = make_model(name)
     batch = (make_llava_batch if name == "llava" else make_batch)(kind, start)
