@@ -34,6 +34,11 @@ CONFIGS = {
         text_config=dict(TEXT, head_dim=8, rope_parameters=dict(TEXT["rope_parameters"], mrope_interleaved=True)),
         vision_config=dict(hidden_size=16, intermediate_size=32, out_hidden_size=32, deepstack_visual_indexes=[0],
                            patch_size=14, **VISION), **TOKENS),
+    "qwen3_vl_moe": lambda: transformers.Qwen3VLMoeConfig(
+        text_config=dict(TEXT, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                         rope_parameters=dict(TEXT["rope_parameters"], mrope_interleaved=True)),
+        vision_config=dict(hidden_size=16, intermediate_size=32, out_hidden_size=32, deepstack_visual_indexes=[0],
+                           patch_size=14, **VISION), **TOKENS),
     # A CLIP tower of 28 x 28 images (4 patches: 4 image tokens each), a Llama language model
     # (1-D positions: each rank's shard gets its global positions).
     "llava": lambda: transformers.LlavaConfig(
@@ -130,7 +135,8 @@ CASES = [(kind, P, start) for kind in ("image", "video") for P, start in ((2, 10
 CASES += [("both", 2, 10), ("both", 3, 7), ("images", 2, 10), ("images", 3, 7)]
 
 
-IMAGES_ONLY = ("llava", "qwen3_vl")  # LLaVA has no video; Qwen3-VL's videos interleave timestamps between frames
+# LLaVA has no video; Qwen3-VL's videos interleave timestamp tokens between frames.
+IMAGES_ONLY = ("llava", "qwen3_vl", "qwen3_vl_moe")
 
 
 @pytest.mark.parametrize("name,kind,P,start", [(name, *case) for name in CONFIGS for case in CASES
