@@ -23,8 +23,10 @@ number) and summary.txt (a line per result):
    uneven heads, a padding mask with S not divisible, packed documents, a window, a softcap,
    sinks; on CUDA each on the kernel local="auto" picks there),
    the projected exchange round trip (point-to-point: on CPU tensors only, since Gloo's
-   send/recv take host memory), and a tiny Llama through ulysses.hf against the unsharded
-   model.
+   send/recv take host memory), a tiny Llama through ulysses.hf against the unsharded
+   model, and ulysses.hf.verify of a tiny Qwen3-Next (gated delta-nets), Bamba (Mamba-2), LFM2
+   (short convolutions) and Qwen2.5-VL (an image, the vision tower encoding each frame once):
+   their models' own kernels, the hub's fast ones on a GPU where installed.
 4. checkpoint: ulysses.tiled.checkpoint(mode="offload") over layers with dropout: gradients equal
    the plain run's under the same seed; on CUDA the peak memory is lower.
 5. layer: DistributedAttention at P = 1, bf16, causal, Hq 32 / Hkv 8,
@@ -320,6 +322,9 @@ def _sweep_worker(rank: int, device_name: str, store: str, out: str) -> None:
                                  check="projected exchange round trip", dtype="float32"))
         rows.append(_guarded_row(lambda: _hf_row(rank, group, device), transport=transport,
                                  check="tiny Llama through ulysses.hf", dtype="float32"))
+        for family in HYBRID_FAMILIES:
+            rows.append(_guarded_row(functools.partial(_verify_row, rank, group, device, family), transport=transport,
+                                     check=f"tiny {family} through ulysses.hf.verify", dtype="float32"))
     dist.destroy_process_group()
     if rank == 0:
         with open(out, "w") as f:
@@ -411,6 +416,58 @@ def _hf_row(rank, group, device) -> dict:
     grads = dict(ref_model.named_parameters())
     errors += [rel(p.grad, grads[name].grad) for name, p in model.named_parameters()]
     return {"worst_rel_error": max(errors), "ok": max(errors) <= 1e-4}
+
+
+# Hybrids' mixers and VLMs (ulysses.hybrid, ulysses.vision): their models' own kernels, which on a
+# GPU are the hub's fast ones where installed (causal-conv1d, flash-linear-attention, mamba-ssm).
+HYBRID_FAMILIES = ("qwen3_next", "bamba", "lfm2", "qwen2_5_vl")
+
+
+def _verify_row(rank, group, device, family: str) -> dict:
+    """One ulysses.hf.verify of a tiny model of ``family`` on the device: the sharded model's loss
+    and every gradient against itself unsharded."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return {"skipped": "transformers is not installed"}
+    import ulysses.hf as uhf
+
+    model, batch = _tiny_model_and_batch(family)
+    model = uhf.sequence_parallel(model.float().to(device), group)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    result = uhf.verify(model, batch, group)
+    return {"worst_rel_error": result.worst[1], "worst": result.worst[0], "ok": result.worst[1] <= 1e-4}
+
+
+def _tiny_model_and_batch(family: str) -> tuple:
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 59, (2, 23), generator=gen)
+    if family == "qwen2_5_vl":
+        text = dict(common, rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1e4})
+        config = transformers.Qwen2_5_VLConfig(
+            text_config=text, vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2,
+                                                 out_hidden_size=32, fullatt_block_indexes=[1], window_size=56),
+            image_token_id=60, video_token_id=61, vision_start_token_id=62)
+        ids[:, 9], ids[:, 10:14] = 62, 60  # one image of 4 merged tokens, straddling the shard boundary
+        batch = {"input_ids": ids, "pixel_values": torch.randn(32, 3 * 2 * 14 * 14, generator=gen),
+                 "image_grid_thw": torch.tensor([[1, 4, 4]] * 2), "mm_token_type_ids": (ids == 60).long()}
+        return AutoModelForImageTextToText.from_config(config), batch
+    if family == "qwen3_next":
+        config = transformers.Qwen3NextConfig(layer_types=["linear_attention", "full_attention"], head_dim=8,
+                                              linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+                                              linear_value_head_dim=8, mlp_only_layers=[0, 1], **common)
+    elif family == "bamba":
+        config = transformers.BambaConfig(attn_layer_indices=[1], mamba_n_heads=4, mamba_n_groups=2, mamba_d_head=8,
+                                          mamba_d_state=8, mamba_expand=1, mamba_chunk_size=8, **common)
+    else:
+        config = transformers.Lfm2Config(layer_types=["conv", "full_attention"], conv_L_cache=3, **common)
+    return AutoModelForCausalLM.from_config(config), {"input_ids": ids}
 
 
 # ---- checkpoint --------------------------------------------------------------------------------

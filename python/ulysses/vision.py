@@ -148,7 +148,7 @@ def install(model: torch.nn.Module) -> None:
         visual.forward = types.MethodType(_encoded_once, visual)
 
 
-def check_same_inputs(kwargs: dict, group: str, timeout: G.Timeout) -> None:
+def check_same_inputs(kwargs: dict, group: str, timeout: G.Timeout, device: torch.device) -> None:
     """Every rank of the group holds the same images (one small collective): the shapes and sums
     of the pixel values and grids, so a rank given other images raises on every rank alike."""
     size = G.rank_and_size(group)[1]
@@ -156,7 +156,7 @@ def check_same_inputs(kwargs: dict, group: str, timeout: G.Timeout) -> None:
     for name in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw"):
         x = kwargs.get(name)
         digest += [-1.0, -1.0] if x is None else [float(x.numel()), x.double().sum().item()]
-    mine = torch.tensor([digest], dtype=torch.float64)
+    mine = torch.tensor([digest], dtype=torch.float64, device=device)  # (a device-only group's tensors)
     every = O.all_gather_sequence(mine, 0, [1] * size, group, timeout)
     differ = [r for r in range(size) if not torch.equal(every[r], every[0])]
     if differ:
