@@ -45,8 +45,9 @@ def is_vision_language(model: torch.nn.Module) -> bool:
 
 
 def even_split(seq_len: int, size: int) -> list[int]:
-    """Every rank's token count of a ``seq_len`` sequence (``shard_batch``'s rule, in C++)."""
-    return list(_C.even_split(seq_len, size))
+    """Every rank's token count of a ``seq_len`` sequence (``shard_batch``'s rule, in C++, which
+    gives each rank's ``(begin, end)``)."""
+    return [end - begin for begin, end in _C.even_split(seq_len, size)]
 
 
 def _language_model(model: Any) -> Any:

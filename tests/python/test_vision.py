@@ -99,10 +99,12 @@ def reference(model, batch):
     return out.loss.item(), _gradients(model)
 
 
-def sharded_step(model, batch, group):
+def sharded_step(model, batch, group, give_seq_lens=True):
     sb = uhf.shard_batch({k: batch[k] for k in ("input_ids", "labels", "attention_mask")}, group)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    out = model(**inputs, ulysses_seq_lens=sb["seq_lens"])  # the whole batch on every rank
+    if give_seq_lens:
+        inputs["ulysses_seq_lens"] = sb["seq_lens"]
+    out = model(**inputs)  # the whole batch on every rank
     loss, global_loss = uhf.sequence_parallel_loss(out.logits, sb["shift_labels"], group)
     loss.backward()
     uhf.all_reduce_gradients(model, group)
@@ -239,3 +241,19 @@ def test_frame_split_balances_patches_and_keeps_order():
     assert runs == [[(0, 0, 1, 16)], [(1, 0, 2, 4)], [(1, 2, 2, 4), (2, 0, 1, 4)]], runs
     assert frame_split(torch.tensor([[8, 2, 2]]), 2) == [[(0, 0, 4, 4)], [(0, 4, 4, 4)]]  # a video cut by frames
     assert frame_split(torch.tensor([[1, 2, 2]]), 3) == [[(0, 0, 1, 4)], [], []]  # more ranks than frames
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_a_forward_without_seq_lens_takes_shard_batchs_split(P):
+    """Without ulysses_seq_lens the forward splits the sequence by shard_batch's rule (it used to
+    take the rule's (begin, end) pairs for lengths)."""
+    base = make_model("qwen2_5_vl")
+    batch = make_batch("image", 7)
+    want = reference(copy.deepcopy(base), batch)
+    models = [copy.deepcopy(base) for _ in range(P)]
+
+    def body(rank, group):
+        return sharded_step(uhf.sequence_parallel(models[rank], group), batch, group, give_seq_lens=False)
+
+    for got in run_ranks(P, body):
+        assert_matches(got, want)
