@@ -3,7 +3,9 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <functional>
 #include <iostream>
 #include <limits>
 
@@ -31,6 +33,32 @@ struct A2aCase {
   at::Tensor q, k, v;
   Sharding plan;
   bool gqa() const { return heads.hq != heads.hkv; }
+  // Calls per timed sample: a small exchange takes well under a millisecond, where one call's
+  // time is mostly the scheduler's (the ranks share the cores), so a sample runs it this many
+  // times (about 8M elements of q per rank in all, at most 256 calls) and reports the time per
+  // call. Computed from sizes every rank has alike, as every rank must make the same calls.
+  int calls_per_sample() const {
+    const int64_t q_per_rank = S * heads.hq * D / g.size();
+    return static_cast<int>(std::clamp<int64_t>((int64_t{1} << 23) / q_per_rank, 1, 256));
+  }
+  // The steps as timed: each runs calls_per_sample() times.
+  std::vector<std::function<void()>> timed(std::vector<std::function<void()>> steps) const {
+    for (auto& step : steps) {
+      step = [step = std::move(step), n = calls_per_sample()] {
+        for (int i = 0; i < n; ++i) step();
+      };
+    }
+    return steps;
+  }
+  // A side-by-side timing of `steps`, in milliseconds per call.
+  bench::SideBySide time(std::vector<std::function<void()>> steps) const {
+    bench::SideBySide t = bench::time_side_by_side(g, timed(std::move(steps)), 1, repeats);
+    const double n = calls_per_sample();
+    for (auto& samples : t.samples)
+      for (double& ms : samples) ms /= n;
+    for (bench::Stats& s : t.steps) s = {s.median / n, s.min / n, s.max / n};
+    return t;
+  }
 };
 
 A2aCase make_case(const Group& g, Layout layout, int64_t S, int64_t D, HeadCase hc, int repeats) {
@@ -109,8 +137,7 @@ bench::Stats time_ours_and_raw(const A2aCase& c, bench::Record& r) {
                    std::vector<int64_t>(P, chunk));
     }
   };
-  const auto t =
-      bench::time_side_by_side(g, {ours, raw, collective, parts, messages}, 1, c.repeats);
+  const auto t = c.time({ours, raw, collective, parts, messages});
   r.add("ours", t.steps[0]).add("raw", t.steps[1]).add("collective", t.steps[2]);
   r.add("parts", t.steps[3]).add("messages", t.steps[4]);
   r.add_ratio("ours_over_raw", t.ratio(0, 1));
@@ -148,7 +175,7 @@ void time_reference(const A2aCase& c, const bench::Stats& t_ours, bench::Record&
   const at::Tensor o = scatter_heads(c.q, Heads::kQuery, c.plan, g);
   const bool same = bench::reference_scatter_heads(c.q, g).equal(o) &&
                     bench::reference_gather_heads(o, c.heads.hq, g).equal(c.q);
-  const auto t_ref = bench::time_slowest_rank(g, reference, 1, c.repeats);
+  const bench::Stats t_ref = c.time({reference}).steps[0];
   r.add("reference", t_ref);
   r.add("reference_over_ours", t_ref.median / t_ours.median);
   r.add("reference_matches", same);
@@ -165,7 +192,7 @@ void time_fused(const A2aCase& c, bench::Record& r) {
     scatter_heads(c.k, Heads::kKeyValue, c.plan, c.g);
     scatter_heads(c.v, Heads::kKeyValue, c.plan, c.g);
   };
-  const auto t = bench::time_side_by_side(c.g, {fused, separate}, 1, c.repeats);
+  const auto t = c.time({fused, separate});
   r.add("fused", t.steps[0]).add("separate", t.steps[1]);
   r.add_ratio("separate_over_fused", t.ratio(1, 0));
 }
@@ -175,6 +202,7 @@ const std::vector<std::string> kColumns{"seq_len",
                                         "q_heads",
                                         "kv_heads",
                                         "elements_per_rank",
+                                        "calls_per_sample",
                                         "ours_ms",
                                         "ours_spread",
                                         "raw_ms",
@@ -234,6 +262,7 @@ int bench_a2a_main(const Argv& argv, const Runtime& runtime) {
       r.add("seq_len", S).add("batch", 1).add("q_heads", hc.hq).add("kv_heads", hc.hkv);
       r.add("head_dim", D).add("sp", P).add("layout", layout_name).add("dtype", "float32");
       r.add("heads", hc.kind).add("elements_per_rank", c.q.numel());
+      r.add("calls_per_sample", c.calls_per_sample());
       time_reference(c, time_ours_and_raw(c, r), r);
       time_fused(c, r);
       records.push_back(r);
@@ -243,7 +272,8 @@ int bench_a2a_main(const Argv& argv, const Runtime& runtime) {
   if (!lead) return 0;
   std::cout << "\nsummary: P=" << P << ", " << layout_name << ", D=" << D << ", fp32, "
             << bench::where_ranks_run() << ", median of " << repeats
-            << " (each sample: slowest rank; ratios within each repeat, steps run in turn)\n";
+            << " (each sample: slowest rank, ms per call over calls_per_sample calls; ratios "
+               "within each repeat, steps run in turn)\n";
   bench::print_table(records, kColumns);
   const bool all_referenced = std::all_of(records.begin(), records.end(), [](const auto& r) {
     return !r.text("reference_ms").empty();
