@@ -1,4 +1,4 @@
-"""Vision-language models (Qwen2-VL, Qwen2.5-VL) under ulysses.hf on thread ranks: every rank
+"""Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA) under ulysses.hf on thread ranks: every rank
 encodes the images and makes the mrope positions on the whole sequence, the language model runs
 on its shard; loss and every parameter gradient (the vision tower's included) equal
 transformers' own single-process model."""
@@ -69,12 +69,15 @@ def make_llava_batch(kind: str, start: int) -> dict:
 def make_batch(kind: str, start: int) -> dict:
     """Two rows, row 1 right-padded by 3: one 4-token image per row from token ``start`` (a 4x4
     patch grid, merged 2x2), or a video of 8 tokens (two temporal steps), or both (the image
-    at 1), or two images (at 1 and at ``start``)."""
+    at 1), or two images (at 1 and at ``start``), or "frames": the same video as Qwen3-VL's
+    processor lays it out, each temporal step its own run of 4 tokens after a timestamp token and
+    a vision start (at ``start`` and ``start + 6``)."""
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, IMAGE - 1, (B, S), generator=gen)
     batch: dict = {}
     spans = {"image": [(IMAGE, start, 4)], "video": [(VIDEO, start, 8)],
-             "both": [(IMAGE, 1, 4), (VIDEO, start, 8)], "images": [(IMAGE, 1, 4), (IMAGE, start, 4)]}[kind]
+             "both": [(IMAGE, 1, 4), (VIDEO, start, 8)], "images": [(IMAGE, 1, 4), (IMAGE, start, 4)],
+             "frames": [(VIDEO, start, 4), (VIDEO, start + 6, 4)]}[kind]
     for token, at, count in spans:
         ids[:, at - 1] = VISION_START
         ids[:, at:at + count] = token
@@ -82,7 +85,7 @@ def make_batch(kind: str, start: int) -> dict:
         images = B * (2 if kind == "images" else 1)
         batch["pixel_values"] = torch.randn(images * 16, PATCH, generator=gen)
         batch["image_grid_thw"] = torch.tensor([[1, 4, 4]] * images)
-    if kind in ("video", "both"):
+    if kind in ("video", "both", "frames"):
         batch["pixel_values_videos"] = torch.randn(B * 32, PATCH, generator=gen)
         batch["video_grid_thw"] = torch.tensor([[2, 4, 4]] * B)
     mask = torch.ones(B, S, dtype=torch.long)
@@ -135,14 +138,20 @@ def _gradients(model) -> dict:
 # and a video from start.
 CASES = [(kind, P, start) for kind in ("image", "video") for P, start in ((2, 10), (3, 7), (3, 2))]
 CASES += [("both", 2, 10), ("both", 3, 7), ("images", 2, 10), ("images", 3, 7)]
+# Qwen3-VL's videos: frames apart, each after its timestamp (the first frame straddles 12 | 11
+# at P = 2; at P = 3 from 7 both frames straddle 8 | 8 | 7; from 2 rank 2 holds no vision token).
+FRAMES = [("frames", 2, 10), ("frames", 3, 7), ("frames", 3, 2)]
 
 
-# LLaVA has no video; Qwen3-VL's videos interleave timestamp tokens between frames.
-IMAGES_ONLY = ("llava", "qwen3_vl", "qwen3_vl_moe")
+def _cases(name: str) -> list:
+    if name == "llava":  # no video
+        return [c for c in CASES if c[0] in ("image", "images")]
+    if name.startswith("qwen3_vl"):  # videos as frames apart (timestamps between)
+        return [c for c in CASES if c[0] in ("image", "images")] + FRAMES
+    return CASES
 
 
-@pytest.mark.parametrize("name,kind,P,start", [(name, *case) for name in CONFIGS for case in CASES
-                                               if name not in IMAGES_ONLY or case[0] in ("image", "images")])
+@pytest.mark.parametrize("name,kind,P,start", [(name, *case) for name in CONFIGS for case in _cases(name)])
 def test_loss_and_every_gradient_equal_the_unsharded_model(name, kind, P, start):
     base = make_model(name)
     batch = (make_llava_batch if name == "llava" else make_batch)(kind, start)
