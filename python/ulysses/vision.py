@@ -16,6 +16,7 @@ shard of the logits, scored with ``shard_batch``'s ``shift_labels`` (``sequence_
 
 from __future__ import annotations
 
+import sys
 import types
 from typing import Any
 
@@ -32,10 +33,12 @@ MODELS = frozenset({"Qwen2VLForConditionalGeneration", "Qwen2VLModel", "Qwen2_5_
                     "Qwen2_5_VLModel", "Qwen3VLForConditionalGeneration", "Qwen3VLModel",
                     "Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeModel", "LlavaForConditionalGeneration",
                     "LlavaModel"})
-#: Those whose vision tower encodes each frame on its own and returns only the merged embeddings
-#: the merge reads (Qwen3-VL's also returns deepstack features of inner layers: not split).
+#: Those whose vision tower encodes each frame on its own (attention within a frame, positions
+#: from its grid) and returns the merged embeddings the merge reads (and Qwen3-VL's, deepstack
+#: features of inner blocks, merged alike).
 ENCODED_ONCE = frozenset({"Qwen2VLForConditionalGeneration", "Qwen2VLModel", "Qwen2_5_VLForConditionalGeneration",
-                          "Qwen2_5_VLModel"})
+                          "Qwen2_5_VLModel", "Qwen3VLForConditionalGeneration", "Qwen3VLModel",
+                          "Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeModel"})
 #: The sub-configs of their encoders, which keep their own attention implementation.
 ENCODERS = ("vision_config",)
 
@@ -110,12 +113,18 @@ def frame_split(grid_thw: torch.Tensor, size: int) -> list[list[tuple[int, int, 
     return runs
 
 
+def _merged_width(merger: torch.nn.Module) -> int:
+    """The width of a patch merger's output rows: its last linear layer's."""
+    return [m for m in merger.modules() if isinstance(m, torch.nn.Linear)][-1].out_features
+
+
 def _encoded_once(visual: Any, pixels: torch.Tensor, grid_thw: torch.Tensor | None = None, **kwargs):
     """The vision tower's forward (bound to it) under SP: each rank encodes its frames of the
     batch's images and videos (``frame_split``; a video's frames are encoded independently, so
     any split of them is exact), and one all-gather hands every rank every frame's merged
-    embeddings, in order; its backward returns each frame's gradient to the rank that encoded it.
-    Only ``pooler_output`` (what the merge reads) is whole; the other fields are dropped."""
+    embeddings, in order, with Qwen3-VL's deepstack features side by side with them; its backward
+    returns each frame's gradient to the rank that encoded it. Only what the merge reads
+    (``pooler_output``, ``deepstack_features``) is whole; the other fields are dropped."""
     seq_lens = kwargs.get("ulysses_seq_lens")
     if not seq_lens or grid_thw is None:
         return type(visual).forward(visual, pixels, grid_thw=grid_thw, **kwargs)
@@ -125,18 +134,26 @@ def _encoded_once(visual: Any, pixels: torch.Tensor, grid_thw: torch.Tensor | No
     starts = torch.cat([grid_thw.new_zeros(1), grid_thw.prod(-1).cumsum(0)]).tolist()  # each item's first row
     runs = frame_split(grid_thw, size)
     tokens = [sum(n * p for _, _, n, p in mine) // merge for mine in runs]
+    mergers = [visual.merger, *getattr(visual, "deepstack_merger_list", [])]
+    widths = [_merged_width(m) for m in mergers]
     mine = runs[rank]
     if mine:
         rows = [pixels[starts[item] + first * p: starts[item] + (first + n) * p] for item, first, n, p in mine]
         grid = torch.tensor([[n, *grid_thw[item, 1:].tolist()] for item, _, n, _ in mine], device=grid_thw.device)
         out = type(visual).forward(visual, torch.cat(rows), grid_thw=grid, **kwargs)
-        own = out.pooler_output
-    else:  # no frame here: an empty shard of the embeddings (its rows: the merger's width)
+        own = torch.cat([out.pooler_output, *(getattr(out, "deepstack_features", None) or [])], dim=1)
+    else:  # no frame here: an empty shard of the embeddings
         out = None
-        width = visual.merger.mlp[-1].out_features
-        own = pixels.new_zeros(0, width).requires_grad_(torch.is_grad_enabled())
-    whole = O.all_gather_sequence(own, 0, tokens, group, timeout)
-    return BaseModelOutputWithPooling(pooler_output=whole) if out is None else type(out)(pooler_output=whole)
+        own = pixels.new_zeros(0, sum(widths)).requires_grad_(torch.is_grad_enabled())
+    whole = O.all_gather_sequence(own, 0, tokens, group, timeout).split(widths, dim=1)
+    fields: dict = {"pooler_output": whole[0]}
+    if len(mergers) > 1:
+        fields["deepstack_features"] = list(whole[1:])
+    if out is not None:
+        return type(out)(**fields)
+    output_type = getattr(sys.modules[type(visual).__module__], "BaseModelOutputWithDeepstackFeatures",
+                          BaseModelOutputWithPooling)
+    return output_type(**fields)
 
 
 def install(model: torch.nn.Module) -> None:

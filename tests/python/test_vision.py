@@ -221,14 +221,16 @@ def test_the_vision_example_verifies_and_trains():
     assert "verify: loss relative error" in r.stdout and "step 2/2 loss" in r.stdout, r.stdout
 
 
-def test_each_frame_is_encoded_once_per_group():
+@pytest.mark.parametrize("name,kind", [("qwen2_5_vl", "both"), ("qwen3_vl", "frames")])
+def test_each_frame_is_encoded_once_per_group(name, kind):
     """At P = 2 the vision tower of each rank sees its own frames only (an image is one frame, a
     video of two temporal steps two), together every patch once; the gradients above equal the
-    single-process model's, so the exchange of the embeddings and its backward are exact."""
-    base = make_model("qwen2_5_vl")
-    batch = make_batch("both", 10)
+    single-process model's, so the exchange of the embeddings (and of Qwen3-VL's deepstack
+    features with them) and its backward are exact."""
+    base = make_model(name)
+    batch = make_batch(kind, 10)
     models = [copy.deepcopy(base) for _ in range(2)]
-    total = batch["pixel_values"].shape[0] + batch["pixel_values_videos"].shape[0]
+    total = sum(batch[k].shape[0] for k in ("pixel_values", "pixel_values_videos") if k in batch)
 
     def body(rank, group):
         seen = []
