@@ -5,6 +5,7 @@ and ulysses sequence parallelism, no DeepSpeed:
     torchrun --nproc_per_node 2 examples/hf_trainer.py --sp 2 --packed
     torchrun --nproc_per_node 4 examples/hf_trainer.py --sp 2 --fsdp   # parameters sharded too
     torchrun --nproc_per_node 2 examples/hf_trainer.py --sp 2 --model qwen3_next   # a hybrid
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --sp 2 --model qwen2_5_vl   # an image per row
     python examples/hf_trainer.py --sp 1                           # the plain Trainer, one process
 
 The lines that make it sequence parallel are marked "ulysses". The task: copy the first half of
@@ -25,10 +26,12 @@ import os
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     BambaConfig,
     DataCollatorWithFlattening,
     LlamaConfig,
     PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
     Qwen3NextConfig,
     Trainer,
     TrainingArguments,
@@ -81,13 +84,35 @@ MODELS = {
 }
 
 
+# A vision-language model: Qwen2.5-VL's tower (a window block and a full one) and mrope, its
+# image tokens after the task's vocabulary.
+IMAGE, VISION_START, VIDEO = 32, 33, 34
+PATCH = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch: one row of pixel_values
+MODELS["qwen2_5_vl"] = lambda vocab, positions: Qwen2_5_VLConfig(
+    text_config=dict(vocab_size=vocab + 3, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions, pad_token_id=0,
+                     rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 4], "rope_theta": 10000.0}),
+    vision_config=dict(depth=2, num_heads=2, hidden_size=16, intermediate_size=32, out_hidden_size=64,
+                       fullatt_block_indexes=[1], window_size=56),
+    image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VISION_START)
+
+
 def model_config(name: str, vocab: int, positions: int):
     return MODELS[name](vocab, positions)
 
 
+def with_images(rows: list[dict], seed: int) -> list[dict]:
+    """Each row after an image: a vision start and its 4 image tokens (unscored) first, and the
+    image's 16 patches of pixels."""
+    gen = torch.Generator().manual_seed(seed)
+    return [{"input_ids": [VISION_START] + [IMAGE] * 4 + r["input_ids"], "labels": [-100] * 5 + r["labels"],
+             "pixel_values": torch.randn(16, PATCH, generator=gen)} for r in rows]
+
+
 def layer_class(model: torch.nn.Module) -> str:
     """The class name of the model's decoder layers (what FSDP wraps)."""
-    return type(model.model.layers[0]).__name__
+    layers = model.model.language_model.layers if hasattr(model.model, "language_model") else model.model.layers
+    return type(layers[0]).__name__
 
 
 def pad_right(rows: list[dict]) -> dict:
@@ -97,7 +122,12 @@ def pad_right(rows: list[dict]) -> dict:
         return torch.tensor([r[key] + [fill] * (longest - len(r[key])) for r in rows])
 
     mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * (longest - len(r["input_ids"])) for r in rows])
-    return {"input_ids": padded("input_ids", 0), "labels": padded("labels", -100), "attention_mask": mask}
+    batch = {"input_ids": padded("input_ids", 0), "labels": padded("labels", -100), "attention_mask": mask}
+    if "pixel_values" in rows[0]:  # a VLM's batch: the rows' images, one grid each
+        batch.update(pixel_values=torch.cat([r["pixel_values"] for r in rows]),
+                     image_grid_thw=torch.tensor([[1, 4, 4]] * len(rows)),
+                     mm_token_type_ids=(batch["input_ids"] == IMAGE).long())
+    return batch
 
 
 def main() -> None:
@@ -106,7 +136,8 @@ def main() -> None:
     p.add_argument("--packed", action="store_true", help="pack each batch into one row (position ids restart)")
     p.add_argument("--trl", action="store_true", help="TRL's SFTTrainer with packing instead of Trainer")
     p.add_argument("--model", choices=list(MODELS), default="llama",
-                   help="the tiny model: Llama, or a hybrid (gated delta-nets, Mamba-2 layers) among attention")
+                   help="the tiny model: Llama, a hybrid (gated delta-nets, Mamba-2 layers) among attention, "
+                        "or a vision-language model (an image per row)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, over all ranks")
     p.add_argument("--grad-accum", type=int, default=1)
@@ -136,10 +167,16 @@ def main() -> None:
     vocab = 32
     config = model_config(a.model, vocab, 4 * a.max_len)
     sequence_parallel = world > 1
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="ulysses" if sequence_parallel else "eager")
+    vlm = a.model == "qwen2_5_vl"
+    auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+    model = auto.from_config(config, attn_implementation="ulysses" if sequence_parallel else "eager")
     slow_decays(model)
     train = copy_task(a.steps * a.global_batch, a.max_len, vocab, seed=1)
     held_out = copy_task(2 * a.global_batch + 3, a.max_len, vocab, seed=2)  # uneven last batch
+    if vlm:
+        if a.packed or a.trl:
+            raise SystemExit("--model qwen2_5_vl takes padded batches of the plain Trainer (no --packed, --trl)")
+        train, held_out = with_images(train, seed=3), with_images(held_out, seed=4)
     common = dict(output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=per_device,
                   per_device_eval_batch_size=per_device, gradient_accumulation_steps=a.grad_accum,
                   learning_rate=a.lr, lr_scheduler_type="constant", logging_steps=1, report_to=[],

@@ -131,10 +131,9 @@ class SequenceParallel:
         super().__init__(*args, **kwargs)
         trainer: Any = self
         world = trainer.args.world_size
-        if vision.is_vision_language(trainer.model):  # Its batches are whole sequences with images.
-            raise ValueError(f"ulysses.trainer: the Trainer shards text batches; {type(trainer.model).__name__} takes "
-                             "the whole batch with its images on every rank: train it with ulysses.hf directly "
-                             "(docs/huggingface.md, 'Vision-language models')")
+        if vision.is_vision_language(trainer.model) and tiled_loss:
+            raise ValueError(f"ulysses.trainer: the tiled loss does not take a vision-language model yet "
+                             f"({type(trainer.model).__name__}): leave tiled_loss off (its logits are a shard's)")
         if not dist.is_initialized():
             raise RuntimeError("ulysses.trainer: torch.distributed is not initialized; launch the script with "
                                f"torchrun (e.g. torchrun --nproc_per_node {sp_size} train.py)")
@@ -284,15 +283,27 @@ class SequenceParallel:
         dist.all_reduce(tokens, group=self.sequence_mesh["dp"].get_group())
         return batches, tokens
 
+    def _batch_keys(self) -> frozenset:
+        """What a batch may hold: the text keys, and a vision-language model's images too."""
+        trainer: Any = self
+        return _SHARDED_KEYS | (vision.BATCH_KEYS if vision.is_vision_language(trainer.model) else frozenset())
+
     def _sharded_forward(self, model: torch.nn.Module, inputs: Mapping[str, Any],
                          tiled_loss: bool = False) -> tuple[Any, dict]:
-        unknown = sorted(set(inputs) - _SHARDED_KEYS - _DROPPED_KEYS)
+        keys = self._batch_keys()
+        unknown = sorted(set(inputs) - keys - _DROPPED_KEYS)
         if unknown:
             raise ValueError(f"ulysses.trainer: the batch has {unknown}, which the sequence shard does not "
-                             f"carry; a batch may hold {sorted(_SHARDED_KEYS)}")
+                             f"carry; a batch may hold {sorted(keys)}")
         sp = self.sequence_mesh["sp"]
         shard = hf.shard_batch({k: v for k, v in inputs.items() if k in _SHARDED_KEYS}, sp,
                                ignore_index=self.ignore_index)
+        if keys != _SHARDED_KEYS:  # a VLM: the whole batch on every rank, its shard kept inside (ulysses.vision)
+            if "position_ids" in inputs:
+                raise ValueError("ulysses.trainer: a vision-language model makes its own positions from its "
+                                 "images; its batches carry no position_ids (packed rows are not supported)")
+            model_inputs = {k: v for k, v in inputs.items() if k in keys and k != "labels"}
+            return model(**model_inputs, ulysses_seq_lens=shard["seq_lens"]), shard
         model_inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"],
                         "ulysses_seq_lens": shard["seq_lens"]}
         if "attention_mask" in shard:
@@ -307,7 +318,7 @@ class SequenceParallel:
         if model.training and self._verify_tolerance is not None:
             # The first step's batch, sharded and unsharded, before it trains (ulysses.hf.verify).
             tolerance, self._verify_tolerance = self._verify_tolerance, None
-            batch = {k: v for k, v in inputs.items() if k in _SHARDED_KEYS}
+            batch = {k: v for k, v in inputs.items() if k in self._batch_keys()}
             self.verification = hf.verify(self.model, batch, self.sequence_mesh["sp"],  # type: ignore[attr-defined]
                                           tolerance=tolerance)
         settings = hf.long_sequence(self.model)  # type: ignore[attr-defined]

@@ -39,12 +39,16 @@ MODELS = frozenset({"Qwen2VLForConditionalGeneration", "Qwen2VLModel", "Qwen2_5_
 ENCODED_ONCE = frozenset({"Qwen2VLForConditionalGeneration", "Qwen2VLModel", "Qwen2_5_VLForConditionalGeneration",
                           "Qwen2_5_VLModel", "Qwen3VLForConditionalGeneration", "Qwen3VLModel",
                           "Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeModel"})
+#: What their batches carry besides the text (each rank of an SP group holds the whole batch).
+BATCH_KEYS = frozenset({"pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
+                        "second_per_grid_ts", "mm_token_type_ids"})
 #: The sub-configs of their encoders, which keep their own attention implementation.
 ENCODERS = ("vision_config",)
 
 
 def is_vision_language(model: torch.nn.Module) -> bool:
-    return type(model).__name__ in MODELS
+    """One of MODELS, or a class made from one (FSDP2's ``fully_shard`` subclasses the model's)."""
+    return any(c.__name__ in MODELS for c in type(model).__mro__)
 
 
 def even_split(seq_len: int, size: int) -> list[int]:
@@ -144,7 +148,13 @@ def _encoded_once(visual: Any, pixels: torch.Tensor, grid_thw: torch.Tensor | No
         own = torch.cat([out.pooler_output, *(getattr(out, "deepstack_features", None) or [])], dim=1)
     else:  # no frame here: an empty shard of the embeddings
         out = None
-        own = pixels.new_zeros(0, sum(widths)).requires_grad_(torch.is_grad_enabled())
+        own = pixels.new_zeros(0, sum(widths))
+        trained = [p.sum() for p in visual.parameters() if p.requires_grad]
+        if torch.is_grad_enabled() and trained:
+            # Every trained tower parameter takes part, with a zero gradient: DDP and FSDP2 reduce
+            # the same parameters' gradients on every rank (and the all-gather's backward runs on
+            # every rank, as on those that encoded frames; a frozen tower has none anywhere).
+            own = own + torch.stack(trained).sum() * 0
     whole = O.all_gather_sequence(own, 0, tokens, group, timeout).split(widths, dim=1)
     fields: dict = {"pooler_output": whole[0]}
     if len(mergers) > 1:
@@ -183,4 +193,5 @@ def check_same_inputs(kwargs: dict, group: str, timeout: G.Timeout, device: torc
                          "(pixel values, image_grid_thw, video_grid_thw): feed every rank of the group the same batch")
 
 
-__all__ = ["ENCODERS", "MODELS", "check_same_inputs", "even_split", "frame_split", "install", "is_vision_language"]
+__all__ = ["BATCH_KEYS", "ENCODERS", "MODELS", "check_same_inputs", "even_split", "frame_split", "install",
+           "is_vision_language"]

@@ -228,15 +228,26 @@ def test_the_trainer_needs_torch_distributed(tmp_path):
         SequenceParallelTrainer(model=model, args=args, sp_size=2)
 
 
-def test_a_vision_language_model_is_refused_with_what_to_do(tmp_path):
+@pytest.mark.parametrize("name,nproc,extra", [("sp2", 2, ()), ("dp2_sp2", 4, ()), ("dp2_sp2_fsdp", 4, ("--fsdp",))])
+def test_a_vision_language_model_trains_as_in_one_process(runs, name, nproc, extra):
+    """Qwen2.5-VL, an image per row (every rank of an SP group gets the whole batch with its
+    images): SP 2 under DDP, and DP 2 x SP 2 under DDP and FSDP2, where each SP group's batch is
+    one row, so one rank of each encodes no frame (its tower still reduces zero gradients, as DDP
+    and FSDP2 reduce the same parameters everywhere): every logged loss and the final parameters."""
+    vlm = ("--model", "qwen2_5_vl", "--global-batch", "2")
+    want = runs("plain_vlm", 1, "--sp", "1", *vlm)
+    _assert_same_run(runs(f"vlm_{name}", nproc, "--sp", "2", *vlm, *extra), want)
+
+
+def test_a_vision_language_model_with_the_tiled_loss_is_refused_with_what_to_do(tmp_path):
     from transformers import TrainingArguments
 
     from test_vision import make_model
     from ulysses.trainer import SequenceParallelTrainer
 
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
-    with pytest.raises(ValueError, match="the Trainer shards text batches; Qwen2VLForConditionalGeneration takes"):
-        SequenceParallelTrainer(model=make_model("qwen2_vl"), args=args, sp_size=2)
+    with pytest.raises(ValueError, match="the tiled loss does not take a vision-language model yet"):
+        SequenceParallelTrainer(model=make_model("qwen2_vl"), args=args, sp_size=2, tiled_loss=True)
 
 
 @pytest.mark.parametrize("setting", [{"scale_rewards": "batch"}, {"multi_objective_aggregation": "normalize_then_sum"},
