@@ -209,6 +209,18 @@ void bind_groups_and_hooks(py::module_& m) {
       "ranks' ops run (every agreement round has one shape), so a local mistake found in Python "
       "fails all ranks alike instead of hanging them.");
   m.def(
+      "gradients_of",
+      [](const std::vector<at::Tensor>& params, const std::string& group, int64_t timeout_ms) {
+        GroupOptions options;
+        options.timeout = std::chrono::milliseconds(timeout_ms);
+        const Group g = Group::resolve(group, options);
+        py::gil_scoped_release release;
+        return gradients_of(params, g);
+      },
+      py::arg("params"), py::arg("group"), py::arg("timeout_ms"),
+      "The gradients of `params` to sum over `group`, alike on every rank (sharding.h): those "
+      "some ranks lack are set to zeros there.");
+  m.def(
       "check_together",
       [](const std::string& error, const std::string& group, int64_t timeout_ms,
          const std::string& purpose) {

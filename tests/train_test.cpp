@@ -71,6 +71,23 @@ TEST(ShardBatch, RingLayoutTakesZigzagTokens) {
       shard.labels.equal(at::tensor(std::vector<int64_t>{1, 2, 7, kIgnoreIndex}).unsqueeze(0)));
 }
 
+// A parameter only some ranks have a gradient for (an expert no token of a shard chose) is
+// summed as zeros where missing; one no rank used keeps none. Without the agreement the ranks'
+// buckets would differ in size.
+TEST(Gradients, SomeRanksLackAreSummedAsZeros) {
+  expect_ranks_succeed(2, [](Group& g) {
+    std::vector<at::Tensor> params;
+    for (int i = 0; i < 3; ++i) params.push_back(at::zeros({4}).requires_grad_());
+    params[0].mutable_grad() = at::full({4}, 1.0 + g.rank());
+    if (g.rank() == 1) params[1].mutable_grad() = at::full({4}, 3.0);
+    all_reduce_gradients(gradients_of(params, g), g);
+    EXPECT_TRUE(params[0].grad().equal(at::full({4}, 3.0)));
+    ASSERT_TRUE(params[1].grad().defined()) << "rank " << g.rank();
+    EXPECT_TRUE(params[1].grad().equal(at::full({4}, 3.0)));
+    EXPECT_FALSE(params[2].grad().defined());
+  });
+}
+
 ModelConfig tiny() {
   ModelConfig c;
   c.vocab = 40;
@@ -98,7 +115,7 @@ void check_against_single_rank(int P, int64_t S, const ModelConfig& config = tin
     const int64_t longest = seq.range(0).size();  // even(): rank 0's shard is the largest.
     ShardedLoss loss = model->loss(shard, g, &ctx, longest);
     loss.loss.backward();
-    all_reduce_gradients(gradients_of(model->parameters()), g);
+    all_reduce_gradients(gradients_of(model->parameters(), g), g);
 
     Group solo = Group::solo();
     Transformer reference(tiny(), solo, 11);

@@ -21,7 +21,7 @@ ShardedLoss forward_backward(Transformer& model, const TokenBatch& shard, const 
   StepContext context(mesh.ulysses);
   ShardedLoss loss = model->loss(shard, mesh.world, &context, longest);
   loss.loss.backward();
-  all_reduce_gradients(gradients_of(model->parameters()), mesh.world);
+  all_reduce_gradients(gradients_of(model->parameters(), mesh.world), mesh.world);
   return loss;
 }
 

@@ -73,10 +73,15 @@ constexpr int64_t kGradientBucketBytes = 32 << 20;
 
 // Sums `grads` over `group` in place. Small gradients of one (device, dtype) are coalesced into
 // one all-reduce per bucket of `bucket_bytes`; a contiguous gradient of at least that size is
-// summed where it lies. Every rank must pass the same list (the model's parameter order).
+// summed where it lies. Every rank must pass the same list (gradients_of makes it so).
 void all_reduce_gradients(const std::vector<at::Tensor>& grads, const Group& group,
                           int64_t bucket_bytes = kGradientBucketBytes);
-// The gradients of `params` (those defined).
-std::vector<at::Tensor> gradients_of(const std::vector<at::Tensor>& params);
+// The gradients of `params` to sum over `group`, alike on every rank. Which parameters have a
+// gradient may differ by rank (an expert no token of this shard chose, a vision tower that
+// encoded no frame here): one small all-reduce finds those any rank has, this rank's missing
+// ones are set to zeros, and a parameter no rank used keeps none (as unsharded). Without it the
+// ranks' buckets would differ and the collectives mismatch. Every rank passes the same `params`
+// (the model's parameter order).
+std::vector<at::Tensor> gradients_of(const std::vector<at::Tensor>& params, const Group& group);
 
 }  // namespace ulysses

@@ -13,7 +13,6 @@ import torch
 
 from . import _C
 from . import groups as G
-from . import ops as O
 
 #: The label that adds no loss (transformers' spelling; C++ ``kIgnoreIndex``).
 IGNORE_INDEX: int = _C.IGNORE_INDEX
@@ -98,17 +97,9 @@ def all_reduce_gradients(model: torch.nn.Module, group: G.GroupLike = None) -> N
     collective."""
     name = G.group_name(group)
     params = [p for p in model.parameters() if p.requires_grad or p.grad is not None]
-    if G.rank_and_size(name)[1] > 1 and params:
-        # Which parameters have a gradient may differ by rank (an expert no token of this shard
-        # chose, a vision tower that encoded no frame here): one small round finds those any rank
-        # has, this rank fills its missing ones with zeros, and a parameter no rank used keeps
-        # None (as unsharded). Without it the ranks' flat buffers would differ in size.
-        mine = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=params[0].device)
-        anywhere = O.sum_over_group(mine, name) > 0
-        for p, used in zip(params, anywhere.tolist()):
-            if used and p.grad is None:
-                p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params if p.grad is not None]
+    # Which parameters have a gradient may differ by rank (an expert no token of this shard chose,
+    # a vision tower that encoded no frame here): the C++ rule agrees on them first (sharding.h).
+    grads = _C.gradients_of(params, name, G.timeout_ms(None))
     if grads:  # One flat all-reduce per dtype (C++ sharding.h).
         torch.ops.ulysses.all_reduce_gradients(grads, name, G.group_options(None))
 

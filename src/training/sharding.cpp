@@ -138,7 +138,20 @@ ShardedLoss token_mean(const at::Tensor& token_sum, const at::Tensor& targets, c
       targets, group, ignore_index, "token_mean");
 }
 
-std::vector<at::Tensor> gradients_of(const std::vector<at::Tensor>& params) {
+std::vector<at::Tensor> gradients_of(const std::vector<at::Tensor>& params, const Group& group) {
+  if (group.size() > 1 && !params.empty()) {
+    const auto n = static_cast<int64_t>(params.size());
+    at::Tensor used = at::empty({n}, at::kFloat);
+    for (int64_t i = 0; i < n; ++i) used[i] = params[i].grad().defined() ? 1.0 : 0.0;
+    used = used.to(params[0].device());  // (a device-only group's tensors)
+    group.all_reduce_sum(used);
+    const at::Tensor anywhere = used.cpu();
+    at::NoGradGuard no_grad;
+    for (int64_t i = 0; i < n; ++i) {
+      if (anywhere[i].item<float>() > 0 && !params[i].grad().defined())
+        params[i].mutable_grad() = at::zeros_like(params[i]);
+    }
+  }
   std::vector<at::Tensor> grads;
   for (const at::Tensor& p : params) {
     if (p.grad().defined()) grads.push_back(p.grad());
