@@ -495,26 +495,35 @@ def unsharded(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
         model.set_attn_implementation(model.__dict__.get("_ulysses_implementation", IMPLEMENTATION))
 
 
-def _check_same_batch(input_ids: torch.Tensor, group: str) -> None:
+def _check_same_batch(input_ids: torch.Tensor, group: str, images: list[float] | None = None,
+                      timeout: G.Timeout = None) -> None:
     """Every rank of an SP group scores the same whole sequences: their shapes and a digest of
-    their tokens agree, or every rank raises the same error naming each rank's (one small
-    collective, before any exchange; a shard of another rank's sequences would be a silent
-    wrong)."""
+    their tokens (and of a VLM's ``images``: :func:`ulysses.vision.images_digest`) agree, or every
+    rank raises the same error naming each rank's (one small collective, before any exchange; a
+    shard of another rank's sequences would be a silent wrong)."""
     size = G.rank_and_size(group)[1]
     flat = input_ids.reshape(-1).long()
     weights = (torch.arange(1, flat.numel() + 1, device=flat.device) * 2654435761) % 2147483647
-    mine = torch.stack([torch.tensor(input_ids.shape[0], device=flat.device),
-                        torch.tensor(input_ids.shape[-1], device=flat.device), (flat * weights).sum()])
-    shapes = O.all_gather_sequence(mine[None], 0, [1] * size, group).tolist()
-    if any(s[:2] != shapes[0][:2] for s in shapes):
-        each = ", ".join(f"rank {r} has {b}x{t}" for r, (b, t, _) in enumerate(shapes))
+    # The images' float64 digest rides bit for bit as int64 beside the tokens': one round.
+    pictures = torch.tensor(images or [], dtype=torch.float64).view(torch.int64).to(flat.device)
+    mine = torch.cat([torch.stack([torch.tensor(input_ids.shape[0], device=flat.device),
+                                   torch.tensor(input_ids.shape[-1], device=flat.device), (flat * weights).sum()]),
+                      pictures])
+    every = O.all_gather_sequence(mine[None], 0, [1] * size, group, timeout).tolist()
+    if any(s[:2] != every[0][:2] for s in every):
+        each = ", ".join(f"rank {r} has {s[0]}x{s[1]}" for r, s in enumerate(every))
         raise ValueError("ulysses.hf: the ranks of a sequence-parallel group score the same batch of whole "
                          f"sequences (B x S), and they differ: {each}")
-    if any(s[2] != shapes[0][2] for s in shapes):
-        differ = [r for r, s in enumerate(shapes) if s[2] != shapes[0][2]]
+    if any(s[2] != every[0][2] for s in every):
+        differ = [r for r, s in enumerate(every) if s[2] != every[0][2]]
         raise ValueError("ulysses.hf: the ranks of a sequence-parallel group score the same batch of whole "
                          f"sequences, and rank(s) {differ} hold other tokens than rank 0 (same shape "
-                         f"{shapes[0][0]}x{shapes[0][1]}): feed every rank of the group the same batch")
+                         f"{every[0][0]}x{every[0][1]}): feed every rank of the group the same batch")
+    if any(s[3:] != every[0][3:] for s in every):
+        differ = [r for r, s in enumerate(every) if s[3:] != every[0][3:]]
+        raise ValueError(f"ulysses.hf: the ranks of a sequence-parallel group run a vision-language model on the "
+                         f"same whole batch, and rank(s) {differ} hold other images or grids than rank 0 "
+                         f"({', '.join(vision.IMAGE_KEYS)}): feed every rank of the group the same batch")
 
 
 def whole_sequence_fused_forward(model: PreTrainedModel, fused_forward: Callable, *, input_ids: torch.Tensor,
@@ -566,8 +575,7 @@ def _vision_language_forward(model: PreTrainedModel, kwargs: dict):
         raise ValueError("ulysses.hf: a vision-language model under sequence parallelism returns this rank's shard "
                          "of the logits: give labels to shard_batch and score its shift_labels with "
                          "sequence_parallel_loss, not labels to the model")
-    _check_same_batch(ids, group)
-    vision.check_same_inputs(kwargs, group, timeout, ids.device)
+    _check_same_batch(ids, group, vision.images_digest(kwargs), timeout)
     seq_lens = list(kwargs.get("ulysses_seq_lens") or vision.even_split(ids.shape[1], G.rank_and_size(group)[1]))
     with _shard_forward(model, seq_lens) as extra:
         kwargs.update(extra)

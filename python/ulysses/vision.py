@@ -149,12 +149,12 @@ def _encoded_once(visual: Any, pixels: torch.Tensor, grid_thw: torch.Tensor | No
     else:  # no frame here: an empty shard of the embeddings
         out = None
         own = pixels.new_zeros(0, sum(widths))
-        trained = [p.sum() for p in visual.parameters() if p.requires_grad]
-        if torch.is_grad_enabled() and trained:
+        trained = [p for p in visual.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
+        if trained:
             # Every trained tower parameter takes part, with a zero gradient: DDP and FSDP2 reduce
             # the same parameters' gradients on every rank (and the all-gather's backward runs on
             # every rank, as on those that encoded frames; a frozen tower has none anywhere).
-            own = own + torch.stack(trained).sum() * 0
+            own = own + torch.stack([p.sum() for p in trained]).sum() * 0
     whole = O.all_gather_sequence(own, 0, tokens, group, timeout).split(widths, dim=1)
     fields: dict = {"pooler_output": whole[0]}
     if len(mergers) > 1:
@@ -176,22 +176,19 @@ def install(model: torch.nn.Module) -> None:
         visual.forward = types.MethodType(_encoded_once, visual)
 
 
-def check_same_inputs(kwargs: dict, group: str, timeout: G.Timeout, device: torch.device) -> None:
-    """Every rank of the group holds the same images (one small collective): the shapes and sums
-    of the pixel values and grids, so a rank given other images raises on every rank alike."""
-    size = G.rank_and_size(group)[1]
+def images_digest(kwargs: dict) -> list[float]:
+    """The shapes and sums of a batch's pixel values and grids: what every rank of a group must
+    hold alike (compared in the batch's one agreement round, ``ulysses.hf``)."""
     digest = []
-    for name in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw"):
+    for name in IMAGE_KEYS:
         x = kwargs.get(name)
         digest += [-1.0, -1.0] if x is None else [float(x.numel()), x.double().sum().item()]
-    mine = torch.tensor([digest], dtype=torch.float64, device=device)  # (a device-only group's tensors)
-    every = O.all_gather_sequence(mine, 0, [1] * size, group, timeout)
-    differ = [r for r in range(size) if not torch.equal(every[r], every[0])]
-    if differ:
-        raise ValueError(f"ulysses.hf: the ranks of a sequence-parallel group run a vision-language model on the "
-                         f"same whole batch, and rank(s) {differ} hold other images or grids than rank 0 "
-                         "(pixel values, image_grid_thw, video_grid_thw): feed every rank of the group the same batch")
+    return digest
 
 
-__all__ = ["BATCH_KEYS", "ENCODERS", "MODELS", "check_same_inputs", "even_split", "frame_split", "install",
+#: The inputs images_digest reads, named in its error.
+IMAGE_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
+
+
+__all__ = ["BATCH_KEYS", "ENCODERS", "IMAGE_KEYS", "MODELS", "even_split", "frame_split", "images_digest", "install",
            "is_vision_language"]

@@ -140,15 +140,19 @@ ShardedLoss token_mean(const at::Tensor& token_sum, const at::Tensor& targets, c
 
 std::vector<at::Tensor> gradients_of(const std::vector<at::Tensor>& params, const Group& group) {
   if (group.size() > 1 && !params.empty()) {
-    const auto n = static_cast<int64_t>(params.size());
-    at::Tensor used = at::empty({n}, at::kFloat);
-    for (int64_t i = 0; i < n; ++i) used[i] = params[i].grad().defined() ? 1.0 : 0.0;
-    used = used.to(params[0].device());  // (a device-only group's tensors)
-    group.all_reduce_sum(used);
-    const at::Tensor anywhere = used.cpu();
+    // One flag per parameter, built and read back as plain floats: this runs every step.
+    std::vector<float> flags;
+    flags.reserve(params.size());
+    for (const at::Tensor& p : params) flags.push_back(p.grad().defined() ? 1.0F : 0.0F);
+    const auto n = static_cast<int64_t>(flags.size());
+    at::Tensor used = at::from_blob(flags.data(), {n}, at::kFloat)
+                          .to(params[0].device(), /*non_blocking=*/false, /*copy=*/true);
+    group.all_reduce_sum(used);  // (a device-only group's tensors live on the device)
+    const at::Tensor anywhere = used.cpu().contiguous();
+    const float* const summed = anywhere.data_ptr<float>();
     at::NoGradGuard no_grad;
-    for (int64_t i = 0; i < n; ++i) {
-      if (anywhere[i].item<float>() > 0 && !params[i].grad().defined())
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (summed[i] > 0 && !params[i].grad().defined())
         params[i].mutable_grad() = at::zeros_like(params[i]);
     }
   }
