@@ -63,7 +63,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME
 
-from . import hf, training, vision
+from . import _C, hf, training, vision
+from . import groups as G
 from . import ops as O
 
 # Batch keys that carry nothing the shard needs: documents are given by position_ids, and
@@ -291,17 +292,22 @@ class SequenceParallel:
     def _sharded_forward(self, model: torch.nn.Module, inputs: Mapping[str, Any],
                          tiled_loss: bool = False) -> tuple[Any, dict]:
         keys = self._batch_keys()
+        vlm = keys != _SHARDED_KEYS
+        problem = ""
         unknown = sorted(set(inputs) - keys - _DROPPED_KEYS)
         if unknown:
-            raise ValueError(f"ulysses.trainer: the batch has {unknown}, which the sequence shard does not "
-                             f"carry; a batch may hold {sorted(keys)}")
+            problem = (f"ulysses.trainer: the batch has {unknown}, which the sequence shard does not carry; a "
+                       f"batch may hold {sorted(keys)}")
+        elif vlm and "position_ids" in inputs:
+            problem = ("ulysses.trainer: a vision-language model makes its own positions from its images; its "
+                       "batches carry no position_ids (packed rows are not supported)")
+        # One round over every rank before the first collective of the step: a batch wrong on one
+        # rank fails all of them alike, not that rank with this error and the others in a timeout.
+        _C.check_together(problem, G.group_name(None), G.timeout_ms(None), "ulysses.trainer batch keys")
         sp = self.sequence_mesh["sp"]
         shard = hf.shard_batch({k: v for k, v in inputs.items() if k in _SHARDED_KEYS}, sp,
                                ignore_index=self.ignore_index)
-        if keys != _SHARDED_KEYS:  # a VLM: the whole batch on every rank, its shard kept inside (ulysses.vision)
-            if "position_ids" in inputs:
-                raise ValueError("ulysses.trainer: a vision-language model makes its own positions from its "
-                                 "images; its batches carry no position_ids (packed rows are not supported)")
+        if vlm:  # the whole batch on every rank, its shard kept inside (ulysses.vision)
             model_inputs = {k: v for k, v in inputs.items() if k in keys and k != "labels"}
             return model(**model_inputs, ulysses_seq_lens=shard["seq_lens"]), shard
         model_inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"],

@@ -263,3 +263,37 @@ def test_what_whole_sequence_trainers_cannot_do_exactly_is_refused(setting):
                               aux_loss_enabled=setting.get("aux_loss_enabled", False), sp_size=2)
     with pytest.raises(ValueError, match="router loss" if "aux_loss_enabled" in setting else "not supported"):
         WholeSequenceLogProbs._make_sequence_parallel(trainer, torch.nn.Linear(1, 1))
+
+
+def _batch_wrong_on_rank_1(rank: int, group: str) -> str:
+    from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
+
+    from ulysses.trainer import SequenceParallelTrainer
+
+    config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    import tempfile
+
+    # As torchrun sets them (the group is up already: accelerate takes it as it is).
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, use_cpu=True, report_to=[])
+        trainer = SequenceParallelTrainer(model=AutoModelForCausalLM.from_config(config), args=args, sp_size=2)
+        batch = {"input_ids": torch.arange(8).remainder(16)[None]}
+        if rank == 1:
+            batch["pixel_values"] = torch.zeros(1, 3)
+        try:
+            trainer._sharded_forward(trainer.model, batch)
+        except ValueError as e:
+            return str(e)
+    return ""
+
+
+def test_a_batch_wrong_on_one_rank_fails_every_rank_alike(tmp_path):
+    """Rank 1 alone gets a key the shard does not carry: both ranks raise its error, before the
+    forward's collectives (rank 0 would otherwise wait in the first of them until its timeout)."""
+    from conftest import run_processes
+
+    errors = run_processes(2, _batch_wrong_on_rank_1, tmp_dir=str(tmp_path))
+    assert errors[0] == errors[1]
+    assert "the batch has ['pixel_values'], which the sequence shard does not carry" in errors[0]
