@@ -1,5 +1,6 @@
-"""Vision-language models under sequence parallelism (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA): the vision
-tower keeps its own attention, and the language model takes its shard of the merged sequence.
+"""Vision-language models under sequence parallelism (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, the LLaVA family,
+Mistral 3, Idefics3, SmolVLM, InternVL; ``MODELS``): the vision tower keeps its own attention, and the
+language model takes its shard of the merged sequence.
 
 Every rank of an SP group runs the model's forward on the whole batch (input_ids ``[B, S]``,
 pixel values, grids), so the model's own rules run on the whole sequence as they do unsharded:
@@ -28,11 +29,11 @@ from . import groups as G
 from . import ops as O
 
 #: The VLM classes whose merge and positions are made on the whole sequence by their own forward,
-#: then sharded at their language model (``language_model`` called with ``inputs_embeds``).
-MODELS = frozenset({"Qwen2VLForConditionalGeneration", "Qwen2VLModel", "Qwen2_5_VLForConditionalGeneration",
-                    "Qwen2_5_VLModel", "Qwen3VLForConditionalGeneration", "Qwen3VLModel",
-                    "Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeModel", "LlavaForConditionalGeneration",
-                    "LlavaModel"})
+#: then sharded at their language model (``language_model``, Idefics3's ``text_model``, called
+#: with ``inputs_embeds``): the tower, tiling and projector run as unsharded.
+MODELS = frozenset(f"{family}{suffix}" for suffix in ("ForConditionalGeneration", "Model") for family in (
+    "Qwen2VL", "Qwen2_5_VL", "Qwen3VL", "Qwen3VLMoe", "Llava", "LlavaNext", "LlavaNextVideo", "LlavaOnevision",
+    "Mistral3", "Idefics3", "SmolVLM", "InternVL"))
 #: Those whose vision tower encodes each frame on its own (attention within a frame, positions
 #: from its grid) and returns the merged embeddings the merge reads (and Qwen3-VL's, deepstack
 #: features of inner blocks, merged alike).
@@ -41,7 +42,7 @@ ENCODED_ONCE = frozenset({"Qwen2VLForConditionalGeneration", "Qwen2VLModel", "Qw
                           "Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeModel"})
 #: What their batches carry besides the text (each rank of an SP group holds the whole batch).
 BATCH_KEYS = frozenset({"pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
-                        "second_per_grid_ts", "mm_token_type_ids"})
+                        "second_per_grid_ts", "mm_token_type_ids", "image_sizes", "pixel_attention_mask"})
 #: The sub-configs of their encoders, which keep their own attention implementation.
 ENCODERS = ("vision_config",)
 
@@ -58,7 +59,8 @@ def even_split(seq_len: int, size: int) -> list[int]:
 
 
 def _language_model(model: Any) -> Any:
-    return getattr(model, "model", model).language_model
+    inner = getattr(model, "model", model)
+    return inner.language_model if hasattr(inner, "language_model") else inner.text_model
 
 
 def _narrow(x: torch.Tensor | None, dim: int, seq_lens: list[int], rank: int) -> torch.Tensor | None:
@@ -187,7 +189,8 @@ def images_digest(kwargs: dict) -> list[float]:
 
 
 #: The inputs images_digest reads, named in its error.
-IMAGE_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
+IMAGE_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "image_sizes",
+              "pixel_attention_mask")
 
 
 __all__ = ["BATCH_KEYS", "ENCODERS", "IMAGE_KEYS", "MODELS", "even_split", "frame_split", "images_digest", "install",

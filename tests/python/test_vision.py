@@ -1,7 +1,7 @@
-"""Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA) under ulysses.hf on thread ranks: every rank
-encodes the images and makes the mrope positions on the whole sequence, the language model runs
-on its shard; loss and every parameter gradient (the vision tower's included) equal
-transformers' own single-process model."""
+"""Vision-language models (Qwen-VL, the LLaVA family, Mistral 3, Idefics3, SmolVLM, InternVL) under
+ulysses.hf on thread ranks: every rank encodes the images and makes the mrope positions on the
+whole sequence, the language model runs on its shard; loss and every parameter gradient (the
+vision tower's included) equal transformers' own single-process model."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_laye
             num_key_value_heads=2, rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2],
                                                     "rope_theta": 10000.0})
 VISION = dict(depth=2, num_heads=2)
+LLAMA_TEXT = {k: v for k, v in TEXT.items() if k != "rope_parameters"}
+SMALL_TOWER = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, patch_size=14)
 TOKENS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VISION_START)
 CONFIGS = {
     "qwen2_vl": lambda: transformers.Qwen2VLConfig(
@@ -42,11 +44,65 @@ CONFIGS = {
     # A CLIP tower of 28 x 28 images (4 patches: 4 image tokens each), a Llama language model
     # (1-D positions: each rank's shard gets its global positions).
     "llava": lambda: transformers.LlavaConfig(
-        text_config=dict(model_type="llama", **{k: v for k, v in TEXT.items() if k != "rope_parameters"}),
-        vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                           num_attention_heads=2, image_size=28, patch_size=14),
+        text_config=dict(model_type="llama", **LLAMA_TEXT),
+        vision_config=dict(model_type="clip_vision_model", image_size=28, **SMALL_TOWER),
         image_token_index=IMAGE, vision_feature_layer=-1),
+    # Pixtral's tower (56 x 56 images: 16 patches, merged 2 x 2), a Mistral language model.
+    "mistral3": lambda: transformers.Mistral3Config(
+        text_config=dict(model_type="mistral", **LLAMA_TEXT),
+        vision_config=dict(model_type="pixtral", head_dim=8, image_size=56, **SMALL_TOWER),
+        image_token_index=IMAGE, spatial_merge_size=2, vision_feature_layer=-1),
+    # Tiled images (any-resolution: a 28 x 28 image is its base view and one tile, with a newline
+    # token per row of the tile: 10 tokens), a Llama or a Qwen2 language model.
+    "llava_next": lambda: transformers.LlavaNextConfig(
+        text_config=dict(model_type="llama", **LLAMA_TEXT), vision_config=dict(model_type="clip_vision_model",
+                                                                              image_size=28, **SMALL_TOWER),
+        image_token_index=IMAGE, vision_feature_layer=-1, image_grid_pinpoints=[[28, 28]]),
+    "llava_onevision": lambda: transformers.LlavaOnevisionConfig(
+        text_config=dict(model_type="qwen2", **LLAMA_TEXT), vision_config=dict(model_type="siglip_vision_model",
+                                                                              image_size=28, **SMALL_TOWER),
+        image_token_index=IMAGE, video_token_index=VIDEO, vision_feature_layer=-1, image_grid_pinpoints=[[28, 28]]),
+    # Videos too: each frame pooled to one token (OneVision adds a newline token per video).
+    "llava_next_video": lambda: transformers.LlavaNextVideoConfig(
+        text_config=dict(model_type="llama", **LLAMA_TEXT), vision_config=dict(model_type="clip_vision_model",
+                                                                              image_size=28, **SMALL_TOWER),
+        image_token_index=IMAGE, video_token_index=VIDEO, vision_feature_layer=-1, image_grid_pinpoints=[[28, 28]],
+        spatial_pool_stride=2),
+    # Idefics3's tower and pixel-shuffle connector (56 x 56 images, scale 2: 4 tokens), its
+    # language model under ``text_model``; InternVL's likewise (downsample 0.5).
+    "idefics3": lambda: transformers.Idefics3Config(
+        text_config=dict(model_type="llama", **LLAMA_TEXT), vision_config=dict(image_size=56, **SMALL_TOWER),
+        image_token_id=IMAGE, scale_factor=2),
+    "smolvlm": lambda: transformers.SmolVLMConfig(
+        text_config=dict(model_type="llama", **LLAMA_TEXT), vision_config=dict(image_size=56, **SMALL_TOWER),
+        image_token_id=IMAGE, scale_factor=2),
+    "internvl": lambda: transformers.InternVLConfig(
+        text_config=dict(model_type="qwen2", **LLAMA_TEXT),
+        vision_config=dict(SMALL_TOWER, image_size=[56, 56], patch_size=[14, 14]),
+        image_token_id=IMAGE, downsample_ratio=0.5, vision_feature_layer=-1),
 }
+#: The families whose images are each a run of image tokens (no grids, 1-D positions): how many
+#: tokens an image makes, and its pixel inputs for n images over the B rows.
+TOKENS_PER_IMAGE = {"llava": 4, "mistral3": 4, "llava_next": 10, "llava_onevision": 10, "llava_next_video": 10,
+                    "idefics3": 4, "smolvlm": 4, "internvl": 4}
+#: Those that take videos too: the frames of a video of 8 tokens ([B, frames, 3, 28, 28]).
+VIDEO_FRAMES = {"llava_onevision": 7, "llava_next_video": 8}
+
+
+def image_pixels(name: str, n: int, gen: torch.Generator) -> dict:
+    if name == "llava":
+        return {"pixel_values": torch.randn(n, 3, 28, 28, generator=gen)}
+    if name == "mistral3":
+        return {"pixel_values": torch.randn(n, 3, 56, 56, generator=gen), "image_sizes": torch.tensor([[56, 56]] * n)}
+    if name in ("llava_next", "llava_onevision", "llava_next_video"):  # the base view and one tile
+        return {"pixel_values": torch.randn(n, 2, 3, 28, 28, generator=gen),
+                "image_sizes": torch.tensor([[28, 28]] * n)}
+    if name in ("idefics3", "smolvlm"):  # [B, images per row, ...]
+        return {"pixel_values": torch.randn(B, n // B, 3, 56, 56, generator=gen),
+                "pixel_attention_mask": torch.ones(B, n // B, 56, 56, dtype=torch.bool)}
+    return {"pixel_values": torch.randn(n, 3, 56, 56, generator=gen)}  # internvl
+
+
 PATCH = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch
 
 
@@ -55,28 +111,37 @@ def make_model(name: str) -> torch.nn.Module:
     return AutoModelForImageTextToText.from_config(CONFIGS[name](), attn_implementation="eager").float()
 
 
-def make_llava_batch(kind: str, start: int) -> dict:
-    """make_batch's rows for LLaVA: its images as [N, 3, 28, 28] pixels, no grids or videos."""
-    batch = make_batch(kind, start)
-    images = batch.pop("image_grid_thw").shape[0]
-    batch["input_ids"] = batch["input_ids"].masked_fill(batch["input_ids"] == VISION_START, 1)
-    batch["labels"] = batch["labels"].masked_fill(batch["labels"] == VISION_START, 1)
+def make_image_batch(name: str, kind: str, start: int) -> dict:
+    """make_batch's rows for the families of TOKENS_PER_IMAGE: each image a run of its tokens
+    (the second of "images" after the first where they would overlap), no grids or videos."""
+    batch = make_batch(kind, start, TOKENS_PER_IMAGE[name])
+    for key in ("input_ids", "labels"):
+        batch[key] = batch[key].masked_fill(batch[key] == VISION_START, 1)
     batch.pop("mm_token_type_ids")
-    batch["pixel_values"] = torch.randn(images, 3, 28, 28, generator=torch.Generator().manual_seed(2))
+    gen = torch.Generator().manual_seed(2)
+    if "image_grid_thw" in batch:
+        images = batch.pop("image_grid_thw").shape[0]
+        del batch["pixel_values"]
+        batch.update(image_pixels(name, images, gen))
+    if "video_grid_thw" in batch:  # a video per row
+        del batch["video_grid_thw"]
+        batch["pixel_values_videos"] = torch.randn(B, VIDEO_FRAMES[name], 3, 28, 28, generator=gen)
     return batch
 
 
-def make_batch(kind: str, start: int) -> dict:
-    """Two rows, row 1 right-padded by 3: one 4-token image per row from token ``start`` (a 4x4
-    patch grid, merged 2x2), or a video of 8 tokens (two temporal steps), or both (the image
-    at 1), or two images (at 1 and at ``start``), or "frames": the same video as Qwen3-VL's
+def make_batch(kind: str, start: int, image_tokens: int = 4) -> dict:
+    """Two rows, row 1 right-padded by 3: one image of ``image_tokens`` per row from token
+    ``start`` (4: a 4x4 patch grid, merged 2x2), or a video of 8 tokens (two temporal steps), or
+    both (the image at 1), or two images (at 1 and at ``start``, or after the first), or "frames": the same video as Qwen3-VL's
     processor lays it out, each temporal step its own run of 4 tokens after a timestamp token and
     a vision start (at ``start`` and ``start + 6``)."""
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, IMAGE - 1, (B, S), generator=gen)
     batch: dict = {}
-    spans = {"image": [(IMAGE, start, 4)], "video": [(VIDEO, start, 8)],
-             "both": [(IMAGE, 1, 4), (VIDEO, start, 8)], "images": [(IMAGE, 1, 4), (IMAGE, start, 4)],
+    t = image_tokens
+    spans = {"image": [(IMAGE, start, t)], "video": [(VIDEO, start, 8)],
+             "both": [(IMAGE, 1, t), (VIDEO, max(start, t + 2), 8)],
+             "images": [(IMAGE, 1, t), (IMAGE, max(start, t + 2), t)],
              "frames": [(VIDEO, start, 4), (VIDEO, start + 6, 4)]}[kind]
     for token, at, count in spans:
         ids[:, at - 1] = VISION_START
@@ -144,7 +209,9 @@ FRAMES = [("frames", 2, 10), ("frames", 3, 7), ("frames", 3, 2)]
 
 
 def _cases(name: str) -> list:
-    if name == "llava":  # no video
+    if name in VIDEO_FRAMES:
+        return CASES
+    if name in TOKENS_PER_IMAGE:  # no video
         return [c for c in CASES if c[0] in ("image", "images")]
     if name.startswith("qwen3_vl"):  # videos as frames apart (timestamps between)
         return [c for c in CASES if c[0] in ("image", "images")] + FRAMES
@@ -154,7 +221,7 @@ def _cases(name: str) -> list:
 @pytest.mark.parametrize("name,kind,P,start", [(name, *case) for name in CONFIGS for case in _cases(name)])
 def test_loss_and_every_gradient_equal_the_unsharded_model(name, kind, P, start):
     base = make_model(name)
-    batch = (make_llava_batch if name == "llava" else make_batch)(kind, start)
+    batch = make_image_batch(name, kind, start) if name in TOKENS_PER_IMAGE else make_batch(kind, start)
     want = reference(copy.deepcopy(base), batch)
     models = [copy.deepcopy(base) for _ in range(P)]
 
