@@ -63,16 +63,20 @@ def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
     return attention_mask
 
 
-def _attention_of(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> DistributedAttention:
-    attention = module.__dict__.get("_ulysses_attention")
+def _attention_of(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                  dense_mask: bool = False) -> DistributedAttention:
+    """The module's attention; with ``dense_mask`` a second one, not causal, for calls whose mask
+    stands for every rule (Gemma 3's image blocks: ``ulysses.vision.block_masks``)."""
+    slot = "_ulysses_attention_dense" if dense_mask else "_ulysses_attention"
+    attention = module.__dict__.get(slot)
     if attention is None:
         group = module.__dict__["_ulysses_group"]  # set by sequence_parallel()
         timeout = module.__dict__.get("_ulysses_timeout")
         attention = DistributedAttention(group, q_heads=query.shape[1], kv_heads=key.shape[1],
-                                         layout="BHSD", causal=getattr(module, "is_causal", True),
+                                         layout="BHSD", causal=not dense_mask and getattr(module, "is_causal", True),
                                          timeout=timeout, local=module.__dict__.get("_ulysses_local", "auto"),
                                          head_chunks=module.__dict__.get("_ulysses_head_chunks", 1))
-        object.__setattr__(module, "_ulysses_attention", attention)  # state, not a submodule
+        object.__setattr__(module, slot, attention)  # state, not a submodule
     return attention
 
 
@@ -92,7 +96,8 @@ def ulysses_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                          "forward of ulysses.hf.sequence_parallel(model, group): call that first, so that "
                          "every layer attends over the agreed split with global position ids (without "
                          "it each rank would attend within its own shard)")
-    attention = _attention_of(module, query, key)
+    dense = bool(kwargs.get("ulysses_dense_mask"))
+    attention = _attention_of(module, query, key, dense)
     if is_causal is not None and bool(is_causal) != attention.causal:
         raise ValueError(f"ulysses attention: is_causal={is_causal} but the module's attention "
                          f"was built with causal={attention.causal}")
@@ -113,7 +118,7 @@ def ulysses_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     attention.scale = scaling
     # transformers' sliding_window W: query i sees keys i - W < j <= i (its mask functions'
     # rule), the kernels' window. Set per call: a layer's kind (sliding or full) is fixed.
-    attention.window = int(kwargs.get("sliding_window") or 0)
+    attention.window = 0 if dense else int(kwargs.get("sliding_window") or 0)  # (a dense mask holds it)
     attention.softcap = float(kwargs.get("softcap") or 0.0)  # Gemma2's attn_logit_softcapping
     out = attention(query, key, value, mask=mask, position_ids=kwargs.get("position_ids"),
                     seq_lens=seq_lens, sinks=kwargs.get("s_aux"), step=step)  # s_aux: gpt-oss's sinks
@@ -579,6 +584,8 @@ def _vision_language_forward(model: PreTrainedModel, kwargs: dict):
     seq_lens = list(kwargs.get("ulysses_seq_lens") or vision.even_split(ids.shape[1], G.rank_and_size(group)[1]))
     with _shard_forward(model, seq_lens) as extra:
         kwargs.update(extra)
+        if kwargs.get("token_type_ids") is not None:  # Gemma 3's image blocks, on the whole sequence
+            kwargs["ulysses_blocks"] = vision.image_blocks(kwargs["token_type_ids"])
         return type(model).forward(model, **kwargs)
 
 

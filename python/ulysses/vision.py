@@ -33,7 +33,7 @@ from . import ops as O
 #: with ``inputs_embeds``): the tower, tiling and projector run as unsharded.
 MODELS = frozenset(f"{family}{suffix}" for suffix in ("ForConditionalGeneration", "Model") for family in (
     "Qwen2VL", "Qwen2_5_VL", "Qwen3VL", "Qwen3VLMoe", "Llava", "LlavaNext", "LlavaNextVideo", "LlavaOnevision",
-    "Mistral3", "Idefics3", "SmolVLM", "InternVL"))
+    "Mistral3", "Idefics3", "SmolVLM", "InternVL", "Gemma3"))
 #: Those whose vision tower encodes each frame on its own (attention within a frame, positions
 #: from its grid) and returns the merged embeddings the merge reads (and Qwen3-VL's, deepstack
 #: features of inner blocks, merged alike).
@@ -42,7 +42,8 @@ ENCODED_ONCE = frozenset({"Qwen2VLForConditionalGeneration", "Qwen2VLModel", "Qw
                           "Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeModel"})
 #: What their batches carry besides the text (each rank of an SP group holds the whole batch).
 BATCH_KEYS = frozenset({"pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
-                        "second_per_grid_ts", "mm_token_type_ids", "image_sizes", "pixel_attention_mask"})
+                        "second_per_grid_ts", "mm_token_type_ids", "image_sizes", "pixel_attention_mask",
+                        "token_type_ids"})
 #: The sub-configs of their encoders, which keep their own attention implementation.
 ENCODERS = ("vision_config",)
 
@@ -69,9 +70,56 @@ def _narrow(x: torch.Tensor | None, dim: int, seq_lens: list[int], rank: int) ->
     return x.narrow(dim, sum(seq_lens[:rank]), seq_lens[rank])
 
 
+def image_blocks(token_type_ids: torch.Tensor) -> torch.Tensor | None:
+    """Gemma 3's bidirectional image blocks: ``[B, S]`` ids, n for the tokens of a row's n-th run
+    of image tokens (``token_type_ids`` 1), -1 for text; None when the batch has no image token."""
+    image = token_type_ids == 1
+    if not bool(image.any()):
+        return None
+    starts = image & ~torch.nn.functional.pad(image, (1, 0))[:, :-1]
+    return torch.where(image, starts.long().cumsum(1) - 1, -1)
+
+
+def block_masks(blocks: torch.Tensor, padding: torch.Tensor | None, window: int, begin: int,
+                rows: int) -> dict[str, torch.Tensor]:
+    """The attention masks of this rank's query rows ``[begin, begin + rows)`` over all S keys,
+    ``[B, 1, rows, S]`` bool, by Gemma 3's layer kind: a query sees the keys before it and every
+    key of its own image block (``image_blocks``), and not the padding; a sliding layer only those
+    within ``window`` behind it. A dense mask (rows x S per rank, rebuilt over the group before the
+    kernel once per step): the kernels' rules are causal or not, and this is neither."""
+    S = blocks.shape[1]
+    q = torch.arange(begin, begin + rows, device=blocks.device)[:, None]
+    k = torch.arange(S, device=blocks.device)[None, :]
+    mine = blocks[:, begin:begin + rows, None]
+    seen = (k <= q) | ((mine == blocks[:, None, :]) & (mine >= 0))
+    if padding is not None:
+        seen = seen & padding.bool()[:, None, :]
+    full = seen[:, None]
+    return {"full_attention": full, "sliding_attention": full & (k > q - window) if window else full}
+
+
+def _sharded_masks(language_model: Any, mask: Any, blocks: torch.Tensor | None, seq_lens: list[int],
+                   rank: int) -> tuple[Any, bool]:
+    """This rank's share of the language model's ``attention_mask``, and whether it is a dense
+    mask that stands for every rule (``block_masks``). A 2-D padding mask is narrowed to the
+    shard (the attention gathers it); Gemma 3's masks by layer kind are the 2-D padding mask each
+    (the "ulysses" mask interface made them), or, with image blocks, the dense block masks."""
+    if isinstance(mask, dict):
+        padding = mask.get("full_attention")
+        if blocks is not None:
+            window = int(getattr(language_model.config, "sliding_window", None) or 0)
+            return block_masks(blocks, padding, window, sum(seq_lens[:rank]), seq_lens[rank]), True
+        return {kind: _narrow(m, 1, seq_lens, rank) for kind, m in mask.items()}, False
+    if mask is not None and mask.dim() != 2:
+        raise ValueError("ulysses.hf: a vision-language model under sequence parallelism takes a 2-D padding "
+                         f"mask [B, S]; got {list(mask.shape)}")
+    return _narrow(mask, 1, seq_lens, rank), False
+
+
 def _sharded_language_model(language_model: Any, *args, **kwargs):
     """The language model's forward on this rank's shard of the merged sequence (bound to it)."""
     seq_lens = kwargs.get("ulysses_seq_lens")
+    blocks = kwargs.pop("ulysses_blocks", None)
     if not seq_lens or args:
         return type(language_model).forward(language_model, *args, **kwargs)
     group = language_model.__dict__["_ulysses_group"]
@@ -81,14 +129,13 @@ def _sharded_language_model(language_model: Any, *args, **kwargs):
         raise ValueError(f"ulysses.hf: the language model of a vision-language model takes the whole merged "
                          f"sequence ({embeds.shape[1]} tokens here) and keeps its shard of the agreed split "
                          f"{seq_lens}: give the model the whole batch on every rank")
-    mask = kwargs.get("attention_mask")
-    if mask is not None and mask.dim() != 2:
-        raise ValueError("ulysses.hf: a vision-language model under sequence parallelism takes a 2-D padding "
-                         f"mask [B, S]; got {list(mask.shape)}")
+    mask, dense = _sharded_masks(language_model, kwargs.get("attention_mask"), blocks, seq_lens, rank)
+    if dense:
+        kwargs["ulysses_dense_mask"] = True  # (the attention runs it with no causal or window rule)
     positions = kwargs.get("position_ids")
     if positions is None:  # (the language model's default: 0..S-1 on the whole sequence)
         positions = torch.arange(embeds.shape[1], device=embeds.device).expand(embeds.shape[0], -1)
-    kwargs.update(inputs_embeds=_narrow(embeds, 1, seq_lens, rank), attention_mask=_narrow(mask, 1, seq_lens, rank),
+    kwargs.update(inputs_embeds=_narrow(embeds, 1, seq_lens, rank), attention_mask=mask,
                   position_ids=_narrow(positions, positions.dim() - 1, seq_lens, rank))
     visual = kwargs.get("visual_pos_masks")
     if visual is not None:  # Qwen3-VL's deepstack: the features of this shard's vision tokens
@@ -190,8 +237,8 @@ def images_digest(kwargs: dict) -> list[float]:
 
 #: The inputs images_digest reads, named in its error.
 IMAGE_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "image_sizes",
-              "pixel_attention_mask")
+              "pixel_attention_mask", "token_type_ids")
 
 
-__all__ = ["BATCH_KEYS", "ENCODERS", "IMAGE_KEYS", "MODELS", "even_split", "frame_split", "images_digest", "install",
-           "is_vision_language"]
+__all__ = ["BATCH_KEYS", "ENCODERS", "IMAGE_KEYS", "MODELS", "block_masks", "even_split", "frame_split",
+           "image_blocks", "images_digest", "install", "is_vision_language"]

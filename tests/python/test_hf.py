@@ -766,19 +766,20 @@ def test_generation_inside_unsharded_equals_the_plain_model():
             pass
 
 
-def _gemma3_config():
-    from transformers import Gemma3Config
+def _paligemma_config():
+    from transformers import PaliGemmaConfig
 
-    return Gemma3Config(text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8),
-                        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                           num_attention_heads=2, image_size=28, patch_size=14), mm_tokens_per_image=4,
-                        image_token_id=60)
+    return PaliGemmaConfig(text_config=dict(model_type="gemma", vocab_size=64, hidden_size=32, intermediate_size=48,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            head_dim=8),
+                           vision_config=dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32,
+                                              num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                                              patch_size=14, projection_dim=32), image_token_index=60)
 
 
-@pytest.mark.parametrize("config", [_gemma3_config])
+@pytest.mark.parametrize("config", [_paligemma_config])
 def test_a_vision_language_model_is_refused_alike_with_what_to_do(config):
-    """A VLM that ulysses.vision does not run (Gemma 3: bidirectional image blocks) used to fail at
+    """A VLM that ulysses.vision does not run (PaliGemma: a bidirectional prefix) used to fail at
     its first forward with an agreement error about sequence lengths (the vision tower's attention
     taken over, its patches treated as a shard); it is refused by name before any collective, on
     every rank alike."""

@@ -80,17 +80,22 @@ CONFIGS = {
         text_config=dict(model_type="qwen2", **LLAMA_TEXT),
         vision_config=dict(SMALL_TOWER, image_size=[56, 56], patch_size=[14, 14]),
         image_token_id=IMAGE, downsample_ratio=0.5, vision_feature_layer=-1),
+    # Gemma 3: an image's 4 tokens see each other both ways (token_type_ids); a sliding layer of
+    # window 3 (shorter than an image) and a full one.
+    "gemma3": lambda: transformers.Gemma3Config(
+        text_config=dict(LLAMA_TEXT, head_dim=8, sliding_window=3, layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(image_size=28, **SMALL_TOWER), mm_tokens_per_image=4, image_token_id=IMAGE),
 }
 #: The families whose images are each a run of image tokens (no grids, 1-D positions): how many
 #: tokens an image makes, and its pixel inputs for n images over the B rows.
 TOKENS_PER_IMAGE = {"llava": 4, "mistral3": 4, "llava_next": 10, "llava_onevision": 10, "llava_next_video": 10,
-                    "idefics3": 4, "smolvlm": 4, "internvl": 4}
+                    "idefics3": 4, "smolvlm": 4, "internvl": 4, "gemma3": 4}
 #: Those that take videos too: the frames of a video of 8 tokens ([B, frames, 3, 28, 28]).
 VIDEO_FRAMES = {"llava_onevision": 7, "llava_next_video": 8}
 
 
 def image_pixels(name: str, n: int, gen: torch.Generator) -> dict:
-    if name == "llava":
+    if name in ("llava", "gemma3"):
         return {"pixel_values": torch.randn(n, 3, 28, 28, generator=gen)}
     if name == "mistral3":
         return {"pixel_values": torch.randn(n, 3, 56, 56, generator=gen), "image_sizes": torch.tensor([[56, 56]] * n)}
@@ -123,6 +128,8 @@ def make_image_batch(name: str, kind: str, start: int) -> dict:
         images = batch.pop("image_grid_thw").shape[0]
         del batch["pixel_values"]
         batch.update(image_pixels(name, images, gen))
+    if name == "gemma3":
+        batch["token_type_ids"] = (batch["input_ids"] == IMAGE).long()
     if "video_grid_thw" in batch:  # a video per row
         del batch["video_grid_thw"]
         batch["pixel_values_videos"] = torch.randn(B, VIDEO_FRAMES[name], 3, 28, 28, generator=gen)
@@ -132,9 +139,9 @@ def make_image_batch(name: str, kind: str, start: int) -> dict:
 def make_batch(kind: str, start: int, image_tokens: int = 4) -> dict:
     """Two rows, row 1 right-padded by 3: one image of ``image_tokens`` per row from token
     ``start`` (4: a 4x4 patch grid, merged 2x2), or a video of 8 tokens (two temporal steps), or
-    both (the image at 1), or two images (at 1 and at ``start``, or after the first), or "frames": the same video as Qwen3-VL's
-    processor lays it out, each temporal step its own run of 4 tokens after a timestamp token and
-    a vision start (at ``start`` and ``start + 6``)."""
+    both (the image at 1), or two images (at 1 and at ``start``, or after the first), or
+    "frames": the same video as Qwen3-VL's processor lays it out, each temporal step its own run
+    of 4 tokens after a timestamp token and a vision start (at ``start`` and ``start + 6``)."""
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, IMAGE - 1, (B, S), generator=gen)
     batch: dict = {}
@@ -334,4 +341,20 @@ def test_a_forward_without_seq_lens_takes_shard_batchs_split(P):
         return sharded_step(uhf.sequence_parallel(models[rank], group), batch, group, give_seq_lens=False)
 
     for got in run_ranks(P, body):
+        assert_matches(got, want)
+
+
+@pytest.mark.parametrize("token_types", ["none", "all text"])
+def test_gemma3_without_image_blocks_attends_causally(token_types):
+    """Gemma 3 given no token_type_ids (or no image token among them) makes causal masks only, as
+    transformers' own model does: no dense mask then, the padding mask narrowed to the shard."""
+    base = make_model("gemma3")
+    batch = make_image_batch("gemma3", "images", 7)
+    if token_types == "none":
+        del batch["token_type_ids"]
+    else:
+        batch["token_type_ids"] = torch.zeros_like(batch["token_type_ids"])
+    want = reference(copy.deepcopy(base), batch)
+    models = [copy.deepcopy(base) for _ in range(3)]
+    for got in run_ranks(3, lambda rank, group: sharded_step(uhf.sequence_parallel(models[rank], group), batch, group)):
         assert_matches(got, want)
