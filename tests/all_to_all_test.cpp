@@ -10,6 +10,7 @@
 
 #include "testing.h"
 #include "transport/agreement.h"
+#include "transport/group_runtime.h"
 #include "ulysses/attention.h"
 #include "ulysses/collective_recorder.h"
 #include "ulysses/mask.h"
@@ -34,12 +35,13 @@ struct Case {
   int64_t B = 2, D = 8, Dv = 8;
   // > 0: every exchange goes as pipelined messages of about this many bytes (0: one collective).
   int64_t message_bytes = 0;
-  // With message_bytes > 0: blocks between these ranks (all on this host) go through shared
-  // memory instead of messages.
+  // Blocks between these ranks (all on this host) go through shared memory: with message_bytes
+  // > 0 instead of messages, else instead of the collective (Note [Flag handshake]).
   bool shared_memory = false;
 };
 
-// `g` with the case's exchange options.
+// `g` with the case's exchange options. Every call of every rank issues the same collectives
+// (pipelined through shared memory: the links' set-up).
 Group with_exchange(const Group& g, const Case& c) {
   GroupOptions options = g.options();
   options.shared_memory = c.shared_memory;
@@ -49,7 +51,11 @@ Group with_exchange(const Group& g, const Case& c) {
   } else {
     options.pipeline_min_bytes = std::numeric_limits<int64_t>::max();
   }
-  return g.with_options(options);
+  const Group h = g.with_options(options);
+  // Pipelined through shared memory: as when some rank is on another host (else the ranks, all
+  // on this one, hand over with flags).
+  if (c.message_bytes > 0 && c.shared_memory) h.runtime().links(h).stop_flag_exchanges();
+  return h;
 }
 
 std::string describe(const Case& c) {
@@ -57,6 +63,7 @@ std::string describe(const Case& c) {
   os << "P" << c.P << "_q" << c.hq << "_kv" << c.hkv << "_S" << c.S << "_" << to_string(c.layout)
      << "_B" << c.B << "_D" << c.D << "_Dv" << c.Dv;
   if (c.message_bytes > 0) os << (c.shared_memory ? "_shm" : "_messages") << c.message_bytes;
+  if (c.message_bytes == 0 && c.shared_memory) os << "_flags";
   return os.str();
 }
 std::string case_name(const ::testing::TestParamInfo<Case>& info) { return describe(info.param); }
@@ -342,6 +349,8 @@ std::vector<Case> cases() {
     Case c = out[i];  // And through shared memory.
     c.message_bytes = 1 << 20;
     c.shared_memory = true;
+    out.push_back(c);
+    c.message_bytes = 0;  // And small, handed over with flags.
     out.push_back(c);
   }
   return out;
@@ -643,6 +652,76 @@ TEST(AllToAllSharedMemory, BlocksBypassMessages) {
     EXPECT_TRUE(y.equal(scatter_heads(x, Heads::kQuery, sharding, plain)));
     EXPECT_TRUE(gather_heads(y, Heads::kQuery, sharding, g).equal(x));
   });
+}
+
+// Small exchanges between ranks of one host hand over with flags in their outboxes' control
+// pages (Note [Flag handshake]): no message, one collective counted, and the same result bit for
+// bit as the collective, whole tensors fused (uneven query heads, kv heads replicated) and back
+// (replicas summed). A larger exchange after a smaller one grows the outboxes.
+TEST(AllToAllSharedMemory, SmallExchangesHandOverWithFlags) {
+  expect_ranks_succeed(3, [](Group& world) {
+    GroupOptions on = world.options(), off = world.options();
+    on.transport = off.transport = GroupOptions::Transport::kMessages;
+    on.shared_memory = true;
+    off.shared_memory = false;
+    const Group g = world.with_options(on), plain = world.with_options(off);
+    const auto part = HeadPartition::make(4, 1, 3);  // q heads 2, 1, 1; the kv head on all three.
+    for (int64_t S : {10, 3000}) {
+      const auto seq = SequencePartition::even(S, 3);
+      const Range mine = seq.range(g.rank());
+      at::Tensor q = seeded_randn({2, S, 4, 8}, 81).narrow(1, mine.begin, mine.size()).contiguous();
+      at::Tensor k = seeded_randn({2, S, 1, 8}, 82).narrow(1, mine.begin, mine.size()).contiguous();
+      const Sharding sharding{part, seq, Layout::kBSHD};
+      const std::vector<Heads> heads{Heads::kQuery, Heads::kKeyValue};
+      scatter_heads({q, k}, heads, sharding, g);  // Sets the links up (S = 10), grows (3000).
+      const int64_t collectives = g.recorder().collectives(),
+                    messages = g.recorder().p2p_messages(), flags = g.recorder().flag_exchanges();
+      const auto y = scatter_heads({q, k}, heads, sharding, g);
+      EXPECT_EQ(g.recorder().collectives() - collectives, 1);
+      EXPECT_EQ(g.recorder().flag_exchanges() - flags, 1);
+      EXPECT_EQ(g.recorder().p2p_messages() - messages, 0);
+      const auto want = scatter_heads({q, k}, heads, sharding, plain);
+      EXPECT_TRUE(y[0].equal(want[0]) && y[1].equal(want[1])) << S;
+      const auto back = gather_heads(y, heads, sharding, g);
+      const auto back_want = gather_heads(want, heads, sharding, plain);
+      EXPECT_TRUE(back[0].equal(q) && back[1].equal(back_want[1])) << S;
+    }
+  });
+}
+
+// A peer that skips a small exchange through shared memory: the others raise after the timeout,
+// as a collective's wait does, and say where they wait well before.
+TEST(AllToAllSharedMemory, AbsentPeerInAFlagHandshakeIsAnErrorNotAHang) {
+  ::testing::internal::CaptureStderr();
+  auto errors = run_ranks(
+      2,
+      [](Group& world) {
+        GroupOptions on = world.options();
+        on.transport = GroupOptions::Transport::kMessages;
+        on.shared_memory = true;
+        const Group g = world.with_options(on);
+        const auto seq = SequencePartition::even(4, 2);
+        const Sharding sharding{HeadPartition::make(2, 2, 2), seq, Layout::kBSHD};
+        at::Tensor x = at::ones({1, 2, 2, 4});
+        scatter_heads(x, Heads::kQuery, sharding, g);  // Both: the links are set up.
+        if (g.rank() == 1) {
+          std::this_thread::sleep_for(std::chrono::seconds(5));  // Skips the next one.
+          return;
+        }
+        scatter_heads(x, Heads::kQuery, sharding, g);
+      },
+      std::chrono::milliseconds(2500));
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(errors[0].find("shared-memory exchange #"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("failed on rank 0 of 2 (timeout 2500 ms; a peer may have died or "
+                           "skipped it): still waiting for ranks 1"),
+            std::string::npos)
+      << errors[0];
+  EXPECT_EQ(errors[1], "");
+  EXPECT_NE(log.find("rank 0 of 2 has waited 0.6 s of its 2.5 s timeout in shared-memory "
+                     "exchange #"),
+            std::string::npos)
+      << log;
 }
 
 // all_gather_sequence and reduce_scatter_sequence at P = 3 over S = 10 (4, 3, 3): forward

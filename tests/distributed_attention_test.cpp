@@ -17,6 +17,7 @@ using testing::expect_ranks_fail_alike;
 using testing::expect_ranks_succeed;
 using testing::rel_error;
 using testing::run_ranks;
+using testing::set_up_links;
 using testing::where;
 
 using testing::seeded_randn;
@@ -225,6 +226,7 @@ TEST(DistributedAttention, SharedMaskIsGatheredOncePerStep) {
                v = seeded_randn({1, 4, 2, 8}, 3);
     at::Tensor mask = seeded_randn({1, 1, 4, 8}, 4).gt(0);
     std::vector<DistributedAttention> layers(3, DistributedAttention(g));
+    set_up_links(g);
     auto run = [&](StepContext* ctx) {
       const int64_t before = g.recorder().collectives();
       for (auto& layer : layers) layer(q, k, v, {mask, c10::nullopt, ctx});
@@ -250,6 +252,7 @@ TEST(DistributedAttention, HeadChunksRunOneCallPerChunk) {
                v = seeded_randn({1, 4, 4, 8}, 3);
     AttentionOptions whole, chunked;
     chunked.head_chunks = 4;
+    set_up_links(g);
     const int64_t before = g.recorder().collectives();
     const at::Tensor o1 = DistributedAttention(g, whole)(q, k, v);
     const int64_t one = g.recorder().collectives() - before;
@@ -309,6 +312,7 @@ TEST(DistributedAttention, LaterLayersOfAStepReuseItsAgreement) {
     AttentionOptions options;
     options.causal = true;
     std::vector<DistributedAttention> layers(4, DistributedAttention(g, options));
+    set_up_links(g);
     const StepRun want = run_layers(g, layers, q, k, v, nullptr);
     EXPECT_EQ(want.counts, (std::vector<int64_t>{3, 3, 3, 3}));
     for (int s = 0; s < 2; ++s) {  // Two steps, one StepContext each.

@@ -11,6 +11,7 @@
 #include <sstream>
 #include <thread>
 
+#include "transport/group_runtime.h"
 #include "ulysses/mesh.h"
 
 namespace py = pybind11;
@@ -49,6 +50,8 @@ class Python {
 };
 
 }  // namespace
+
+void set_up_links(const Group& g) { g.runtime().links(g); }
 
 std::vector<std::string> run_ranks(int world, const std::function<void(Group&)>& body,
                                    std::chrono::milliseconds timeout) {

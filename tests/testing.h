@@ -25,6 +25,10 @@ std::vector<std::string> run_ranks(int world, const std::function<void(Group&)>&
 // ask for a partition creates every group of it; each rank gets its own.
 Mesh::Split thread_split(const Group& world);
 
+// Sets up `g`'s shared-memory links (two all_gathers, which every rank issues), so that a count
+// of collectives after it holds no one-time set-up (a group's first exchange makes them).
+void set_up_links(const Group& g);
+
 // Runs `body` on `world` ranks and fails the test with every rank's error, if any.
 void expect_ranks_succeed(int world, const std::function<void(Group&)>& body);
 

@@ -27,6 +27,10 @@ class CollectiveRecorder {
   // Point-to-point messages and bytes this rank sent.
   int64_t p2p_messages() const { return p2p_messages_.load(); }
   int64_t p2p_bytes() const { return p2p_bytes_.load(); }
+  // Of the collectives, exchanges handed over through shared memory with no message (small ones
+  // between ranks of one host: Note [Flag handshake], src/transport/shared_exchange.cpp).
+  int64_t flag_exchanges() const { return flag_exchanges_.load(); }
+  void flag_exchange() { flag_exchanges_ += 1; }
 
   // From now on, keeps when each collective begins and ends, dropping what was kept (Note
   // [Waiting for the last rank] in src/transport/collective_recorder.cpp).
@@ -74,6 +78,7 @@ class CollectiveRecorder {
   std::atomic<int64_t> nanoseconds_{0};
   std::atomic<int64_t> p2p_messages_{0};
   std::atomic<int64_t> p2p_bytes_{0};
+  std::atomic<int64_t> flag_exchanges_{0};
   std::atomic<bool> keep_times_{false};
   std::mutex times_mu_;
   std::vector<Times> times_;  // Guarded by times_mu_; in order of ending.

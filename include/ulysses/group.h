@@ -49,20 +49,23 @@ struct GroupOptions {
   // A rank still waiting for a collective after this fraction of `timeout` logs (to stderr,
   // once per collective) which collective it waits in and for which peers; in [0, 1], 0 never.
   double log_wait_fraction = 0.25;
-  // Ulysses all-to-alls of CPU tensors that send at least this many bytes to other ranks go as
-  // point-to-point messages of about `message_bytes` each: packing message i+1 overlaps the
-  // transfer of message i, blocks that land contiguously are received in place, and this rank's
-  // own block is copied straight across. Smaller exchanges (and other devices, and the batched
-  // transport) take one collective, where a message's fixed cost would dominate. >= 0 and > 0.
+  // Ulysses all-to-alls of CPU tensors between ranks not all on one host (else see
+  // `shared_memory`) that send at least this many bytes to other ranks go as point-to-point
+  // messages of about `message_bytes` each: packing message i+1 overlaps the transfer of message
+  // i, blocks that land contiguously are received in place, and this rank's own block is copied
+  // straight across. Smaller exchanges (and other devices, and the batched transport) take one
+  // collective, where a message's fixed cost would dominate. >= 0 and > 0.
   int64_t pipeline_min_bytes = int64_t{4} << 20;
   int64_t message_bytes = int64_t{4} << 20;
-  // Pipelined exchanges with ranks on this host go through shared memory (/dev/shm): the sender
-  // packs its blocks into a file the receiver maps, and the receiver copies them out; other
-  // ranks' blocks still go as messages. Ranks in other network namespaces count as other
-  // hosts. The first such exchange of a group sets its links up with two all_gathers, counted
-  // once per group (docs/benchmarks.md has its speed). Where /dev/shm cannot hold a rank's
-  // outbox, its blocks go as messages instead (one warning), exact. Unset: on, unless
-  // ULYSSES_SHARED_MEMORY is 0.
+  // CPU exchanges with ranks on this host go through shared memory (/dev/shm): the sender packs
+  // its blocks into a file the receiver maps, and the receiver copies them out. When every rank
+  // of the group is on this host, every such exchange, whatever its size, hands over with flags
+  // in those files and no message at all (one collective counted); otherwise pipelined exchanges
+  // send co-located ranks their blocks so and the others as messages. Ranks in other network
+  // namespaces count as other hosts. The first exchange of a group sets its links up with two
+  // all_gathers, counted once per group (docs/benchmarks.md has its speed). Where /dev/shm
+  // cannot hold a rank's outbox, its blocks go as messages or collectives instead (one
+  // warning), exact. Unset: on, unless ULYSSES_SHARED_MEMORY is 0. Not for the batched transport.
   std::optional<bool> shared_memory;
   // How point-to-point transfers are posted. NCCL matches sends and receives between two ranks
   // in the order they are posted, whatever their tags, and runs unbatched ones one by one on a

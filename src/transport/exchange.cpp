@@ -6,6 +6,7 @@
 #include "transport/environment.h"
 #include "transport/exchange_blocks.h"
 #include "transport/message_tags.h"
+#include "transport/shared_exchange.h"
 #include "transport/shared_transfer.h"
 #include "transport/slabs.h"
 #include "transport/transfers.h"
@@ -147,9 +148,11 @@ void exchange_pipelined(const BlockTensors& in, const BlockTensors& out, const E
 }  // namespace
 
 // Executes `plan` from `xs` (whole tensors, or parts by peer) into fresh outputs (whole, or
-// parts by peer): large CPU exchanges as pipelined messages, the
-// rest in one collective (GroupOptions::pipeline_min_bytes). Every rank decides alike, from
-// sizes the plan has the same on every rank.
+// parts by peer). CPU exchanges between ranks all on one host go through shared memory with no
+// message (Note [Flag handshake]: faster than messages or a collective at every size measured);
+// otherwise large CPU exchanges go as pipelined messages (GroupOptions::pipeline_min_bytes), the
+// rest in one collective. Every rank decides alike, from sizes the plan has the same on every
+// rank and from links every rank knows alike.
 std::vector<at::Tensor> exchange(const std::vector<at::Tensor>& xs, HeadForm from,
                                  const ExchangePlan& plan, Layout layout, HeadForm to,
                                  const Group& group) {
@@ -159,8 +162,12 @@ std::vector<at::Tensor> exchange(const std::vector<at::Tensor>& xs, HeadForm fro
                                  layout, parts_out, group);
   const int64_t bytes_per_rank = plan.total_elements() * xs[0].element_size() / group.size();
   // Batched transport: collectives and batched transfers only (GroupOptions::transport).
-  if (xs[0].device().is_cpu() && !batches(group, c10::DeviceType::CPU) &&
-      bytes_per_rank >= group.options().pipeline_min_bytes) {
+  const bool host = xs[0].device().is_cpu() && !batches(group, c10::DeviceType::CPU);
+  if (host && uses_shared_memory(group.options()) &&
+      exchange_through_outboxes(in, out, plan, group)) {
+    return std::move(out.tensors);
+  }
+  if (host && bytes_per_rank >= group.options().pipeline_min_bytes) {
     exchange_pipelined(in, out, plan, group);
   } else {
     exchange_collective(in, out, plan, group);

@@ -27,13 +27,13 @@ std::string peer_list(const Group& g, const std::vector<int64_t>* out_splits,
   return peers.str();
 }
 
+}  // namespace
+
 std::string seconds(std::chrono::milliseconds t) {
   char text[32];
   std::snprintf(text, sizeof text, "%.1f", t.count() / 1e3);
   return text;
 }
-
-}  // namespace
 
 void wait(const Group& g, const char* op, const c10::intrusive_ptr<c10d::Work>& work,
           int64_t number, c10::DeviceType device, const std::vector<int64_t>* out_splits,

@@ -6,7 +6,9 @@
 #include <c10/core/DeviceType.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <chrono>
 #include <cstdint>
+#include <string>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <vector>
 
@@ -36,6 +38,9 @@ class NoPythonObjectsInWork {
 // Whether a wait for work on `device` tensors is timed and logged on the host (CPU tensors:
 // GroupOptions::timeout), or left to the stream and the process group (Note [Waits]).
 inline bool waits_on_host(c10::DeviceType device) { return device == c10::DeviceType::CPU; }
+
+// `t` in seconds, one decimal: how slow waits are logged.
+std::string seconds(std::chrono::milliseconds t);
 
 // Waits for `work` (collective number `number` of `g`, named `op`), turning a backend failure
 // into an error that says where it happened. A wait longer than GroupOptions::

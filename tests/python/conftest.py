@@ -96,6 +96,12 @@ def run_example(script: str, nproc: int, *args: str, timeout_s: float = 240):
                           capture_output=True, text=True, env=env, timeout=timeout_s)
 
 
+def set_up_links(group: str, P: int) -> None:
+    """One tiny exchange on every rank of ``group``: its first sets up the group's shared-memory
+    links (two all_gathers), so that a count of collectives after it holds no one-time set-up."""
+    ulysses.scatter_heads([torch.zeros(1, 1, P, 1)], ["q"], P, P, [1] * P, group=group)
+
+
 def seq_lens(S: int, P: int) -> list[int]:
     return [S // P + (r < S % P) for r in range(P)]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ulysses
-from conftest import run_processes, run_ranks, run_ranks_errors, seq_lens, shard
+from conftest import run_processes, run_ranks, run_ranks_errors, seq_lens, set_up_links, shard
 from reference import reference_attention
 
 CASES = [
@@ -130,6 +130,7 @@ def test_shared_mask_is_rebuilt_once_per_step():
         mask = shard(M, 2, rank, lens)
         # Without a step first: a call without one after the step would miss the group's armed
         # agreement once (Note [Reused agreement]).
+        set_up_links(group, 2)
         before = ulysses._C.collective_count(group)
         for layer in layers:
             layer(*x, mask=mask, seq_lens=lens)

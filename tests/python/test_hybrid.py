@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 import ulysses
 import ulysses.hf as uhf
-from conftest import run_ranks, run_ranks_errors, seq_lens, shard
+from conftest import run_ranks, run_ranks_errors, seq_lens, set_up_links, shard
 from test_hf import VOCAB, assert_matches, make_batch, reference, sharded_step
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, use_cache=False, max_position_embeddings=64)
@@ -91,6 +91,7 @@ def test_one_exchange_each_way_per_mixer(name, layer, each_way):
     def body(rank, group):
         mixer = getattr(uhf.sequence_parallel(models[rank], group).model.layers[0], layer)
         xs = shard(x, 1, rank, lens).requires_grad_()
+        set_up_links(group, 2)
         before = ulysses._C.collective_count(group)
         y = mixer(xs, ulysses_seq_lens=lens)
         forward = ulysses._C.collective_count(group) - before

@@ -86,7 +86,7 @@ def _shared_memory_exchange(rank: int, group: str, on_ranks: list[int]):
     os.environ.pop("ULYSSES_SHARED_MEMORY", None)
     if rank not in on_ranks:
         os.environ["ULYSSES_SHARED_MEMORY"] = "0"
-    S, H, D = 2048, 16, 64  # 4 MiB per rank: large enough to take the pipelined path.
+    S, H, D = 2048, 16, 64  # 4 MiB per rank (processes of one host: the flag handshake)
     lens = seq_lens(S, 2)
     q = shard(torch.randn(1, S, H, D, generator=torch.Generator().manual_seed(3)), 1, rank, lens)
     q = q.clone().requires_grad_()
