@@ -121,7 +121,8 @@ bool exchange_through_outboxes(const BlockTensors& in, const BlockTensors& out,
     if (j != me) need = std::max(need, send_starts[j + 1] * element);
   int error = 0;
   uint8_t* base = need > 0 ? links.outbox(need, error) : nullptr;
-  for (int j = 0; j < P; ++j) links.publish(SharedMemoryLinks::kChunks + j, send_starts[j] * element);
+  for (int j = 0; j < P; ++j)
+    links.publish(SharedMemoryLinks::kChunks + j, send_starts[j] * element);
   // kBytes: the outbox's size, or where it could not grow the size it needed.
   links.publish(SharedMemoryLinks::kBytes, error == 0 ? links.outbox_bytes() : need);
   links.publish(SharedMemoryLinks::kPackError, error);
@@ -134,7 +135,7 @@ bool exchange_through_outboxes(const BlockTensors& in, const BlockTensors& out,
     if (failed == 0) continue;
     const int64_t needed = j == me ? need : links.peer_field(j, SharedMemoryLinks::kBytes);
     links.publish(SharedMemoryLinks::kRead, n);  // (nothing read: no one waits for it)
-    for (int k = 0; k < P; ++k) links.drop(k);  // Every rank drops every link, alike.
+    for (int k = 0; k < P; ++k) links.drop(k);   // Every rank drops every link, alike.
     TORCH_WARN_ONCE("ulysses: /dev/shm cannot hold a ", needed, "-byte shared-memory outbox (",
                     std::strerror(static_cast<int>(failed)), ") for rank ", j,
                     ": blocks for ranks on this host go as messages or collectives from now on "
@@ -150,7 +151,8 @@ bool exchange_through_outboxes(const BlockTensors& in, const BlockTensors& out,
     if (j == me || recv_starts[j] == recv_starts[j + 1]) continue;
     const uint8_t* peer =
         links.inbox(j, links.peer_field(j, SharedMemoryLinks::kBytes), read_error);
-    if (peer != nullptr) chunk_from[j] = peer + links.peer_field(j, SharedMemoryLinks::kChunks + me);
+    if (peer != nullptr)
+      chunk_from[j] = peer + links.peer_field(j, SharedMemoryLinks::kChunks + me);
   }
 
   // 4. Tensor by tensor: pack its blocks, say so, copy the peers' out (one tensor's blocks at a
@@ -168,7 +170,8 @@ bool exchange_through_outboxes(const BlockTensors& in, const BlockTensors& out,
     }
     links.publish(SharedMemoryLinks::kPacked, started + t + 1);
     for (size_t i = 0; i < own_send.size(); ++i)
-      if (own_send[i]->tensor == t) put_block(out.view(*own_recv[i]), in.view(*own_send[i]), out, plan);
+      if (own_send[i]->tensor == t)
+        put_block(out.view(*own_recv[i]), in.view(*own_send[i]), out, plan);
     if (read_error != 0) continue;  // (still packing: the peers read this rank's blocks)
     wait_for_peers(group, links, SharedMemoryLinks::kPacked, started + t + 1, scope.number());
     for (const ExchangeBlock& b : plan.recv()) {
