@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-files=$(git ls-files '*.cpp' '*.h')
+# Tracked files and new ones not ignored: a file added since the last commit is checked too.
+files=$(git ls-files --cached --others --exclude-standard '*.cpp' '*.h')
 if [ "${1:-}" = "--check" ]; then
   # One command per line: under set -e a failure in `a && b` would not stop the script.
   .venv/bin/clang-format --dry-run --Werror $files
