@@ -22,6 +22,7 @@ using testing::expect_ranks_fail_alike;
 using testing::expect_ranks_succeed;
 using testing::rel_error;
 using testing::run_ranks;
+using testing::run_with_absent_peer;
 using testing::where;
 
 using testing::seeded_randn;
@@ -692,36 +693,28 @@ TEST(AllToAllSharedMemory, SmallExchangesHandOverWithFlags) {
 // A peer that skips a small exchange through shared memory: the others raise after the timeout,
 // as a collective's wait does, and say where they wait well before.
 TEST(AllToAllSharedMemory, AbsentPeerInAFlagHandshakeIsAnErrorNotAHang) {
-  ::testing::internal::CaptureStderr();
-  auto errors = run_ranks(
-      2,
-      [](Group& world) {
+  const auto seq = SequencePartition::even(4, 2);
+  const Sharding sharding{HeadPartition::make(2, 2, 2), seq, Layout::kBSHD};
+  const at::Tensor x = at::ones({1, 2, 2, 4});
+  const auto run = run_with_absent_peer(
+      [&](Group& world) {
         GroupOptions on = world.options();
         on.transport = GroupOptions::Transport::kMessages;
         on.shared_memory = true;
         const Group g = world.with_options(on);
-        const auto seq = SequencePartition::even(4, 2);
-        const Sharding sharding{HeadPartition::make(2, 2, 2), seq, Layout::kBSHD};
-        at::Tensor x = at::ones({1, 2, 2, 4});
         scatter_heads(x, Heads::kQuery, sharding, g);  // Both: the links are set up.
-        if (g.rank() == 1) {
-          std::this_thread::sleep_for(std::chrono::seconds(5));  // Skips the next one.
-          return;
-        }
-        scatter_heads(x, Heads::kQuery, sharding, g);
+        return g;
       },
-      std::chrono::milliseconds(2500));
-  const std::string log = ::testing::internal::GetCapturedStderr();
-  EXPECT_NE(errors[0].find("shared-memory exchange #"), std::string::npos) << errors[0];
-  EXPECT_NE(errors[0].find("failed on rank 0 of 2 (timeout 2500 ms; a peer may have died or "
+      [&](const Group& g) { scatter_heads(x, Heads::kQuery, sharding, g); });
+  EXPECT_NE(run.error.find("shared-memory exchange #"), std::string::npos) << run.error;
+  EXPECT_NE(run.error.find("failed on rank 0 of 2 (timeout 2500 ms; a peer may have died or "
                            "skipped it): still waiting for ranks 1"),
             std::string::npos)
-      << errors[0];
-  EXPECT_EQ(errors[1], "");
-  EXPECT_NE(log.find("rank 0 of 2 has waited 0.6 s of its 2.5 s timeout in shared-memory "
-                     "exchange #"),
+      << run.error;
+  EXPECT_NE(run.log.find("rank 0 of 2 has waited 0.6 s of its 2.5 s timeout in shared-memory "
+                         "exchange #"),
             std::string::npos)
-      << log;
+      << run.log;
 }
 
 // all_gather_sequence and reduce_scatter_sequence at P = 3 over S = 10 (4, 3, 3): forward

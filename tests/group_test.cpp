@@ -19,6 +19,7 @@ namespace {
 using testing::expect_ranks_fail_alike;
 using testing::expect_ranks_succeed;
 using testing::run_ranks;
+using testing::run_with_absent_peer;
 
 TEST(Group, AllGatherAndAllReduce) {
   expect_ranks_succeed(3, [](Group& g) {
@@ -239,29 +240,20 @@ TEST(Group, RejectsInvalidOptions) {
 }
 
 TEST(Group, AbsentPeerIsAnErrorNotAHangAndTheWaitIsLogged) {
-  ::testing::internal::CaptureStderr();
-  auto errors = run_ranks(
-      2,
-      [](Group& g) {
-        if (g.rank() == 1) {
-          std::this_thread::sleep_for(std::chrono::seconds(5));  // Never joins the collective.
-          return;
-        }
-        at::Tensor t = at::ones({8});
-        g.all_reduce_sum(t);
-      },
-      std::chrono::milliseconds(2500));
-  const std::string log = ::testing::internal::GetCapturedStderr();
-  EXPECT_NE(errors[0].find("collective all_reduce #1 failed on rank 0 of 2 (timeout 2500 ms"),
+  const auto run = run_with_absent_peer([](Group& g) { return g; },
+                                        [](const Group& g) {
+                                          at::Tensor t = at::ones({8});
+                                          g.all_reduce_sum(t);
+                                        });
+  EXPECT_NE(run.error.find("collective all_reduce #1 failed on rank 0 of 2 (timeout 2500 ms"),
             std::string::npos)
-      << errors[0];
-  EXPECT_EQ(errors[1], "");
+      << run.error;
   // After a quarter of its timeout (GroupOptions::log_wait_fraction) rank 0 said where it waits.
-  EXPECT_NE(log.find("rank 0 of 2 has waited 0.6 s of its 2.5 s timeout in all_reduce #1 of "
-                     "group"),
+  EXPECT_NE(run.log.find("rank 0 of 2 has waited 0.6 s of its 2.5 s timeout in all_reduce #1 of "
+                         "group"),
             std::string::npos)
-      << log;
-  EXPECT_NE(log.find("for ranks 1\n"), std::string::npos) << log;
+      << run.log;
+  EXPECT_NE(run.log.find("for ranks 1\n"), std::string::npos) << run.log;
 }
 
 }  // namespace

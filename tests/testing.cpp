@@ -117,6 +117,25 @@ Mesh::Split thread_split(const Group& world) {
   };
 }
 
+AbsentPeerRun run_with_absent_peer(const std::function<Group(Group&)>& setup,
+                                   const std::function<void(const Group&)>& body) {
+  ::testing::internal::CaptureStderr();
+  auto errors = run_ranks(
+      2,
+      [&](Group& world) {
+        const Group g = setup(world);
+        if (g.rank() == 1) {
+          std::this_thread::sleep_for(std::chrono::seconds(5));  // Never joins `body`.
+          return;
+        }
+        body(g);
+      },
+      std::chrono::milliseconds(2500));
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(errors[1], "");
+  return {errors[0], log};
+}
+
 void expect_ranks_succeed(int world, const std::function<void(Group&)>& body) {
   auto errors = run_ranks(world, body);
   for (int r = 0; r < world; ++r) {

@@ -29,6 +29,15 @@ Mesh::Split thread_split(const Group& world);
 // of collectives after it holds no one-time set-up (a group's first exchange makes them).
 void set_up_links(const Group& g);
 
+// Two ranks with a 2.5 s timeout: both run `setup(group)` (which returns the group to use), then
+// rank 0 runs `body` on it while rank 1 sleeps 5 s instead. Returns rank 0's error (rank 1's must
+// be "") and what was logged meanwhile: how a wait for an absent peer ends.
+struct AbsentPeerRun {
+  std::string error, log;
+};
+AbsentPeerRun run_with_absent_peer(const std::function<Group(Group&)>& setup,
+                                   const std::function<void(const Group&)>& body);
+
 // Runs `body` on `world` ranks and fails the test with every rank's error, if any.
 void expect_ranks_succeed(int world, const std::function<void(Group&)>& body);
 

@@ -126,17 +126,7 @@ void exchange_pipelined(const BlockTensors& in, const BlockTensors& out, const E
       io.send(detail::wire_view(src), to, kFirstMessage + static_cast<int>(i));
     }
   }
-  // This rank's own blocks: its send and receive blocks for itself come in the same order.
-  auto own = [&](const std::vector<ExchangeBlock>& blocks) {
-    std::vector<const ExchangeBlock*> mine;
-    for (const ExchangeBlock& b : blocks)
-      if (b.peer == me) mine.push_back(&b);
-    return mine;
-  };
-  const auto own_send = own(plan.send()), own_recv = own(plan.recv());
-  for (size_t i = 0; i < own_send.size(); ++i) {
-    put_block(out.view(*own_recv[i]), in.view(*own_send[i]), out, plan);
-  }
+  copy_own_blocks(in, out, plan, me);
   if (shared) shared->finish();
   for (Arrival& a : arrivals) {
     io.wait(a.transfer);

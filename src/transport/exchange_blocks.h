@@ -110,6 +110,49 @@ inline void put_block(const at::Tensor& dst, const at::Tensor& src, const BlockT
   }
 }
 
+// Copies the blocks of `in` that `keep` picks into the flat buffer at `base`, where element
+// `start` of the flat send buffer of one collective sits (blocks lie there at `offset`).
+template <class Keep>
+void pack_blocks(uint8_t* base, int64_t start, const std::vector<ExchangeBlock>& blocks,
+                 const BlockTensors& in, Keep keep) {
+  for (const ExchangeBlock& b : blocks) {
+    if (b.numel == 0 || !keep(b)) continue;
+    const at::Tensor src = in.view(b);
+    at::from_blob(base + (b.offset - start) * src.element_size(), src.sizes(), src.options())
+        .copy_(src);
+  }
+}
+
+// Puts the received blocks of `plan` that `keep` picks in place in `out` (or adds them) from the
+// flat buffer at `base`, where element `start` of the flat receive buffer sits.
+template <class Keep>
+void unpack_blocks(const uint8_t* base, int64_t start, const ExchangePlan& plan,
+                   const BlockTensors& out, Keep keep) {
+  for (const ExchangeBlock& b : plan.recv()) {
+    if (b.numel == 0 || !keep(b)) continue;
+    const at::Tensor dst = out.view(b);
+    const at::Tensor src =
+        at::from_blob(const_cast<uint8_t*>(base) + (b.offset - start) * dst.element_size(),
+                      dst.sizes(), dst.options());
+    put_block(dst, src, out, plan);
+  }
+}
+
+// Copies this rank's own blocks (of fused tensor `tensor`; -1: all) from `in` to `out`: its send
+// and receive blocks for itself come in the same order.
+inline void copy_own_blocks(const BlockTensors& in, const BlockTensors& out,
+                            const ExchangePlan& plan, int me, int64_t tensor = -1) {
+  std::vector<const ExchangeBlock*> sent;
+  for (const ExchangeBlock& b : plan.send())
+    if (b.peer == me) sent.push_back(&b);
+  size_t i = 0;
+  for (const ExchangeBlock& b : plan.recv()) {
+    if (b.peer != me) continue;
+    const ExchangeBlock& s = *sent[i++];
+    if (tensor < 0 || s.tensor == tensor) put_block(out.view(b), in.view(s), out, plan);
+  }
+}
+
 // Prefix sums of `splits`: element offsets of each peer's chunk in a flat buffer, and the end.
 inline std::vector<int64_t> chunk_starts(const std::vector<int64_t>& splits) {
   std::vector<int64_t> starts{0};

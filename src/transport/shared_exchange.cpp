@@ -1,13 +1,10 @@
 #include "transport/shared_exchange.h"
 
 #include <c10/util/Exception.h>
-#include <c10/util/Logging.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -58,20 +55,10 @@ void wait_for_peers(const Group& g, const SharedMemoryLinks& links, int field, i
                     int64_t number) {
   using Clock = std::chrono::steady_clock;
   const auto begun = Clock::now();
-  const auto timeout = g.options().timeout;
-  const double fraction = g.options().log_wait_fraction;
-  const auto first = std::chrono::duration_cast<std::chrono::milliseconds>(timeout * fraction);
-  bool logged = fraction <= 0 || fraction >= 1;
+  const auto first = log_wait_after(g.options());
+  bool logged = first == g.options().timeout;
   auto waiting_for = [&] {
-    std::ostringstream peers;
-    const char* sep = "";
-    for (int j = 0; j < g.size(); ++j) {
-      if (j != g.rank() && links.peer_field(j, field) < n) {
-        peers << sep << j;
-        sep = ", ";
-      }
-    }
-    return peers.str();
+    return ranks_where(g, [&](int j) { return links.peer_field(j, field) < n; });
   };
   auto nap = std::chrono::microseconds(10);
   for (int j = 0; j < g.size(); ++j) {
@@ -87,16 +74,11 @@ void wait_for_peers(const Group& g, const SharedMemoryLinks& links, int field, i
       nap = std::min(nap * 5 / 4, std::chrono::microseconds(500));
       const auto waited = Clock::now() - begun;
       if (!logged && waited > first) {
-        logged = true;  // (as wait.h's, in its words)
-        LOG(WARNING) << "ulysses: rank " << g.rank() << " of " << g.size() << " has waited "
-                     << seconds(first) << " s of its " << seconds(timeout)
-                     << " s timeout in shared-memory exchange #" << number << " of group '"
-                     << g.name() << "' for ranks " << waiting_for();
+        logged = true;
+        log_wait(g, first, "shared-memory exchange", number, waiting_for());
       }
-      TORCH_CHECK(waited < timeout, "ulysses: collective shared-memory exchange #", number,
-                  " failed on rank ", g.rank(), " of ", g.size(), " (timeout ", timeout.count(),
-                  " ms; a peer may have died or skipped it): still waiting for ranks ",
-                  waiting_for());
+      if (waited >= g.options().timeout)
+        fail_wait(g, "shared-memory exchange", number, "still waiting for ranks " + waiting_for());
     }
   }
 }
@@ -157,30 +139,17 @@ bool exchange_through_outboxes(const BlockTensors& in, const BlockTensors& out,
 
   // 4. Tensor by tensor: pack its blocks, say so, copy the peers' out (one tensor's blocks at a
   // time stay in the cache between the two copies, and a peer's copy-out overlaps the next pack).
-  std::vector<const ExchangeBlock*> own_send, own_recv;
-  for (const ExchangeBlock& b : plan.send())
-    if (b.peer == me) own_send.push_back(&b);
-  for (const ExchangeBlock& b : plan.recv())
-    if (b.peer == me) own_recv.push_back(&b);
   for (int64_t t = 0; t < tensors; ++t) {
-    for (const ExchangeBlock& b : plan.send()) {
-      if (b.tensor != t || b.numel == 0 || b.peer == me) continue;
-      const at::Tensor src = in.view(b);
-      at::from_blob(base + b.offset * element, src.sizes(), src.options()).copy_(src);
-    }
+    auto of_t = [&](const ExchangeBlock& b) { return b.tensor == t && b.peer != me; };
+    pack_blocks(base, 0, plan.send(), in, of_t);
     links.publish(SharedMemoryLinks::kPacked, started + t + 1);
-    for (size_t i = 0; i < own_send.size(); ++i)
-      if (own_send[i]->tensor == t)
-        put_block(out.view(*own_recv[i]), in.view(*own_send[i]), out, plan);
+    copy_own_blocks(in, out, plan, me, t);
     if (read_error != 0) continue;  // (still packing: the peers read this rank's blocks)
     wait_for_peers(group, links, SharedMemoryLinks::kPacked, started + t + 1, scope.number());
-    for (const ExchangeBlock& b : plan.recv()) {
-      if (b.tensor != t || b.numel == 0 || b.peer == me) continue;
-      const at::Tensor dst = out.view(b);
-      const at::Tensor src = at::from_blob(
-          const_cast<uint8_t*>(chunk_from[b.peer]) + (b.offset - recv_starts[b.peer]) * element,
-          dst.sizes(), dst.options());
-      put_block(dst, src, out, plan);
+    for (int j = 0; j < P; ++j) {
+      if (chunk_from[j] == nullptr) continue;
+      unpack_blocks(chunk_from[j], recv_starts[j], plan, out,
+                    [&](const ExchangeBlock& b) { return b.tensor == t && b.peer == j; });
     }
   }
   links.publish(SharedMemoryLinks::kReadError, read_error);

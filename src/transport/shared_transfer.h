@@ -59,13 +59,9 @@ class SharedTransfer {
     for (int j : peers_) need = std::max(need, starts[j + 1] * element_);
     int error = 0;
     uint8_t* base = need > 0 ? links_.outbox(need, error) : nullptr;
-    if (base != nullptr) {
-      for (const ExchangeBlock& b : plan_.send()) {
-        if (b.numel == 0 || !colocated(b.peer)) continue;
-        const at::Tensor src = in_.view(b);
-        at::from_blob(base + b.offset * element_, src.sizes(), src.options()).copy_(src);
-      }
-    }
+    if (base != nullptr)
+      pack_blocks(base, 0, plan_.send(), in_,
+                  [&](const ExchangeBlock& b) { return colocated(b.peer); });
     for (int j : peers_) {
       io_.send(
           at::tensor(std::vector<int64_t>{starts[j] * element_, links_.outbox_bytes(), error, need},
@@ -114,14 +110,8 @@ class SharedTransfer {
   // Puts `peer`'s blocks for this rank in place from `base`, where the flat receive buffer's
   // element `recv_start` sits.
   void put_blocks_from(int peer, const uint8_t* base, int64_t recv_start) {
-    for (const ExchangeBlock& b : plan_.recv()) {
-      if (b.peer != peer || b.numel == 0) continue;
-      const at::Tensor dst = out_.view(b);
-      const at::Tensor src =
-          at::from_blob(const_cast<uint8_t*>(base) + (b.offset - recv_start) * element_,
-                        dst.sizes(), dst.options());
-      put_block(dst, src, out_, plan_);
-    }
+    unpack_blocks(base, recv_start, plan_, out_,
+                  [&](const ExchangeBlock& b) { return b.peer == peer; });
   }
   // This rank's outbox cannot hold `need` bytes: sends each co-located peer its chunk of the flat
   // send buffer as one message, and drops the links after this exchange.
@@ -134,13 +124,8 @@ class SharedTransfer {
       dropped_.push_back(j);
       if (starts[j] == starts[j + 1]) continue;
       at::Tensor chunk = group_.new_buffer({starts[j + 1] - starts[j]}, in_.tensors[0].options());
-      for (const ExchangeBlock& b : plan_.send()) {
-        if (b.peer != j || b.numel == 0) continue;
-        const at::Tensor src = in_.view(b);
-        at::from_blob(static_cast<uint8_t*>(chunk.data_ptr()) + (b.offset - starts[j]) * element_,
-                      src.sizes(), src.options())
-            .copy_(src);
-      }
+      pack_blocks(static_cast<uint8_t*>(chunk.data_ptr()), starts[j], plan_.send(), in_,
+                  [&](const ExchangeBlock& b) { return b.peer == j; });
       io_.send(detail::wire_view(chunk), j, detail::kSharedMemoryFallback);
       sent_.push_back(std::move(chunk));  // Alive until the sends complete (finish).
     }

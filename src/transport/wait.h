@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <vector>
@@ -41,6 +42,24 @@ inline bool waits_on_host(c10::DeviceType device) { return device == c10::Device
 
 // `t` in seconds, one decimal: how slow waits are logged.
 std::string seconds(std::chrono::milliseconds t);
+
+// What every wait of the transport shares, the collectives' (wait below) and the shared-memory
+// flags' (Note [Flag handshake]): when a slow wait is logged, the log line, the failure.
+//
+// How long a wait goes before it is logged: GroupOptions::log_wait_fraction of the timeout, or
+// the whole timeout (never logged) when the fraction is not in (0, 1).
+std::chrono::milliseconds log_wait_after(const GroupOptions& options);
+// The other ranks of `g` that `waiting(rank)` picks, as "1, 3".
+std::string ranks_where(const Group& g, const std::function<bool(int)>& waiting);
+// Logs that this rank has waited `waited` in `op` #`number` of `g` for ranks `peers` (c10
+// logging, not TORCH_WARN: under Python a TORCH_WARN is held until the op returns, and this line
+// matters while the op is stuck; TORCH_CPP_LOG_LEVEL=ERROR silences it).
+void log_wait(const Group& g, std::chrono::milliseconds waited, const std::string& op,
+              int64_t number, const std::string& peers);
+// Raises that `op` #`number` of `g` failed on this rank, and `what` (the backend's error, or the
+// ranks still waited for).
+[[noreturn]] void fail_wait(const Group& g, const std::string& op, int64_t number,
+                            const std::string& what);
 
 // Waits for `work` (collective number `number` of `g`, named `op`), turning a backend failure
 // into an error that says where it happened. A wait longer than GroupOptions::
