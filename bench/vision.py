@@ -2,14 +2,16 @@
 once per SP group (``ulysses.vision``: frames split over the ranks, one all-gather of their
 embeddings) against every rank encoding everything, side by side in one run.
 
-    python bench/vision.py [--sp 2,4] [--frames 32] [--size 224]
+    python bench/vision.py [--sp 2,4] [--frames 32] [--size 224] [--tower qwen2_5_vl|siglip]
 
 A Qwen2.5-VL vision tower (4 blocks of width 256, window and full attention) encodes one video of
-``--frames`` frames of ``--size`` pixels square, forward and backward, on every rank of a Gloo
-group on loopback (fresh processes, one intra-op thread each). Per rank: the CPU seconds of this
-rank's thread in the tower (``time.thread_time``: the ranks share this machine's cores, so wall
-time would measure the sharing) and the resident-set high-water mark above the rank's set before
-(``peak_MiB``); each the slowest / largest rank's. ``ratio`` is once / replicated; the target is
+``--frames`` frames of ``--size`` pixels square (``--tower siglip``: a SigLIP tower of the same
+width and depth, as Gemma 3's and LLaVA-OneVision's, encodes ``--frames`` images, each on its
+own), forward and backward, on every rank of a Gloo group on loopback (fresh processes, one
+intra-op thread each). Per rank: the CPU seconds of this rank's thread in the tower
+(``time.thread_time``: the ranks share this machine's cores, so wall time would measure the
+sharing) and the resident-set high-water mark above the rank's set before (``peak_MiB``); each
+the slowest / largest rank's. ``ratio`` is once / replicated; the target is
 at most 1.2 / P.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import sys
@@ -29,7 +32,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 from memory import _reset_peak, _status_kib, spawn_ranks  # noqa: E402  (one copy of the helpers)
 
 
-def _tower():
+def _tower(kind: str, size: int):
+    if kind == "siglip":
+        from transformers import SiglipVisionConfig, SiglipVisionModel
+
+        torch.manual_seed(0)
+        return SiglipVisionModel(SiglipVisionConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                                    num_attention_heads=4, image_size=size, patch_size=14)).float()
     from transformers import Qwen2_5_VLConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
@@ -47,19 +56,26 @@ def _rank(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
     import ulysses.hf  # noqa: F401  (the group plumbing)
     from ulysses import vision
 
-    tower = _tower()
+    tower = _tower(task["tower"], task["size"])
     object.__setattr__(tower, "_ulysses_group", ulysses.groups.group_name(dist.group.WORLD))
-    side = task["size"] // 14  # patches per side
-    grid = torch.tensor([[task["frames"] // 2, side, side]])  # temporal patches of 2 frames
-    pixels = torch.randn(int(grid.prod()), 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(1)
+    if task["tower"] == "siglip":  # images, each encoded on its own
+        object.__setattr__(tower, "_ulysses_share_images", True)
+        object.__setattr__(tower, "_ulysses_feature_layers", [-1])
+        pixels = torch.randn(task["frames"], 3, task["size"], task["size"], generator=gen)
+        whole, once, field = type(tower).forward, vision._images_encoded_once, "last_hidden_state"
+    else:
+        side = task["size"] // 14  # patches per side
+        grid = torch.tensor([[task["frames"] // 2, side, side]])  # temporal patches of 2 frames
+        pixels = torch.randn(int(grid.prod()), 3 * 2 * 14 * 14, generator=gen)
+        whole = functools.partial(type(tower).forward, grid_thw=grid)
+        once = functools.partial(vision._encoded_once, grid_thw=grid, ulysses_seq_lens=[1] * world)
+        field = "pooler_output"
 
     def encode() -> float:
         start = time.thread_time()
-        if task["design"] == "once":
-            out = vision._encoded_once(tower, pixels, grid_thw=grid, ulysses_seq_lens=[1] * world)
-        else:
-            out = type(tower).forward(tower, pixels, grid_thw=grid)
-        out.pooler_output.square().sum().backward()
+        out = (once if task["design"] == "once" else whole)(tower, pixels)
+        getattr(out, field).square().sum().backward()
         tower.zero_grad(set_to_none=True)
         return time.thread_time() - start
 
@@ -84,11 +100,13 @@ def main() -> int:
     p.add_argument("--sp", default="2,4")
     p.add_argument("--frames", type=int, default=32, help="video frames (two per temporal patch)")
     p.add_argument("--size", type=int, default=224, help="frame side in pixels (a multiple of 28)")
+    p.add_argument("--tower", default="qwen2_5_vl", choices=("qwen2_5_vl", "siglip"),
+                   help="siglip: --frames images, each encoded on its own")
     a = p.parse_args()
     print(f"{'P':>2} {'frames':>6} {'design':<10} {'vision_cpu_s':>12} {'peak_MiB':>9} {'ratio':>6} {'1.2/P':>6}",
           flush=True)
     for sp in map(int, a.sp.split(",")):
-        rows = {design: measure(dict(sp=sp, frames=a.frames, size=a.size, design=design))
+        rows = {design: measure(dict(sp=sp, frames=a.frames, size=a.size, tower=a.tower, design=design))
                 for design in ("replicated", "once")}
         for design, row in rows.items():
             ratio = row["cpu_s"] / rows["replicated"]["cpu_s"]

@@ -6,6 +6,7 @@ and ulysses sequence parallelism, no DeepSpeed:
     torchrun --nproc_per_node 4 examples/hf_trainer.py --sp 2 --fsdp   # parameters sharded too
     torchrun --nproc_per_node 2 examples/hf_trainer.py --sp 2 --model qwen3_next   # a hybrid
     torchrun --nproc_per_node 2 examples/hf_trainer.py --sp 2 --model qwen2_5_vl   # an image per row
+    torchrun --nproc_per_node 4 examples/hf_trainer.py --sp 2 --model gemma3       # (or Gemma 3)
     python examples/hf_trainer.py --sp 1                           # the plain Trainer, one process
 
 The lines that make it sequence parallel are marked "ulysses". The task: copy the first half of
@@ -29,6 +30,7 @@ from transformers import (
     AutoModelForImageTextToText,
     BambaConfig,
     DataCollatorWithFlattening,
+    Gemma3Config,
     LlamaConfig,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
@@ -97,14 +99,29 @@ MODELS["qwen2_5_vl"] = lambda vocab, positions: Qwen2_5_VLConfig(
     image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VISION_START)
 
 
+# Gemma 3: a SigLIP tower of 28 x 28 images (4 tokens each, seen both ways: token_type_ids), a
+# sliding layer (window 8) and a full one.
+MODELS["gemma3"] = lambda vocab, positions: Gemma3Config(
+    text_config=dict(vocab_size=vocab + 3, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=positions,
+                     pad_token_id=0, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    vision_config=dict(image_size=28, patch_size=14, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=2),
+    mm_tokens_per_image=4, image_token_id=IMAGE)
+VISION_LANGUAGE = ("qwen2_5_vl", "gemma3")
+
+
 def model_config(name: str, vocab: int, positions: int):
     return MODELS[name](vocab, positions)
 
 
-def with_images(rows: list[dict], seed: int) -> list[dict]:
-    """Each row after an image: a vision start and its 4 image tokens (unscored) first, and the
-    image's 16 patches of pixels."""
+def with_images(rows: list[dict], seed: int, model: str) -> list[dict]:
+    """Each row after an image: its 4 image tokens (unscored; Qwen2.5-VL's after a vision start)
+    first, and the image's pixels (Qwen2.5-VL's: its 16 patches)."""
     gen = torch.Generator().manual_seed(seed)
+    if model == "gemma3":
+        return [{"input_ids": [IMAGE] * 4 + r["input_ids"], "labels": [-100] * 4 + r["labels"],
+                 "pixel_values": torch.randn(1, 3, 28, 28, generator=gen)} for r in rows]
     return [{"input_ids": [VISION_START] + [IMAGE] * 4 + r["input_ids"], "labels": [-100] * 5 + r["labels"],
              "pixel_values": torch.randn(16, PATCH, generator=gen)} for r in rows]
 
@@ -123,10 +140,13 @@ def pad_right(rows: list[dict]) -> dict:
 
     mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * (longest - len(r["input_ids"])) for r in rows])
     batch = {"input_ids": padded("input_ids", 0), "labels": padded("labels", -100), "attention_mask": mask}
-    if "pixel_values" in rows[0]:  # a VLM's batch: the rows' images, one grid each
-        batch.update(pixel_values=torch.cat([r["pixel_values"] for r in rows]),
-                     image_grid_thw=torch.tensor([[1, 4, 4]] * len(rows)),
-                     mm_token_type_ids=(batch["input_ids"] == IMAGE).long())
+    if "pixel_values" in rows[0]:  # a VLM's batch: the rows' images
+        batch["pixel_values"] = torch.cat([r["pixel_values"] for r in rows])
+        if batch["pixel_values"].dim() == 4:  # Gemma 3's: its image blocks
+            batch["token_type_ids"] = (batch["input_ids"] == IMAGE).long()
+        else:  # Qwen2.5-VL's: one grid each
+            batch.update(image_grid_thw=torch.tensor([[1, 4, 4]] * len(rows)),
+                         mm_token_type_ids=(batch["input_ids"] == IMAGE).long())
     return batch
 
 
@@ -167,7 +187,7 @@ def main() -> None:
     vocab = 32
     config = model_config(a.model, vocab, 4 * a.max_len)
     sequence_parallel = world > 1
-    vlm = a.model == "qwen2_5_vl"
+    vlm = a.model in VISION_LANGUAGE
     auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
     model = auto.from_config(config, attn_implementation="ulysses" if sequence_parallel else "eager")
     slow_decays(model)
@@ -175,8 +195,8 @@ def main() -> None:
     held_out = copy_task(2 * a.global_batch + 3, a.max_len, vocab, seed=2)  # uneven last batch
     if vlm:
         if a.packed or a.trl:
-            raise SystemExit("--model qwen2_5_vl takes padded batches of the plain Trainer (no --packed, --trl)")
-        train, held_out = with_images(train, seed=3), with_images(held_out, seed=4)
+            raise SystemExit(f"--model {a.model} takes padded batches of the plain Trainer (no --packed, --trl)")
+        train, held_out = with_images(train, 3, a.model), with_images(held_out, 4, a.model)
     common = dict(output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=per_device,
                   per_device_eval_batch_size=per_device, gradient_accumulation_steps=a.grad_accum,
                   learning_rate=a.lr, lr_scheduler_type="constant", logging_steps=1, report_to=[],

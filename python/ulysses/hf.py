@@ -586,7 +586,8 @@ def _vision_language_forward(model: PreTrainedModel, kwargs: dict):
         kwargs.update(extra)
         if kwargs.get("token_type_ids") is not None:  # Gemma 3's image blocks, on the whole sequence
             kwargs["ulysses_blocks"] = vision.image_blocks(kwargs["token_type_ids"])
-        return type(model).forward(model, **kwargs)
+        with vision.images_shared(model):
+            return type(model).forward(model, **kwargs)
 
 
 def _long_sequence_forward(model: PreTrainedModel, *args, ulysses_shift_labels: torch.Tensor | None = None,

@@ -1,15 +1,16 @@
-"""Vision-language models under sequence parallelism (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, the LLaVA family,
-Mistral 3, Idefics3, SmolVLM, InternVL; ``MODELS``): the vision tower keeps its own attention, and the
-language model takes its shard of the merged sequence.
+"""Vision-language models under sequence parallelism (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3, the LLaVA
+family, Mistral 3, Idefics3, SmolVLM, InternVL; ``MODELS``): the vision tower keeps its own attention,
+and the language model takes its shard of the merged sequence.
 
 Every rank of an SP group runs the model's forward on the whole batch (input_ids ``[B, S]``,
 pixel values, grids), so the model's own rules run on the whole sequence as they do unsharded:
-the vision tower encodes the images, their embeddings are merged into the text sequence, and
-the multimodal rotary positions (mrope: ``[3, B, S]`` from ``get_rope_index``, with its video
-time axis) are made. Then, at the language model's door, each rank keeps its shard of the merged
+the vision tower encodes the images (each image or frame on one rank of the group, the outputs
+all-gathered: ``_encoded_once``, ``_images_encoded_once``), their embeddings are merged into the
+text sequence, and the multimodal rotary positions (mrope: ``[3, B, S]`` from ``get_rope_index``,
+with its video time axis) are made. Then, at the language model's door, each rank keeps its shard of the merged
 embeddings, of the positions and of the padding mask (the agreed split, ``shard_batch``'s), and
 the language model runs sharded, its attention through ulysses. Gradients of the vision tower
-on each rank are its tokens' part; ``all_reduce_gradients`` sums them, as every parameter's.
+on each rank are its images' part; ``all_reduce_gradients`` sums them, as every parameter's.
 
 ``ulysses.hf`` binds this (``sequence_parallel``); the model's forward then returns this rank's
 shard of the logits, scored with ``shard_batch``'s ``shift_labels`` (``sequence_parallel_loss``).
@@ -17,6 +18,8 @@ shard of the logits, scored with ``shard_batch``'s ``shift_labels`` (``sequence_
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import sys
 import types
 from typing import Any
@@ -40,6 +43,10 @@ MODELS = frozenset(f"{family}{suffix}" for suffix in ("ForConditionalGeneration"
 ENCODED_ONCE = frozenset({"Qwen2VLForConditionalGeneration", "Qwen2VLModel", "Qwen2_5_VLForConditionalGeneration",
                           "Qwen2_5_VLModel", "Qwen3VLForConditionalGeneration", "Qwen3VLModel",
                           "Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeModel"})
+#: The others: their image tower encodes each image of its input on its own (CLIP, SigLIP,
+#: InternViT and Idefics3's at one size; Pixtral at any size, its images one sequence with
+#: attention within each image), so each image is encoded once per group (``_images_encoded_once``).
+IMAGES_ENCODED_ONCE = MODELS - ENCODED_ONCE
 #: What their batches carry besides the text (each rank of an SP group holds the whole batch).
 BATCH_KEYS = frozenset({"pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
                         "second_per_grid_ts", "mm_token_type_ids", "image_sizes", "pixel_attention_mask",
@@ -215,14 +222,98 @@ def _encoded_once(visual: Any, pixels: torch.Tensor, grid_thw: torch.Tensor | No
     return output_type(**fields)
 
 
+def _image_tower(model: Any) -> Any:
+    """The vision tower of a model of IMAGES_ENCODED_ONCE."""
+    inner = getattr(model, "model", model)
+    return inner.vision_tower if hasattr(inner, "vision_tower") else inner.vision_model
+
+
+def _feature_layers(config: Any) -> list[int]:
+    """The tower's hidden states the model reads besides its last one (``vision_feature_layer``)."""
+    layer = getattr(config, "vision_feature_layer", -1)
+    return [layer] if isinstance(layer, int) else list(layer)
+
+
+@contextlib.contextmanager
+def images_shared(model: Any):
+    """Within: the model's image tower (IMAGES_ENCODED_ONCE) encodes each image once per group
+    (``_images_encoded_once``); outside (``unsharded``, a tower called on its own) it runs whole."""
+    tower = _image_tower(model) if any(c.__name__ in IMAGES_ENCODED_ONCE for c in type(model).__mro__) else None
+    if tower is None:
+        yield
+        return
+    object.__setattr__(tower, "_ulysses_share_images", True)
+    try:
+        yield
+    finally:
+        object.__setattr__(tower, "_ulysses_share_images", False)
+
+
+def _images_encoded_once(tower: Any, pixel_values: torch.Tensor | None = None, *args, **kwargs):
+    """The image tower's forward (bound to it) under SP, for towers that encode each image of
+    ``pixel_values`` ``[N, ...]`` on its own (CLIP, SigLIP, InternViT, Idefics3's: outputs
+    ``[N, tokens, width]``; Pixtral: images of any size as one sequence, block by block, outputs
+    ``[1, all tokens, width]``): each rank encodes its even share of the N images (and of every
+    per-image input: a tensor whose first dim is N, such as ``image_sizes``), and one all-gather
+    hands every rank every image's outputs, in order; its backward returns each image's gradient
+    to the rank that encoded it. Only what the models read is whole: ``last_hidden_state``,
+    ``pooler_output``, and the hidden states ``vision_feature_layer`` names (the other entries of
+    ``hidden_states`` are None)."""
+    if not tower.__dict__.get("_ulysses_share_images") or pixel_values is None or args:
+        return type(tower).forward(tower, pixel_values, *args, **kwargs)
+    group, timeout = tower.__dict__["_ulysses_group"], tower.__dict__.get("_ulysses_timeout")
+    rank, size = G.rank_and_size(group)
+    n = pixel_values.shape[0]
+    if kwargs.get("image_sizes") is not None:  # (a list is split as a tensor)
+        kwargs["image_sizes"] = torch.as_tensor(kwargs["image_sizes"], device=pixel_values.device)
+    counts = even_split(n, size)
+    begin = sum(counts[:rank])
+    # A rank with no image encodes the first and keeps none of it: every trained tower parameter
+    # takes part with a zero gradient (DDP and FSDP2 reduce the same parameters on every rank),
+    # and the outputs' other dims come out as on the ranks that encode.
+    first, count = (begin, counts[rank]) if counts[rank] else (0, 1)
+
+    def mine(x: Any) -> Any:
+        return x.narrow(0, first, count) if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == n else x
+
+    out = type(tower).forward(tower, mine(pixel_values), **{k: mine(v) for k, v in kwargs.items()})
+    names = [k for k in ("last_hidden_state", "pooler_output") if isinstance(getattr(out, k, None), torch.Tensor)]
+    hidden: tuple = getattr(out, "hidden_states", None) or ()
+    layers = sorted({i % len(hidden) for i in tower.__dict__["_ulysses_feature_layers"]}) if hidden else []
+    parts = [getattr(out, k) for k in names] + [hidden[i] for i in layers]
+    if type(tower).__name__ == "PixtralVisionModel":  # rows: tokens, each image's from its size
+        tokens = (kwargs["image_sizes"] // tower.patch_size).prod(-1).tolist()
+        rows = [sum(tokens[b:b + c]) for b, c in zip(itertools.accumulate([0] + counts), counts)]
+        flat = [p.reshape(-1, p.shape[-1]) for p in parts]
+        shapes = [(1, sum(tokens), p.shape[-1]) for p in parts]
+    else:  # rows: images
+        rows = counts
+        flat = [p.reshape(count, -1) for p in parts]
+        shapes = [(n, *p.shape[1:]) for p in parts]
+    own = torch.cat(flat, dim=1).narrow(0, 0, rows[rank])
+    whole = O.all_gather_sequence(own, 0, rows, group, timeout).split([f.shape[1] for f in flat], dim=1)
+    gathered = [w.reshape(shape) for w, shape in zip(whole, shapes)]
+    fields: dict = dict(zip(names, gathered[:len(names)]))
+    if hidden:
+        states: list = [None] * len(hidden)
+        for i, g in zip(layers, gathered[len(names):]):
+            states[i] = g
+        fields["hidden_states"] = tuple(states)
+    return type(out)(**fields)
+
+
 def install(model: torch.nn.Module) -> None:
     """Binds the sharding language-model forward of a supported VLM, and its vision tower's
-    forward that encodes each frame once per group."""
+    forward that encodes each frame (ENCODED_ONCE) or image (IMAGES_ENCODED_ONCE) once per group."""
     language_model = _language_model(model)
     language_model.forward = types.MethodType(_sharded_language_model, language_model)
-    if type(model).__name__ in ENCODED_ONCE:  # (the others encode every image on every rank)
+    if type(model).__name__ in ENCODED_ONCE:
         visual: Any = getattr(model, "model", model).visual
         visual.forward = types.MethodType(_encoded_once, visual)
+    elif type(model).__name__ in IMAGES_ENCODED_ONCE:
+        tower = _image_tower(model)
+        object.__setattr__(tower, "_ulysses_feature_layers", _feature_layers(model.config))
+        tower.forward = types.MethodType(_images_encoded_once, tower)
 
 
 def images_digest(kwargs: dict) -> list[float]:
@@ -240,5 +331,5 @@ IMAGE_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_gr
               "pixel_attention_mask", "token_type_ids")
 
 
-__all__ = ["BATCH_KEYS", "ENCODERS", "IMAGE_KEYS", "MODELS", "block_masks", "even_split", "frame_split",
-           "image_blocks", "images_digest", "install", "is_vision_language"]
+__all__ = ["BATCH_KEYS", "ENCODERS", "IMAGE_KEYS", "IMAGES_ENCODED_ONCE", "MODELS", "block_masks", "even_split",
+           "frame_split", "image_blocks", "images_digest", "images_shared", "install", "is_vision_language"]

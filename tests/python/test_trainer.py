@@ -228,15 +228,18 @@ def test_the_trainer_needs_torch_distributed(tmp_path):
         SequenceParallelTrainer(model=model, args=args, sp_size=2)
 
 
-@pytest.mark.parametrize("name,nproc,extra", [("sp2", 2, ()), ("dp2_sp2", 4, ()), ("dp2_sp2_fsdp", 4, ("--fsdp",))])
-def test_a_vision_language_model_trains_as_in_one_process(runs, name, nproc, extra):
-    """Qwen2.5-VL, an image per row (every rank of an SP group gets the whole batch with its
-    images): SP 2 under DDP, and DP 2 x SP 2 under DDP and FSDP2, where each SP group's batch is
-    one row, so one rank of each encodes no frame (its tower still reduces zero gradients, as DDP
-    and FSDP2 reduce the same parameters everywhere): every logged loss and the final parameters."""
-    vlm = ("--model", "qwen2_5_vl", "--global-batch", "2")
-    want = runs("plain_vlm", 1, "--sp", "1", *vlm)
-    _assert_same_run(runs(f"vlm_{name}", nproc, "--sp", "2", *vlm, *extra), want)
+@pytest.mark.parametrize("model,name,nproc,extra", [
+    ("qwen2_5_vl", "sp2", 2, ()), ("qwen2_5_vl", "dp2_sp2", 4, ()), ("qwen2_5_vl", "dp2_sp2_fsdp", 4, ("--fsdp",)),
+    ("gemma3", "dp2_sp2", 4, ()), ("gemma3", "dp2_sp2_fsdp", 4, ("--fsdp",))])
+def test_a_vision_language_model_trains_as_in_one_process(runs, model, name, nproc, extra):
+    """Qwen2.5-VL and Gemma 3, an image per row (every rank of an SP group gets the whole batch
+    with its images): SP 2 under DDP, and DP 2 x SP 2 under DDP and FSDP2, where each SP group's
+    batch is one row, so one rank of each encodes no frame or image (its tower still reduces zero
+    gradients, as DDP and FSDP2 reduce the same parameters everywhere); Gemma 3's image blocks seen
+    both ways: every logged loss and the final parameters."""
+    vlm = ("--model", model, "--global-batch", "2")
+    want = runs(f"plain_{model}", 1, "--sp", "1", *vlm)
+    _assert_same_run(runs(f"{model}_{name}", nproc, "--sp", "2", *vlm, *extra), want)
 
 
 def test_a_vision_language_model_with_the_tiled_loss_is_refused_with_what_to_do(tmp_path):

@@ -1,7 +1,8 @@
-"""Vision-language models (Qwen-VL, the LLaVA family, Mistral 3, Idefics3, SmolVLM, InternVL) under
-ulysses.hf on thread ranks: every rank encodes the images and makes the mrope positions on the
-whole sequence, the language model runs on its shard; loss and every parameter gradient (the
-vision tower's included) equal transformers' own single-process model."""
+"""Vision-language models (Qwen-VL, Gemma 3, the LLaVA family, Mistral 3, Idefics3, SmolVLM, InternVL)
+under ulysses.hf on thread ranks: each image or frame is encoded once per group, every rank merges
+the embeddings and makes the positions on the whole sequence, the language model runs on its
+shard; loss and every parameter gradient (the vision tower's included) equal transformers' own
+single-process model."""
 
 from __future__ import annotations
 
@@ -315,6 +316,49 @@ def test_each_frame_is_encoded_once_per_group(name, kind):
 
     rows = run_ranks(2, body)
     assert sum(rows) == total and max(rows) < total, rows
+
+
+@pytest.mark.parametrize("name,P", [("llava_next_video", 2), ("gemma3", 3), ("internvl", 2), ("idefics3", 3),
+                                    ("mistral3", 2)])
+def test_each_image_is_encoded_once_per_group(name, P):
+    """The towers that encode images one by one (CLIP, SigLIP, InternViT, Idefics3's, Pixtral) see
+    an even share of the batch's images on each rank (LLaVA-NeXT-Video: its tiles, then its video
+    frames);
+    at P = 3 with 4 images one rank encodes one; the matrix above holds the gradients exact."""
+    base = make_model(name)
+    batch = make_image_batch(name, "both" if name in VIDEO_FRAMES else "images", 10)
+    models = [copy.deepcopy(base) for _ in range(P)]
+
+    def body(rank, group):
+        seen = []
+        model = uhf.sequence_parallel(models[rank], group)
+        tower = model.model.vision_model if name == "idefics3" else model.model.vision_tower
+        patches = next(m for m in tower.modules() if isinstance(m, torch.nn.Conv2d))  # sees the images
+        patches.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]))
+        sharded_step(model, batch, group)
+        return seen
+
+    seen = run_ranks(P, body)
+    if name == "llava_next_video":  # 2 images of 2 tiles; 2 videos of 8 frames
+        assert seen == [[2, 8], [2, 8]], seen
+    else:  # 4 images
+        assert [sum(s) for s in seen] == ([2, 2] if P == 2 else [2, 1, 1]), seen
+
+
+@pytest.mark.parametrize("layer", [-2, [0, -1]])
+def test_llava_reading_inner_tower_layers_is_exact(layer):
+    """LLaVA's default reads the tower's next-to-last hidden state (or several, concatenated):
+    those are what the encoded-once tower gathers, besides its last; at P = 3 one rank of three
+    encodes no image (two images)."""
+    torch.manual_seed(0)
+    config = CONFIGS["llava"]()
+    config.vision_feature_layer = layer
+    base = AutoModelForImageTextToText.from_config(config, attn_implementation="eager").float()
+    batch = make_image_batch("llava", "image", 7)
+    want = reference(copy.deepcopy(base), batch)
+    models = [copy.deepcopy(base) for _ in range(3)]
+    for got in run_ranks(3, lambda rank, group: sharded_step(uhf.sequence_parallel(models[rank], group), batch, group)):
+        assert_matches(got, want)
 
 
 def test_frame_split_balances_patches_and_keeps_order():
