@@ -21,6 +21,7 @@ the single-process run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 
@@ -150,6 +151,27 @@ def pad_right(rows: list[dict]) -> dict:
     return batch
 
 
+def pack_with_images(rows: list[dict], rope_index=None) -> dict:
+    """A VLM's rows packed into one, as DataCollatorWithFlattening packs text: positions restart
+    at each document and its first label is unscored; the images in order. Qwen2.5-VL's position
+    ids are [4, 1, S]: the text positions, then each document's own mrope positions (its model's
+    get_rope_index on the document alone)."""
+    ids = [torch.tensor(r["input_ids"]) for r in rows]
+    batch = {"input_ids": torch.cat(ids)[None], "labels": torch.cat([torch.tensor([-100] + r["labels"][1:])
+                                                                     for r in rows])[None],
+             "pixel_values": torch.cat([r["pixel_values"] for r in rows])}
+    text = torch.cat([torch.arange(len(i)) for i in ids])[None]
+    if rope_index is None:  # Gemma 3
+        batch.update(position_ids=text, token_type_ids=(batch["input_ids"] == IMAGE).long())
+        return batch
+    grid = torch.tensor([[1, 4, 4]])
+    mrope = [rope_index(input_ids=i[None], mm_token_type_ids=(i[None] == IMAGE).long(), image_grid_thw=grid)[0]
+             for i in ids]
+    batch.update(position_ids=torch.cat([text[None], torch.cat(mrope, dim=2)]),
+                 image_grid_thw=grid.repeat(len(rows), 1), mm_token_type_ids=(batch["input_ids"] == IMAGE).long())
+    return batch
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sp", type=int, default=2, help="sequence-parallel ranks per data-parallel group")
@@ -194,8 +216,8 @@ def main() -> None:
     train = copy_task(a.steps * a.global_batch, a.max_len, vocab, seed=1)
     held_out = copy_task(2 * a.global_batch + 3, a.max_len, vocab, seed=2)  # uneven last batch
     if vlm:
-        if a.packed or a.trl:
-            raise SystemExit(f"--model {a.model} takes padded batches of the plain Trainer (no --packed, --trl)")
+        if a.trl:
+            raise SystemExit(f"--model {a.model} takes the plain Trainer (no --trl)")
         train, held_out = with_images(train, 3, a.model), with_images(held_out, 4, a.model)
     common = dict(output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=per_device,
                   per_device_eval_batch_size=per_device, gradient_accumulation_steps=a.grad_accum,
@@ -206,6 +228,9 @@ def main() -> None:
         common.update(fsdp=True,
                       fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer_class(model)]})
     collator = DataCollatorWithFlattening() if a.packed else pad_right
+    if vlm and a.packed:
+        rope_index = model.model.get_rope_index if a.model == "qwen2_5_vl" else None
+        collator = functools.partial(pack_with_images, rope_index=rope_index)
     # Small tiles, so that the tiny model runs several of each.
     long = dict(tiled_mlp=True, tiled_loss=True, checkpoint="offload", mlp_tile_tokens=16) if a.long else {}
     if a.trl:

@@ -581,6 +581,9 @@ def _vision_language_forward(model: PreTrainedModel, kwargs: dict):
                          "of the logits: give labels to shard_batch and score its shift_labels with "
                          "sequence_parallel_loss, not labels to the model")
     _check_same_batch(ids, group, vision.images_digest(kwargs), timeout)
+    problem = vision.positions_problem(model, kwargs.get("position_ids"))
+    if problem:  # (the whole batch is on every rank: each raises alike)
+        raise ValueError(f"ulysses.hf: {problem}")
     seq_lens = list(kwargs.get("ulysses_seq_lens") or vision.even_split(ids.shape[1], G.rank_and_size(group)[1]))
     with _shard_forward(model, seq_lens) as extra:
         kwargs.update(extra)

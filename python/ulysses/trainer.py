@@ -78,7 +78,7 @@ def _valid_targets(batch: Mapping[str, torch.Tensor], ignore_index: int) -> torc
     """The number of tokens a batch scores: the shifted labels that are not ignored (one rule,
     the shard's, so the count and the loss cannot disagree)."""
     whole = torch.ops.ulysses.shard_batch(batch["input_ids"], batch.get("labels"), batch.get("attention_mask"),
-                                          batch.get("position_ids"), 0, 1, 1, ignore_index)
+                                          vision.text_positions(batch.get("position_ids")), 0, 1, 1, ignore_index)
     return (whole[1] != ignore_index).sum()
 
 
@@ -291,6 +291,7 @@ class SequenceParallel:
 
     def _sharded_forward(self, model: torch.nn.Module, inputs: Mapping[str, Any],
                          tiled_loss: bool = False) -> tuple[Any, dict]:
+        trainer: Any = self
         keys = self._batch_keys()
         vlm = keys != _SHARDED_KEYS
         problem = ""
@@ -298,15 +299,16 @@ class SequenceParallel:
         if unknown:
             problem = (f"ulysses.trainer: the batch has {unknown}, which the sequence shard does not carry; a "
                        f"batch may hold {sorted(keys)}")
-        elif vlm and "position_ids" in inputs:
-            problem = ("ulysses.trainer: a vision-language model makes its own positions from its images; its "
-                       "batches carry no position_ids (packed rows are not supported)")
+        elif vlm and vision.positions_problem(trainer.model, inputs.get("position_ids")):
+            problem = f"ulysses.trainer: {vision.positions_problem(trainer.model, inputs.get('position_ids'))}"
         # One round over every rank before the first collective of the step: a batch wrong on one
         # rank fails all of them alike, not that rank with this error and the others in a timeout.
         _C.check_together(problem, G.group_name(None), G.timeout_ms(None), "ulysses.trainer batch keys")
         sp = self.sequence_mesh["sp"]
-        shard = hf.shard_batch({k: v for k, v in inputs.items() if k in _SHARDED_KEYS}, sp,
-                               ignore_index=self.ignore_index)
+        text = {k: v for k, v in inputs.items() if k in _SHARDED_KEYS}
+        if "position_ids" in text:  # (a VLM's packed rows: Qwen-VL's [4, B, S])
+            text["position_ids"] = vision.text_positions(text["position_ids"])
+        shard = hf.shard_batch(text, sp, ignore_index=self.ignore_index)
         if vlm:  # the whole batch on every rank, its shard kept inside (ulysses.vision)
             model_inputs = {k: v for k, v in inputs.items() if k in keys and k != "labels"}
             return model(**model_inputs, ulysses_seq_lens=shard["seq_lens"]), shard

@@ -55,6 +55,29 @@ BATCH_KEYS = frozenset({"pixel_values", "pixel_values_videos", "image_grid_thw",
 ENCODERS = ("vision_config",)
 
 
+def positions_problem(model: torch.nn.Module, position_ids: torch.Tensor | None) -> str:
+    """Why a batch's ``position_ids`` cannot go to this VLM, or "". Given, they mark packed rows
+    (each document's positions restart, and its attention keeps to itself, as for text models):
+    ``[B, S]``, or for the mrope models (ENCODED_ONCE) ``[4, B, S]``, the text positions and then
+    each document's own mrope positions, as their language models take packed rows."""
+    if position_ids is None:
+        return ""
+    name, shape = type(model).__name__, list(position_ids.shape)
+    if any(c.__name__ in ENCODED_ONCE for c in type(model).__mro__):
+        if position_ids.dim() != 3 or shape[0] != 4:
+            return (f"{name} makes its mrope positions from its images: packed rows carry position_ids [4, B, S] "
+                    f"(each document's text positions, then its own get_rope_index positions), or none; got {shape}")
+    elif position_ids.dim() != 2:
+        return f"{name}'s packed rows carry position_ids [B, S], restarting at each document, or none; got {shape}"
+    return ""
+
+
+def text_positions(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The ``[B, S]`` text positions of a batch's position ids (the first of Qwen-VL's ``[4, B, S]``):
+    where its documents start, as ``shard_batch`` reads them."""
+    return position_ids[0] if position_ids is not None and position_ids.dim() == 3 else position_ids
+
+
 def is_vision_language(model: torch.nn.Module) -> bool:
     """One of MODELS, or a class made from one (FSDP2's ``fully_shard`` subclasses the model's)."""
     return any(c.__name__ in MODELS for c in type(model).__mro__)
@@ -332,4 +355,5 @@ IMAGE_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_gr
 
 
 __all__ = ["BATCH_KEYS", "ENCODERS", "IMAGE_KEYS", "IMAGES_ENCODED_ONCE", "MODELS", "block_masks", "even_split",
-           "frame_split", "image_blocks", "images_digest", "images_shared", "install", "is_vision_language"]
+           "frame_split", "image_blocks", "images_digest", "images_shared", "install", "is_vision_language",
+           "positions_problem", "text_positions"]

@@ -402,3 +402,89 @@ def test_gemma3_without_image_blocks_attends_causally(token_types):
     models = [copy.deepcopy(base) for _ in range(3)]
     for got in run_ranks(3, lambda rank, group: sharded_step(uhf.sequence_parallel(models[rank], group), batch, group)):
         assert_matches(got, want)
+
+
+def make_packed_batch(name: str) -> dict:
+    """One row of two documents (9 and 14 tokens), an image in each (the second's at 10..13,
+    straddling the 12 | 11 split at P = 2), position ids restarting at the second: Qwen-VL's
+    ``[4, 1, S]`` (the text positions, then each document's own mrope positions), the others'
+    ``[1, S]``. No padding mask (packed rows have none); each document's first label unscored (no
+    target across documents)."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, IMAGE - 1, (1, S), generator=gen)
+    starts, images = [0, 9], [(2, 4), (10, 4)]
+    for at, count in images:
+        ids[0, at - 1] = VISION_START if name.startswith("qwen") else 1
+        ids[0, at:at + count] = IMAGE
+    text = torch.cat([torch.arange(9), torch.arange(S - 9)])[None]
+    labels = ids.clone()
+    labels[0, starts] = -100
+    batch = {"input_ids": ids, "labels": labels, "position_ids": text}
+    if name.startswith("qwen"):
+        batch["pixel_values"] = torch.randn(2 * 16, PATCH, generator=gen)
+        batch["image_grid_thw"] = torch.tensor([[1, 4, 4]] * 2)
+        batch["mm_token_type_ids"] = (ids == IMAGE).long()
+        rope = make_model(name).model.get_rope_index
+        mrope = [rope(input_ids=ids[:, a:b], mm_token_type_ids=batch["mm_token_type_ids"][:, a:b],
+                      image_grid_thw=batch["image_grid_thw"][i:i + 1])[0] for i, (a, b) in enumerate([(0, 9), (9, S)])]
+        batch["position_ids"] = torch.cat([text[None], torch.cat(mrope, dim=2)])
+    else:
+        batch.update(image_pixels(name, 2, gen))
+        if name == "gemma3":
+            batch["token_type_ids"] = (ids == IMAGE).long()
+    return batch
+
+
+def separate_reference(model, batch):
+    """make_packed_batch's documents each run on its own through the single-process model (what
+    packing stands for: transformers' VLMs do not keep packed documents apart themselves), the
+    loss over both documents' targets, and every gradient."""
+    model.zero_grad()
+    logits = []
+    for doc, (begin, end) in enumerate([(0, 9), (9, S)]):
+        inputs = {"input_ids": batch["input_ids"][:, begin:end]}
+        for key in ("pixel_values", "image_sizes", "token_type_ids", "mm_token_type_ids"):
+            if key in batch:
+                per_token = key.endswith("type_ids")
+                inputs[key] = batch[key][:, begin:end] if per_token else batch[key].chunk(2)[doc]
+        if "image_grid_thw" in batch:
+            inputs["image_grid_thw"] = batch["image_grid_thw"][doc:doc + 1]
+        logits.append(model(**inputs).logits)
+    loss = torch.nn.functional.cross_entropy(torch.cat(logits, 1)[0, :-1], batch["labels"][0, 1:])
+    loss.backward()
+    return loss.item(), _gradients(model)
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "internvl", "mistral3", "gemma3"])
+@pytest.mark.parametrize("P", [2, 3])
+def test_packed_rows_are_exact(name, P):
+    """Packed rows: the documents' positions restart, and the attention keeps each document to
+    itself (from those positions, as for text models): as if each document ran on its own."""
+    base = make_model(name)
+    batch = make_packed_batch(name)
+    want = separate_reference(copy.deepcopy(base), batch)
+    models = [copy.deepcopy(base) for _ in range(P)]
+
+    def body(rank, group):
+        model = uhf.sequence_parallel(models[rank], group)
+        sb = uhf.shard_batch({k: batch[k] for k in ("input_ids", "labels")}, group)
+        out = model(**{k: v for k, v in batch.items() if k != "labels"}, ulysses_seq_lens=sb["seq_lens"])
+        loss, global_loss = uhf.sequence_parallel_loss(out.logits, sb["shift_labels"], group)
+        loss.backward()
+        uhf.all_reduce_gradients(model, group)
+        return global_loss.item(), _gradients(model)
+
+    for got in run_ranks(P, body):
+        assert_matches(got, want)
+
+
+def test_packed_positions_of_the_wrong_shape_are_refused_with_what_to_give():
+    """The Trainer refuses these alike on every rank (its batch-keys round): a Qwen-VL row needs
+    its mrope positions per document, which [B, S] cannot carry; the others take [B, S]."""
+    from ulysses.vision import positions_problem
+
+    qwen, llava = make_model("qwen2_5_vl"), make_model("llava")
+    flat, four = torch.arange(S)[None], torch.zeros(4, 1, S, dtype=torch.long)
+    assert "packed rows carry position_ids [4, B, S]" in positions_problem(qwen, flat)
+    assert positions_problem(qwen, four) == positions_problem(llava, flat) == positions_problem(llava, None) == ""
+    assert "carry position_ids [B, S], restarting at each document" in positions_problem(llava, four)
