@@ -7,6 +7,7 @@ and ulysses sequence parallelism, no DeepSpeed:
     torchrun --nproc_per_node 2 examples/hf_trainer.py --sp 2 --model qwen3_next   # a hybrid
     torchrun --nproc_per_node 2 examples/hf_trainer.py --sp 2 --model qwen2_5_vl   # an image per row
     torchrun --nproc_per_node 4 examples/hf_trainer.py --sp 2 --model gemma3       # (or Gemma 3)
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --sp 2 --model llava --trl  # TRL's VLM collator
     python examples/hf_trainer.py --sp 1                           # the plain Trainer, one process
 
 The lines that make it sequence parallel are marked "ulysses". The task: copy the first half of
@@ -33,6 +34,7 @@ from transformers import (
     DataCollatorWithFlattening,
     Gemma3Config,
     LlamaConfig,
+    LlavaConfig,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen3NextConfig,
@@ -57,16 +59,37 @@ def copy_task(count: int, max_len: int, vocab: int, seed: int) -> list[dict]:
     return rows
 
 
-def word_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
-    """A tokenizer for token ids as words ("t0".."t31"), built here: TRL wants one, and nothing
-    is downloaded."""
+def word_tokenizer(vocab: int, special: dict[str, int] | None = None) -> PreTrainedTokenizerFast:
+    """A tokenizer for token ids as words ("t0".."t31"), and `special` tokens (found inside words,
+    as a processor writes "<image><image>"), built here: TRL wants one, and nothing is downloaded."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
 
-    words = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t1"))
+    special = special or {}
+    words = Tokenizer(WordLevel({**{f"t{i}": i for i in range(vocab)}, **special}, unk_token="t1"))
     words.pre_tokenizer = WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", unk_token="t1", eos_token="t1")
+    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", unk_token="t1", eos_token="t1",
+                                   extra_special_tokens=list(special))
+
+
+def llava_processor(vocab: int):
+    """LLaVA's processor for the tiny model's 28 x 28 images (4 image tokens: CLIP's 2 x 2 patches,
+    its class token dropped), built here, as TRL's VLM collator calls a model's processor."""
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
+    images = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    return LlavaProcessor(image_processor=images, tokenizer=word_tokenizer(vocab, {"<image>": IMAGE}), patch_size=14,
+                          vision_feature_select_strategy="default", num_additional_image_tokens=1)
+
+
+def with_image_files(rows: list[dict], seed: int) -> list[dict]:
+    """TRL's VLM rows: an image (28 x 28 pixels, as a dataset holds it) and the text after it."""
+    from PIL import Image
+
+    gen = torch.Generator().manual_seed(seed)
+    return [{"images": [Image.fromarray(torch.randint(0, 256, (28, 28, 3), generator=gen, dtype=torch.uint8).numpy())],
+             "text": "<image> " + " ".join(f"t{i}" for i in r["input_ids"])} for r in rows]
 
 
 # The tiny models: Llama, and two hybrids whose mixers ulysses.hybrid runs under SP (gated
@@ -109,7 +132,15 @@ MODELS["gemma3"] = lambda vocab, positions: Gemma3Config(
     vision_config=dict(image_size=28, patch_size=14, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                        num_attention_heads=2),
     mm_tokens_per_image=4, image_token_id=IMAGE)
-VISION_LANGUAGE = ("qwen2_5_vl", "gemma3")
+# LLaVA: a CLIP tower of 28 x 28 images, under TRL's SFTTrainer with its VLM collator (--trl).
+MODELS["llava"] = lambda vocab, positions: LlavaConfig(
+    text_config=dict(model_type="llama", vocab_size=vocab + 1, hidden_size=64, intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=positions, pad_token_id=0),
+    vision_config=dict(model_type="clip_vision_model", image_size=28, patch_size=14, hidden_size=16,
+                       intermediate_size=32, num_hidden_layers=2, num_attention_heads=2),
+    image_token_index=IMAGE)
+VISION_LANGUAGE = ("qwen2_5_vl", "gemma3", "llava")
 
 
 def model_config(name: str, vocab: int, positions: int):
@@ -179,7 +210,7 @@ def main() -> None:
     p.add_argument("--trl", action="store_true", help="TRL's SFTTrainer with packing instead of Trainer")
     p.add_argument("--model", choices=list(MODELS), default="llama",
                    help="the tiny model: Llama, a hybrid (gated delta-nets, Mamba-2 layers) among attention, "
-                        "or a vision-language model (an image per row)")
+                        "or a vision-language model (an image per row; llava under TRL only)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, over all ranks")
     p.add_argument("--grad-accum", type=int, default=1)
@@ -215,9 +246,11 @@ def main() -> None:
     slow_decays(model)
     train = copy_task(a.steps * a.global_batch, a.max_len, vocab, seed=1)
     held_out = copy_task(2 * a.global_batch + 3, a.max_len, vocab, seed=2)  # uneven last batch
-    if vlm:
-        if a.trl:
-            raise SystemExit(f"--model {a.model} takes the plain Trainer (no --trl)")
+    if vlm and (a.trl != (a.model == "llava") or (a.trl and a.packed)):
+        raise SystemExit("--model llava runs under TRL (--trl, no --packed), the other VLMs under the plain Trainer")
+    if a.model == "llava":
+        train, held_out = with_image_files(train, 3), with_image_files(held_out, 4)
+    elif vlm:
         train, held_out = with_images(train, 3, a.model), with_images(held_out, 4, a.model)
     common = dict(output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=per_device,
                   per_device_eval_batch_size=per_device, gradient_accumulation_steps=a.grad_accum,
@@ -240,12 +273,16 @@ def main() -> None:
         class SequenceParallelSFTTrainer(SequenceParallel, SFTTrainer):  # ulysses
             pass
 
-        args = SFTConfig(**common, packing=True, max_length=2 * a.max_len)  # packed rows of whole sequences
+        if vlm:  # TRL's VLM collator: the processor tokenizes and makes pixels per batch, padded rows
+            args = SFTConfig(**common, max_length=None, remove_unused_columns=False)  # (keeps "text")
+            processor = llava_processor(vocab)
+        else:
+            args = SFTConfig(**common, packing=True, max_length=2 * a.max_len)  # packed rows of whole sequences
+            processor = word_tokenizer(vocab)
         trainer_class = SequenceParallelSFTTrainer if sequence_parallel else SFTTrainer
         extra = {"sp_size": a.sp, "verify_tolerance": a.verify, **long} if sequence_parallel else {}
         trainer = trainer_class(model=model, args=args, train_dataset=Dataset.from_list(train),
-                                eval_dataset=Dataset.from_list(held_out), processing_class=word_tokenizer(vocab),
-                                **extra)
+                                eval_dataset=Dataset.from_list(held_out), processing_class=processor, **extra)
     else:
         args = TrainingArguments(**common)  # Defaults: remove_unused_columns=True reads the forward's signature.
         if sequence_parallel:
@@ -266,7 +303,8 @@ def main() -> None:
     held_share = held / sum(p.numel() for p in trainer.model.parameters())  # of the parameters, on this rank
     if trainer.args.process_index == 0:
         first, last = min(losses), max(losses)
-        kind = "TRL SFTTrainer, packed" if a.trl else "packed" if a.packed else "padded"
+        kind = ("TRL SFTTrainer, its VLM collator" if a.trl and vlm else "TRL SFTTrainer, packed" if a.trl
+                else "packed" if a.packed else "padded")
         evaluated = f", eval loss {metrics['eval_loss']:.4f}" if a.eval else ""
         kind += " batches" + (f", FSDP2 ({held_share:.0%} of the parameters per rank)" if a.fsdp else "")
         print(f"hf_trainer: world {world} (dp {dp} x sp {a.sp if sequence_parallel else 1}), {kind}, "

@@ -17,9 +17,10 @@ if ! .venv/bin/python -c "import torch, pytest, scikit_build_core, numpy, hypoth
     { grep -v "^WARNING: Location" || true; }
 fi
 # Optional extras for the Trainer/TRL integration tests (tests/python/test_trainer.py), which
-# skip and say why without them: transformers' Trainer needs accelerate.
-extras=(accelerate==1.15.0 trl==1.16.0)
-if ! .venv/bin/python -c "import accelerate, trl" 2>/dev/null; then
+# skip and say why without them: transformers' Trainer needs accelerate, image processors
+# (TRL's VLM collator calls one) pillow.
+extras=(accelerate==1.15.0 trl==1.16.0 pillow==13.0.0)
+if ! .venv/bin/python -c "import accelerate, trl, PIL" 2>/dev/null; then
   echo "setup: installing the optional ${extras[*]} into .venv"
   .venv/bin/pip install -q --disable-pip-version-check "${extras[@]}" 2>&1 | { grep -v "^WARNING: Location" || true; } ||
     echo "setup: could not install ${extras[*]}; the Trainer and TRL tests will skip"

@@ -231,16 +231,22 @@ def test_the_trainer_needs_torch_distributed(tmp_path):
 @pytest.mark.parametrize("model,name,nproc,extra", [
     ("qwen2_5_vl", "sp2", 2, ()), ("qwen2_5_vl", "dp2_sp2", 4, ()), ("qwen2_5_vl", "dp2_sp2_fsdp", 4, ("--fsdp",)),
     ("gemma3", "dp2_sp2", 4, ()), ("gemma3", "dp2_sp2_fsdp", 4, ("--fsdp",)),
-    ("qwen2_5_vl", "sp2_packed", 2, ("--packed",)), ("gemma3", "sp2_packed", 2, ("--packed",))])
+    ("qwen2_5_vl", "sp2_packed", 2, ("--packed",)), ("gemma3", "sp2_packed", 2, ("--packed",)),
+    ("llava", "sp2", 2, ()), ("llava", "dp2_sp2_fsdp", 4, ("--fsdp",))])
 def test_a_vision_language_model_trains_as_in_one_process(runs, model, name, nproc, extra):
     """Qwen2.5-VL and Gemma 3, an image per row (every rank of an SP group gets the whole batch
     with its images): SP 2 under DDP, and DP 2 x SP 2 under DDP and FSDP2, where each SP group's
     batch is one row, so one rank of each encodes no frame or image (its tower still reduces zero
     gradients, as DDP and FSDP2 reduce the same parameters everywhere); Gemma 3's image blocks seen
     both ways; and the step's two rows packed into one (Qwen2.5-VL's positions [4, 1, S]), held to
-    the padded single-process run, as each document attends only to itself: every logged loss and
-    the final parameters."""
+    the padded single-process run, as each document attends only to itself; LLaVA under TRL's
+    SFTTrainer, whose VLM collator runs LLaVA's processor (built here) on rows of an image file and
+    text: every logged loss and the final parameters."""
     vlm = ("--model", model, "--global-batch", "2")
+    if model == "llava":
+        pytest.importorskip("trl", reason="TRL's SFTTrainer case needs trl (pip install trl)")
+        pytest.importorskip("PIL", reason="LLaVA's image processor needs pillow (pip install pillow)")
+        vlm += ("--trl",)
     want = runs(f"plain_{model}", 1, "--sp", "1", *vlm)
     _assert_same_run(runs(f"{model}_{name}", nproc, "--sp", "2", *vlm, *extra), want)
 
