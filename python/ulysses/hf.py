@@ -385,7 +385,8 @@ def _install_long_sequence(model: PreTrainedModel, settings: LongSequence) -> No
     as asked, its MLPs' forwards, and turns on its layers' checkpointing. A second call
     replaces what the first did."""
     object.__setattr__(model, "_ulysses_long", settings)
-    for layer in _layers(model):
+    # The sharded sequence's layers: a VLM's language model's, not its towers' (whole images).
+    for layer in _layers(vision.language_model(model) if vision.is_vision_language(model) else model):
         mlp = getattr(layer, "mlp", None)
         if isinstance(mlp, torch.nn.Module):
             mlp.__dict__.pop("forward", None)
@@ -568,9 +569,10 @@ def _refuse_documents_for_mixers(model: PreTrainedModel, positions: torch.Tensor
                                 model.__dict__["_ulysses_timeout"])
 
 
-def _vision_language_forward(model: PreTrainedModel, kwargs: dict):
+def _vision_language_forward(model: PreTrainedModel, kwargs: dict, shift_labels: torch.Tensor | None,
+                             ignore_index: int):
     """A vision-language model's forward under SP (``ulysses.vision``): the whole batch on every
-    rank, this rank's shard of the logits back."""
+    rank, this rank's shard of the logits back (or, given ``shift_labels``, its tiled loss)."""
     group, timeout = model.__dict__["_ulysses_group"], model.__dict__["_ulysses_timeout"]
     ids = kwargs.get("input_ids")
     if ids is None:
@@ -590,7 +592,9 @@ def _vision_language_forward(model: PreTrainedModel, kwargs: dict):
         if kwargs.get("token_type_ids") is not None:  # Gemma 3's image blocks, on the whole sequence
             kwargs["ulysses_blocks"] = vision.image_blocks(kwargs["token_type_ids"])
         with vision.images_shared(model):
-            return type(model).forward(model, **kwargs)
+            if shift_labels is None:
+                return type(model).forward(model, **kwargs)
+            return _tiled_loss(model, kwargs, seq_lens, shift_labels, ignore_index)
 
 
 def _long_sequence_forward(model: PreTrainedModel, *args, ulysses_shift_labels: torch.Tensor | None = None,
@@ -600,12 +604,8 @@ def _long_sequence_forward(model: PreTrainedModel, *args, ulysses_shift_labels: 
         return type(model).forward(model, *args, **kwargs)
     if args:
         raise ValueError("ulysses.hf: pass the model's inputs by keyword under sequence parallelism")
-    settings: LongSequence = model.__dict__["_ulysses_long"]
     if vision.is_vision_language(model):
-        if ulysses_shift_labels is not None:
-            raise ValueError("ulysses.hf: the tiled loss (ulysses_shift_labels) does not take a vision-language "
-                             "model yet; score its logits with sequence_parallel_loss")
-        return _vision_language_forward(model, kwargs)
+        return _vision_language_forward(model, kwargs, ulysses_shift_labels, ulysses_ignore_index)
     seq_lens = _sequence_rows(kwargs, model.__dict__["_ulysses_group"], model.__dict__["_ulysses_timeout"])
     if kwargs.get("position_ids") is None:
         kwargs["position_ids"] = _global_positions(_tokens(kwargs), seq_lens, model.__dict__["_ulysses_group"])
@@ -615,25 +615,33 @@ def _long_sequence_forward(model: PreTrainedModel, *args, ulysses_shift_labels: 
         kwargs.update(extra)
         if ulysses_shift_labels is None:
             return type(model).forward(model, **kwargs)
-        if not settings.tiled_loss:
-            raise ValueError("ulysses.hf: ulysses_shift_labels needs sequence_parallel(..., tiled_loss=True)")
-        if kwargs.pop("labels", None) is not None:
-            raise ValueError("ulysses.hf: give ulysses_shift_labels or labels, not both")
-        kwargs.pop("logits_to_keep", None)
-        hidden = getattr(model, model.base_model_prefix)(**kwargs).last_hidden_state
-        head = model.get_output_embeddings()
-        # Every rank reaches this point; one agreement round here makes a rank's bad labels fail
-        # every rank alike, before the ranks part ways (its loss would raise, theirs would wait).
-        group = model.__dict__["_ulysses_group"]
-        problem = tiled.label_problem(hidden, head.weight.shape[0], ulysses_shift_labels, ulysses_ignore_index)
-        _C.check_together(f"ulysses.hf: {problem}" if problem else "", G.group_name(group),
-                          G.timeout_ms(model.__dict__["_ulysses_timeout"]), "ulysses.hf tiled loss labels")
-        scale, softcap = _logit_rules(model.config)
-        tiles = _C.loss_tile_count(hidden.shape[0] * max(seq_lens), head.weight.shape[0], settings.loss_tile_bytes)
-        loss = tiled._checked_linear_cross_entropy(hidden, head.weight, ulysses_shift_labels, bias=head.bias,
-                                                   tiles=tiles, ignore_index=ulysses_ignore_index, scale=scale,
-                                                   softcap=softcap)
-        return CausalLMOutputWithPast(loss=loss)
+        return _tiled_loss(model, kwargs, seq_lens, ulysses_shift_labels, ulysses_ignore_index)
+
+
+def _tiled_loss(model: PreTrainedModel, kwargs: dict, seq_lens: list[int], shift_labels: torch.Tensor,
+                ignore_index: int) -> CausalLMOutputWithPast:
+    """This rank's summed token loss of its shard (inside ``_shard_forward``): the base model's
+    hidden states through the output head and the cross-entropy in tiles, never the whole
+    logits (``sequence_parallel(..., tiled_loss=True)``)."""
+    if not model.__dict__["_ulysses_long"].tiled_loss:
+        raise ValueError("ulysses.hf: ulysses_shift_labels needs sequence_parallel(..., tiled_loss=True)")
+    if kwargs.pop("labels", None) is not None:
+        raise ValueError("ulysses.hf: give ulysses_shift_labels or labels, not both")
+    kwargs.pop("logits_to_keep", None)
+    hidden = getattr(model, model.base_model_prefix)(**kwargs).last_hidden_state
+    head = model.get_output_embeddings()
+    # Every rank reaches this point; one agreement round here makes a rank's bad labels fail
+    # every rank alike, before the ranks part ways (its loss would raise, theirs would wait).
+    group = model.__dict__["_ulysses_group"]
+    problem = tiled.label_problem(hidden, head.weight.shape[0], shift_labels, ignore_index)
+    _C.check_together(f"ulysses.hf: {problem}" if problem else "", G.group_name(group),
+                      G.timeout_ms(model.__dict__["_ulysses_timeout"]), "ulysses.hf tiled loss labels")
+    scale, softcap = _logit_rules(model.config)  # (the head's own: a VLM's config, not its text config's)
+    tiles = _C.loss_tile_count(hidden.shape[0] * max(seq_lens), head.weight.shape[0],
+                               model.__dict__["_ulysses_long"].loss_tile_bytes)
+    loss = tiled._checked_linear_cross_entropy(hidden, head.weight, shift_labels, bias=head.bias, tiles=tiles,
+                                               ignore_index=ignore_index, scale=scale, softcap=softcap)
+    return CausalLMOutputWithPast(loss=loss)
 
 
 @dataclass

@@ -362,16 +362,19 @@ def _module_of(function: Callable) -> torch.nn.Module | None:
     return owner if isinstance(owner, torch.nn.Module) else None
 
 
-def _check_no_hidden_inputs(function: Callable) -> None:
-    """A tensor that needs a gradient and reaches the layer by keyword would get none: refuse."""
+def _check_no_hidden_inputs(function: Callable, args: tuple, kwargs: dict) -> None:
+    """A tensor that needs a gradient and reaches the layer other than as its first input (in
+    ``args``, by keyword, or bound in a partial) would get none: refuse."""
+    named = [(f"positional argument {i + 2}", v) for i, v in enumerate(args)]
+    named += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
     while isinstance(function, functools.partial):
-        for name, value in function.keywords.items():
-            values = value if isinstance(value, (tuple, list)) else (value,)
-            if any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
-                raise ValueError(f"ulysses.tiled.checkpoint: the layer's keyword argument {name!r} needs a "
-                                 "gradient, which a checkpoint gives to its positional input and the layer's "
-                                 "parameters only")
+        named += [(f"keyword argument {k!r}", v) for k, v in function.keywords.items()]
         function = function.func
+    for name, value in named:
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        if any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
+            raise ValueError(f"ulysses.tiled.checkpoint: the layer's {name} needs a gradient, which a "
+                             "checkpoint gives to its first input and the layer's parameters only")
 
 
 def checkpoint(function: Callable[..., Any], x: torch.Tensor, *args: Any, mode: str = "recompute",
@@ -388,8 +391,10 @@ def checkpoint(function: Callable[..., Any], x: torch.Tensor, *args: Any, mode: 
     gradient; one that needs it is refused."""
     if mode not in CHECKPOINT_MODES:
         raise ValueError(f"ulysses.tiled.checkpoint: mode must be one of {', '.join(CHECKPOINT_MODES)}; got {mode!r}")
-    run = functools.partial(function, *args, **kwargs) if args or kwargs else function
-    _check_no_hidden_inputs(run)
+    _check_no_hidden_inputs(function, args, kwargs)
+    # x first, then the rest (as transformers' layers call it: a vision encoder's passes its mask
+    # positionally after the hidden states).
+    run = (lambda y: function(y, *args, **kwargs)) if args or kwargs else function
     if mode == "none" or not torch.is_grad_enabled():
         return run(x)
     if params is None:

@@ -132,9 +132,6 @@ class SequenceParallel:
         super().__init__(*args, **kwargs)
         trainer: Any = self
         world = trainer.args.world_size
-        if vision.is_vision_language(trainer.model) and tiled_loss:
-            raise ValueError(f"ulysses.trainer: the tiled loss does not take a vision-language model yet "
-                             f"({type(trainer.model).__name__}): leave tiled_loss off (its logits are a shard's)")
         if not dist.is_initialized():
             raise RuntimeError("ulysses.trainer: torch.distributed is not initialized; launch the script with "
                                f"torchrun (e.g. torchrun --nproc_per_node {sp_size} train.py)")
@@ -311,11 +308,11 @@ class SequenceParallel:
         shard = hf.shard_batch(text, sp, ignore_index=self.ignore_index)
         if vlm:  # the whole batch on every rank, its shard kept inside (ulysses.vision)
             model_inputs = {k: v for k, v in inputs.items() if k in keys and k != "labels"}
-            return model(**model_inputs, ulysses_seq_lens=shard["seq_lens"]), shard
-        model_inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"],
-                        "ulysses_seq_lens": shard["seq_lens"]}
-        if "attention_mask" in shard:
-            model_inputs["attention_mask"] = shard["attention_mask"]
+        else:
+            model_inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
+            if "attention_mask" in shard:
+                model_inputs["attention_mask"] = shard["attention_mask"]
+        model_inputs["ulysses_seq_lens"] = shard["seq_lens"]
         if tiled_loss:  # the model returns the shard's summed token loss, and no logits
             model_inputs["ulysses_shift_labels"] = shard["shift_labels"]
             model_inputs["ulysses_ignore_index"] = self.ignore_index

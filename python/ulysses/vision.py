@@ -89,7 +89,8 @@ def even_split(seq_len: int, size: int) -> list[int]:
     return [end - begin for begin, end in _C.even_split(seq_len, size)]
 
 
-def _language_model(model: Any) -> Any:
+def language_model(model: Any) -> Any:
+    """A VLM's language model (``language_model``, Idefics3's ``text_model``)."""
     inner = getattr(model, "model", model)
     return inner.language_model if hasattr(inner, "language_model") else inner.text_model
 
@@ -328,8 +329,8 @@ def _images_encoded_once(tower: Any, pixel_values: torch.Tensor | None = None, *
 def install(model: torch.nn.Module) -> None:
     """Binds the sharding language-model forward of a supported VLM, and its vision tower's
     forward that encodes each frame (ENCODED_ONCE) or image (IMAGES_ENCODED_ONCE) once per group."""
-    language_model = _language_model(model)
-    language_model.forward = types.MethodType(_sharded_language_model, language_model)
+    text = language_model(model)
+    text.forward = types.MethodType(_sharded_language_model, text)
     if type(model).__name__ in ENCODED_ONCE:
         visual: Any = getattr(model, "model", model).visual
         visual.forward = types.MethodType(_encoded_once, visual)
@@ -356,4 +357,4 @@ IMAGE_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_gr
 
 __all__ = ["BATCH_KEYS", "ENCODERS", "IMAGE_KEYS", "IMAGES_ENCODED_ONCE", "MODELS", "block_masks", "even_split",
            "frame_split", "image_blocks", "images_digest", "images_shared", "install", "is_vision_language",
-           "positions_problem", "text_positions"]
+           "language_model", "positions_problem", "text_positions"]

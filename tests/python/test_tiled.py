@@ -187,6 +187,21 @@ def test_a_keyword_tensor_that_needs_a_gradient_is_refused():
     bias = torch.zeros(16, requires_grad=True)
     with pytest.raises(ValueError, match="keyword argument 'bias' needs a gradient"):
         T.checkpoint(lambda x, bias: m(x) + bias, torch.randn(1, 2, 16, requires_grad=True), bias=bias)
+    with pytest.raises(ValueError, match="positional argument 2 needs a gradient"):
+        T.checkpoint(lambda x, bias: m(x) + bias, torch.randn(1, 2, 16, requires_grad=True), bias)
+
+
+def test_positional_arguments_follow_the_first_input():
+    """checkpoint(f, x, a) runs f(x, a), as transformers' layers are called (a vision encoder
+    layer takes its mask positionally after the hidden states): it ran f(a, x)."""
+    m = mlp()
+    x = torch.randn(1, 3, 16, requires_grad=True)
+    scale = torch.full((16,), 0.5)
+    want = m(x) * scale
+    for mode in ("recompute", "offload"):
+        got = T.checkpoint(lambda y, s: m(y) * s, x, scale, mode=mode, params=list(m.parameters()))
+        assert torch.equal(got, want)
+        got.sum().backward()
 
 
 def test_a_module_layer_checkpoints_its_own_parameters():

@@ -232,7 +232,8 @@ def test_the_trainer_needs_torch_distributed(tmp_path):
     ("qwen2_5_vl", "sp2", 2, ()), ("qwen2_5_vl", "dp2_sp2", 4, ()), ("qwen2_5_vl", "dp2_sp2_fsdp", 4, ("--fsdp",)),
     ("gemma3", "dp2_sp2", 4, ()), ("gemma3", "dp2_sp2_fsdp", 4, ("--fsdp",)),
     ("qwen2_5_vl", "sp2_packed", 2, ("--packed",)), ("gemma3", "sp2_packed", 2, ("--packed",)),
-    ("llava", "sp2", 2, ()), ("llava", "dp2_sp2_fsdp", 4, ("--fsdp",))])
+    ("llava", "sp2", 2, ()), ("llava", "dp2_sp2_fsdp", 4, ("--fsdp",)),
+    ("qwen2_5_vl", "dp2_sp2_long", 4, ("--long",)), ("gemma3", "sp2_long_fsdp", 2, ("--long", "--fsdp"))])
 def test_a_vision_language_model_trains_as_in_one_process(runs, model, name, nproc, extra):
     """Qwen2.5-VL and Gemma 3, an image per row (every rank of an SP group gets the whole batch
     with its images): SP 2 under DDP, and DP 2 x SP 2 under DDP and FSDP2, where each SP group's
@@ -241,7 +242,8 @@ def test_a_vision_language_model_trains_as_in_one_process(runs, model, name, npr
     both ways; and the step's two rows packed into one (Qwen2.5-VL's positions [4, 1, S]), held to
     the padded single-process run, as each document attends only to itself; LLaVA under TRL's
     SFTTrainer, whose VLM collator runs LLaVA's processor (built here) on rows of an image file and
-    text: every logged loss and the final parameters."""
+    text; and with every long-sequence feature (tiled MLP, the tiled loss, offloaded checkpoints):
+    every logged loss and the final parameters."""
     vlm = ("--model", model, "--global-batch", "2")
     if model == "llava":
         pytest.importorskip("trl", reason="TRL's SFTTrainer case needs trl (pip install trl)")
@@ -249,17 +251,6 @@ def test_a_vision_language_model_trains_as_in_one_process(runs, model, name, npr
         vlm += ("--trl",)
     want = runs(f"plain_{model}", 1, "--sp", "1", *vlm)
     _assert_same_run(runs(f"{model}_{name}", nproc, "--sp", "2", *vlm, *extra), want)
-
-
-def test_a_vision_language_model_with_the_tiled_loss_is_refused_with_what_to_do(tmp_path):
-    from transformers import TrainingArguments
-
-    from test_vision import make_model
-    from ulysses.trainer import SequenceParallelTrainer
-
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
-    with pytest.raises(ValueError, match="the tiled loss does not take a vision-language model yet"):
-        SequenceParallelTrainer(model=make_model("qwen2_vl"), args=args, sp_size=2, tiled_loss=True)
 
 
 @pytest.mark.parametrize("setting", [{"scale_rewards": "batch"}, {"multi_objective_aggregation": "normalize_then_sum"},

@@ -488,3 +488,34 @@ def test_packed_positions_of_the_wrong_shape_are_refused_with_what_to_give():
     assert "packed rows carry position_ids [4, B, S]" in positions_problem(qwen, flat)
     assert positions_problem(qwen, four) == positions_problem(llava, flat) == positions_problem(llava, None) == ""
     assert "carry position_ids [B, S], restarting at each document" in positions_problem(llava, four)
+
+
+@pytest.mark.parametrize("name,P", [("qwen2_5_vl", 2), ("gemma3", 3), ("llava_next_video", 2)])
+def test_the_tiled_loss_and_every_long_sequence_feature_are_exact(name, P):
+    """The whole batch on every rank, this rank's shard scored in tiles from the base model's
+    hidden states (no logits), with tiled MLPs (the language model's) and offloaded checkpoints
+    (the tower's layers too), equal the single-process model. Gemma 3's VLM head applies no final
+    softcap, even with one in its text config (only Gemma3ForCausalLM does): neither does the
+    tiled loss, which follows the model's own config."""
+    base = make_model(name)
+    batch = make_image_batch(name, "both" if name in VIDEO_FRAMES else "images", 7) if name in TOKENS_PER_IMAGE \
+        else make_batch("both", 10)
+    if name == "gemma3":
+        base.config.text_config.final_logit_softcapping = 3.0
+    want = reference(copy.deepcopy(base), batch)
+    models = [copy.deepcopy(base).train() for _ in range(P)]
+
+    def body(rank, group):
+        model = uhf.sequence_parallel(models[rank], group, tiled_mlp=True, tiled_loss=True, checkpoint="offload",
+                                      mlp_tile_tokens=2, loss_tile_bytes=4 * 64 * 3)
+        sb = uhf.shard_batch({k: batch[k] for k in ("input_ids", "labels", "attention_mask")}, group)
+        out = model(**{k: v for k, v in batch.items() if k != "labels"}, ulysses_seq_lens=sb["seq_lens"],
+                    ulysses_shift_labels=sb["shift_labels"])
+        assert out.logits is None
+        loss, global_loss = uhf.token_mean(out.loss, sb["shift_labels"], group)
+        loss.backward()
+        uhf.all_reduce_gradients(model, group)
+        return global_loss.item(), _gradients(model)
+
+    for got in run_ranks(P, body):
+        assert_matches(got, want)
