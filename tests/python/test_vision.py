@@ -175,13 +175,20 @@ def reference(model, batch):
     return out.loss.item(), _gradients(model)
 
 
-def sharded_step(model, batch, group, give_seq_lens=True):
-    sb = uhf.shard_batch({k: batch[k] for k in ("input_ids", "labels", "attention_mask")}, group)
+def sharded_step(model, batch, group, give_seq_lens=True, tiled=False):
+    """One step of the whole batch on every rank; ``tiled``: scored by the tiled loss, no logits."""
+    sb = uhf.shard_batch({k: batch[k] for k in ("input_ids", "labels", "attention_mask") if k in batch}, group)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     if give_seq_lens:
         inputs["ulysses_seq_lens"] = sb["seq_lens"]
+    if tiled:
+        inputs["ulysses_shift_labels"] = sb["shift_labels"]
     out = model(**inputs)  # the whole batch on every rank
-    loss, global_loss = uhf.sequence_parallel_loss(out.logits, sb["shift_labels"], group)
+    if tiled:
+        assert out.logits is None
+        loss, global_loss = uhf.token_mean(out.loss, sb["shift_labels"], group)
+    else:
+        loss, global_loss = uhf.sequence_parallel_loss(out.logits, sb["shift_labels"], group)
     loss.backward()
     uhf.all_reduce_gradients(model, group)
     return global_loss.item(), _gradients(model)
@@ -465,16 +472,7 @@ def test_packed_rows_are_exact(name, P):
     want = separate_reference(copy.deepcopy(base), batch)
     models = [copy.deepcopy(base) for _ in range(P)]
 
-    def body(rank, group):
-        model = uhf.sequence_parallel(models[rank], group)
-        sb = uhf.shard_batch({k: batch[k] for k in ("input_ids", "labels")}, group)
-        out = model(**{k: v for k, v in batch.items() if k != "labels"}, ulysses_seq_lens=sb["seq_lens"])
-        loss, global_loss = uhf.sequence_parallel_loss(out.logits, sb["shift_labels"], group)
-        loss.backward()
-        uhf.all_reduce_gradients(model, group)
-        return global_loss.item(), _gradients(model)
-
-    for got in run_ranks(P, body):
+    for got in run_ranks(P, lambda rank, group: sharded_step(uhf.sequence_parallel(models[rank], group), batch, group)):
         assert_matches(got, want)
 
 
@@ -508,14 +506,7 @@ def test_the_tiled_loss_and_every_long_sequence_feature_are_exact(name, P):
     def body(rank, group):
         model = uhf.sequence_parallel(models[rank], group, tiled_mlp=True, tiled_loss=True, checkpoint="offload",
                                       mlp_tile_tokens=2, loss_tile_bytes=4 * 64 * 3)
-        sb = uhf.shard_batch({k: batch[k] for k in ("input_ids", "labels", "attention_mask")}, group)
-        out = model(**{k: v for k, v in batch.items() if k != "labels"}, ulysses_seq_lens=sb["seq_lens"],
-                    ulysses_shift_labels=sb["shift_labels"])
-        assert out.logits is None
-        loss, global_loss = uhf.token_mean(out.loss, sb["shift_labels"], group)
-        loss.backward()
-        uhf.all_reduce_gradients(model, group)
-        return global_loss.item(), _gradients(model)
+        return sharded_step(model, batch, group, tiled=True)
 
     for got in run_ranks(P, body):
         assert_matches(got, want)
