@@ -15,8 +15,10 @@ step), ``outputs_MiB`` what the layer must hand back (o and the gradients of q, 
 ``saved_MiB`` what the kernel keeps for backward (q, k, v and o by heads over the whole sequence,
 every chunk's, from the head plan), and ``transient_MiB`` = peak - outputs - saved: what running
 the layer costs beyond both (exchange buffers, whole-sequence copies, gradients by heads).
-``--head-chunks`` also applies to the model rows (``sequence_parallel(head_chunks=k)``; give
-``--heads 32,8`` there for a model with enough kv heads).
+``--head-chunks alst`` adds DeepSpeed ALST's attention layer to that table (0.19.8, an optional
+extra: ``UlyssesSPAttentionHF`` around transformers' SDPA attention, as ALST installs it in a
+model). ``--head-chunks`` also applies to the model rows (``sequence_parallel(head_chunks=k)``;
+give ``--heads 32,8`` there for a model with enough kv heads).
 
 ``--family qwen3_next|bamba|lfm2`` measures a hybrid instead of Llama: a linear-time mixer
 (gated delta-net, Mamba-2, short convolution; ``ulysses.hybrid``) in every other layer.
@@ -241,12 +243,18 @@ def _attention_rank(rank: int, task: dict, out_dir: str) -> None:
     gen = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(1, lens[rank], h, D, generator=gen).requires_grad_() for h in (hq, hkv, hkv))
     grad = torch.randn(1, lens[rank], hq, D, generator=gen)
-    attention = ulysses.DistributedAttention(dist.group.WORLD, q_heads=hq, kv_heads=hkv, causal=True,
-                                             head_chunks=chunks)
+    if chunks == "alst":
+        run = _alst_attention(rank, S, hq, hkv, D, lens[rank])
+    else:
+        attention = ulysses.DistributedAttention(dist.group.WORLD, q_heads=hq, kv_heads=hkv, causal=True,
+                                                 head_chunks=chunks)
+
+        def run(q, k, v):
+            return attention(q, k, v, seq_lens=lens)
 
     def step() -> float:
         start = time.perf_counter()
-        attention(q, k, v, seq_lens=lens).backward(grad)
+        run(q, k, v).backward(grad)
         dist.barrier()
         return time.perf_counter() - start
 
@@ -262,13 +270,39 @@ def _attention_rank(rank: int, task: dict, out_dir: str) -> None:
     peak = _status_kib("VmHWM")
     outputs = 2 * q.nbytes + k.nbytes + v.nbytes  # o is q-shaped
     saved = 0  # q, k, v and o by heads, each chunk's (this rank's heads in its plan) x S x D
-    for (qb, qe), (kb, ke) in ulysses._C.head_chunks(hq, hkv, sp, chunks):
+    for (qb, qe), (kb, ke) in ulysses._C.head_chunks(hq, hkv, sp, 1 if chunks == "alst" else chunks):
         plan = ulysses._C.plan(qe - qb, ke - kb, sp)
         saved += (2 * plan["q_heads"][rank] + 2 * plan["kv_heads"][rank]) * S * D * q.element_size()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"peak_mib": (peak - baseline) / 1024, "outputs_mib": outputs / 2**20, "saved_mib": saved / 2**20,
                    "step_s": seconds, "grad_mib": 0.0, "state_mib": 0.0}, f)
     dist.destroy_process_group()
+
+
+def _alst_attention(rank: int, S: int, hq: int, hkv: int, D: int, rows: int):
+    """DeepSpeed ALST's attention layer as it runs inside a Hugging Face model: its
+    ``UlyssesSPAttentionHF`` around transformers' SDPA attention (what ``register_with_transformers``
+    installs for "sdpa"), on [B, S_r, H, D] inputs like ours. Its saved tensors are the kernel's
+    q, k, v and o by heads, as ours at k = 1."""
+    from types import SimpleNamespace
+
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    deepspeed.init_distributed(dist_backend="gloo")  # adopts the torch.distributed world
+    layer = UlyssesSPAttentionHF(attn=sdpa_attention_forward, batch_size=1, attn_head_count=hq, attn_head_size=D,
+                                 kv_head_count=hkv, num_hidden_layers=1, process_group=dist.group.WORLD,
+                                 seq_length_is_variable=True)
+    layer.core_attn_implementation = "sdpa"
+    module = SimpleNamespace(training=True, is_causal=True, num_key_value_groups=hq // hkv)
+    positions = torch.arange(rank * rows, (rank + 1) * rows)[None]
+
+    def run(q, k, v):
+        out = layer(module, *(t.transpose(1, 2) for t in (q, k, v)), None, position_ids=positions)
+        return out[0].reshape(1, rows, hq, D)  # (context, attention weights)
+
+    return run
 
 
 def compare_chunks(a: argparse.Namespace, rows: list[dict]) -> int:
@@ -279,7 +313,7 @@ def compare_chunks(a: argparse.Namespace, rows: list[dict]) -> int:
     for seq_len in map(int, a.seq_lens.split(",")):
         for sp in map(int, a.sp.split(",")):
             first = None
-            for chunks in map(int, a.head_chunks.split(",")):
+            for chunks in [int(k) if k.isdigit() else k for k in a.head_chunks.split(",")]:
                 row = measure(dict(seq_len=seq_len, sp=sp, head_chunks=chunks, attention=True, steps=a.steps or 2))
                 row["transient_mib"] = row["peak_mib"] - row["outputs_mib"] - row["saved_mib"]
                 first = first or row
@@ -394,7 +428,8 @@ def main() -> int:
                    help="DDP-style replicas against FSDP2 sharding, with an AdamW step (features: none)")
     p.add_argument("--attention", action="store_true",
                    help="one attention layer (fwd + bwd) at each --head-chunks count instead of a model step")
-    p.add_argument("--head-chunks", default="1", help="head chunk counts (DistributedAttention(head_chunks=))")
+    p.add_argument("--head-chunks", default="1", help="head chunk counts (DistributedAttention(head_chunks=)); "
+                   "with --attention, 'alst' for DeepSpeed ALST's attention layer (UlyssesSPAttentionHF)")
     p.add_argument("--heads", default="8,2", help="the model's query and kv heads (hidden size 512)")
     p.add_argument("--family", default="llama", choices=("llama", "qwen3_next", "bamba", "lfm2"),
                    help="the model: Llama, or a hybrid with a linear-time mixer in every other layer")
