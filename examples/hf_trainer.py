@@ -27,6 +27,7 @@ import json
 import os
 
 import torch
+import torch.distributed as dist
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
@@ -319,6 +320,11 @@ def main() -> None:
                            "held_share": held_share, "wrapped": type(trainer.model_wrapped).__name__,
                            "verified": None if verification is None else verification.worst}, f)
             torch.save({k: v.detach().clone() for k, v in params.items()}, a.report + ".pt")
+    if dist.is_initialized():
+        # Ends the backend's threads while the interpreter is whole: torn down at exit instead, a
+        # Gloo worker thread can abort the process ("terminate called without an active exception").
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

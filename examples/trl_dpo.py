@@ -93,6 +93,9 @@ def main() -> None:
             torch.save({k: v.detach().clone() for k, v in params.items()}, a.report + ".pt")
     if dist.is_initialized():
         dist.barrier()
+        # Ends the backend's threads while the interpreter is whole: torn down at exit instead, a
+        # Gloo worker thread can abort the process ("terminate called without an active exception").
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
