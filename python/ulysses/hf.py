@@ -528,7 +528,7 @@ def _check_same_batch(input_ids: torch.Tensor, group: str, images: list[float] |
     if any(s[3:] != every[0][3:] for s in every):
         differ = [r for r, s in enumerate(every) if s[3:] != every[0][3:]]
         raise ValueError(f"ulysses.hf: the ranks of a sequence-parallel group run a vision-language model on the "
-                         f"same whole batch, and rank(s) {differ} hold other images or grids than rank 0 "
+                         f"same whole batch, and rank(s) {differ} hold other images, grids or positions than rank 0 "
                          f"({', '.join(vision.IMAGE_KEYS)}): feed every rank of the group the same batch")
 
 
@@ -584,7 +584,7 @@ def _vision_language_forward(model: PreTrainedModel, kwargs: dict, shift_labels:
                          "sequence_parallel_loss, not labels to the model")
     _check_same_batch(ids, group, vision.images_digest(kwargs), timeout)
     problem = vision.positions_problem(model, kwargs.get("position_ids"))
-    if problem:  # (the whole batch is on every rank: each raises alike)
+    if problem:  # (the positions are in the digest, alike on every rank: each raises alike)
         raise ValueError(f"ulysses.hf: {problem}")
     seq_lens = list(kwargs.get("ulysses_seq_lens") or vision.even_split(ids.shape[1], G.rank_and_size(group)[1]))
     with _shard_forward(model, seq_lens) as extra:

@@ -291,13 +291,12 @@ class SequenceParallel:
         trainer: Any = self
         keys = self._batch_keys()
         vlm = keys != _SHARDED_KEYS
-        problem = ""
         unknown = sorted(set(inputs) - keys - _DROPPED_KEYS)
+        problem = vision.positions_problem(trainer.model, inputs.get("position_ids")) if vlm else ""
         if unknown:
-            problem = (f"ulysses.trainer: the batch has {unknown}, which the sequence shard does not carry; a "
-                       f"batch may hold {sorted(keys)}")
-        elif vlm and vision.positions_problem(trainer.model, inputs.get("position_ids")):
-            problem = f"ulysses.trainer: {vision.positions_problem(trainer.model, inputs.get('position_ids'))}"
+            problem = (f"the batch has {unknown}, which the sequence shard does not carry; a batch may hold "
+                       f"{sorted(keys)}")
+        problem = f"ulysses.trainer: {problem}" if problem else ""
         # One round over every rank before the first collective of the step: a batch wrong on one
         # rank fails all of them alike, not that rank with this error and the others in a timeout.
         _C.check_together(problem, G.group_name(None), G.timeout_ms(None), "ulysses.trainer batch keys")

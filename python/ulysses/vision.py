@@ -278,7 +278,7 @@ def _images_encoded_once(tower: Any, pixel_values: torch.Tensor | None = None, *
     ``pixel_values`` ``[N, ...]`` on its own (CLIP, SigLIP, InternViT, Idefics3's: outputs
     ``[N, tokens, width]``; Pixtral: images of any size as one sequence, block by block, outputs
     ``[1, all tokens, width]``): each rank encodes its even share of the N images (and of every
-    per-image input: a tensor whose first dim is N, such as ``image_sizes``), and one all-gather
+    per-image input, PER_IMAGE_KEYS), and one all-gather
     hands every rank every image's outputs, in order; its backward returns each image's gradient
     to the rank that encoded it. Only what the models read is whole: ``last_hidden_state``,
     ``pooler_output``, and the hidden states ``vision_feature_layer`` names (the other entries of
@@ -297,10 +297,13 @@ def _images_encoded_once(tower: Any, pixel_values: torch.Tensor | None = None, *
     # and the outputs' other dims come out as on the ranks that encode.
     first, count = (begin, counts[rank]) if counts[rank] else (0, 1)
 
-    def mine(x: Any) -> Any:
-        return x.narrow(0, first, count) if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == n else x
-
-    out = type(tower).forward(tower, mine(pixel_values), **{k: mine(v) for k, v in kwargs.items()})
+    unknown = sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in PER_IMAGE_KEYS)
+    if unknown:  # (every rank of the group runs the same model on the same batch: raised alike)
+        raise ValueError(f"ulysses.vision: {type(tower).__name__} was given {unknown}, which ulysses does not know "
+                         f"how to share out with the images (it splits {list(PER_IMAGE_KEYS)})")
+    out = type(tower).forward(tower, pixel_values.narrow(0, first, count),
+                              **{k: v.narrow(0, first, count) if k in PER_IMAGE_KEYS and v is not None else v
+                                 for k, v in kwargs.items()})
     names = [k for k in ("last_hidden_state", "pooler_output") if isinstance(getattr(out, k, None), torch.Tensor)]
     hidden: tuple = getattr(out, "hidden_states", None) or ()
     layers = sorted({i % len(hidden) for i in tower.__dict__["_ulysses_feature_layers"]}) if hidden else []
@@ -341,18 +344,29 @@ def install(model: torch.nn.Module) -> None:
 
 
 def images_digest(kwargs: dict) -> list[float]:
-    """The shapes and sums of a batch's pixel values and grids: what every rank of a group must
-    hold alike (compared in the batch's one agreement round, ``ulysses.hf``)."""
+    """The shapes and sums of a batch's pixel values, grids and packed positions: what every rank
+    of a group must hold alike (compared in the batch's one agreement round, ``ulysses.hf``; a rank
+    whose positions alone are wrong then fails with the others, not before their next collective)."""
     digest = []
     for name in IMAGE_KEYS:
         x = kwargs.get(name)
-        digest += [-1.0, -1.0] if x is None else [float(x.numel()), x.double().sum().item()]
+        if x is None:
+            digest += [-1.0] * 4
+            continue
+        # Positions are also weighted by their place (a row's positions permuted differ); pixels
+        # are summed in float64 without a float64 copy of them.
+        flat = x.reshape(-1)
+        place = (flat.double() * torch.arange(1, flat.numel() + 1, device=x.device)).sum().item() \
+            if name == "position_ids" else 0.0
+        digest += [float(x.dim()), float(flat.numel()), flat.sum(dtype=torch.float64).item(), place]
     return digest
 
 
+#: The image towers' inputs with a row per image, which _images_encoded_once shares out with them.
+PER_IMAGE_KEYS = ("image_sizes", "patch_attention_mask")
 #: The inputs images_digest reads, named in its error.
 IMAGE_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "image_sizes",
-              "pixel_attention_mask", "token_type_ids")
+              "pixel_attention_mask", "token_type_ids", "position_ids")
 
 
 __all__ = ["BATCH_KEYS", "ENCODERS", "IMAGE_KEYS", "IMAGES_ENCODED_ONCE", "MODELS", "block_masks", "even_split",

@@ -257,22 +257,42 @@ def test_the_vision_tower_keeps_its_own_attention():
     assert model.config.text_config._attn_implementation == "ulysses"
 
 
-@pytest.mark.parametrize("change", ["grid", "pixels"])
+@pytest.mark.parametrize("change", ["grid", "pixels", "positions shape", "positions"])
 def test_one_rank_given_other_images_fails_alike(change):
+    """One rank's images, grids or packed positions other than the rest fail every rank alike in
+    the batch's one round (a rank raising alone would leave the others waiting to a timeout)."""
     base = make_model("qwen2_5_vl")
     models = [copy.deepcopy(base) for _ in range(2)]
-    batch = make_batch("image", 10)
+    batch = make_packed_batch("qwen2_5_vl")
 
     def body(rank, group):
         mine = dict(batch)
         if rank == 1 and change == "grid":  # the same patches, another grid (2 x 8)
-            mine["image_grid_thw"] = torch.tensor([[1, 2, 8]] * B)
-        elif rank == 1:
+            mine["image_grid_thw"] = torch.tensor([[1, 2, 8]] * 2)
+        elif rank == 1 and change == "pixels":
             mine["pixel_values"] = batch["pixel_values"] + 1
+        elif rank == 1 and change == "positions shape":  # text positions alone: refused on this rank
+            mine["position_ids"] = batch["position_ids"][0]
+        elif rank == 1:  # the two documents' positions swapped: the same values, other places
+            mine["position_ids"] = batch["position_ids"].roll(5, dims=-1)
         sharded_step(uhf.sequence_parallel(models[rank], group), mine, group)
 
     errors = run_ranks_errors(2, body)
-    assert errors[0] == errors[1] and "rank(s) [1] hold other images or grids than rank 0" in errors[0], errors
+    assert errors[0] == errors[1] and "rank(s) [1] hold other images, grids or positions than rank 0" in errors[0], \
+        errors
+
+
+def test_an_image_tower_input_it_cannot_share_out_is_refused():
+    """The tower encoding each image once splits the per-image inputs it knows by name; another
+    tensor is refused with what it splits, not guessed to be per image from its length."""
+    from ulysses import vision
+    model = uhf.sequence_parallel(make_model("llava"), "")
+    tower = model.model.vision_tower
+    pixels = torch.randn(2, 3, 28, 28)
+    with vision.images_shared(model):
+        assert tower(pixels).last_hidden_state.shape[0] == 2  # (image_sizes and the rest: the matrix)
+        with pytest.raises(ValueError, match=r"was given \['bogus'\], which ulysses does not know how to share"):
+            tower(pixels, bogus=torch.zeros(2))
 
 
 def test_labels_given_to_the_model_are_refused_with_what_to_do():
