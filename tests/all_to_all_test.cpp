@@ -39,6 +39,9 @@ struct Case {
   // Blocks between these ranks (all on this host) go through shared memory: with message_bytes
   // > 0 instead of messages, else instead of the collective (Note [Flag handshake]).
   bool shared_memory = false;
+  // > 0, with shared_memory and no message_bytes: handed over with flags through windows of
+  // about this many bytes (GroupOptions::message_bytes), many rounds of them.
+  int64_t window_bytes = 0;
 };
 
 // `g` with the case's exchange options. Every call of every rank issues the same collectives
@@ -51,6 +54,7 @@ Group with_exchange(const Group& g, const Case& c) {
     options.message_bytes = c.message_bytes;
   } else {
     options.pipeline_min_bytes = std::numeric_limits<int64_t>::max();
+    if (c.window_bytes > 0) options.message_bytes = c.window_bytes;
   }
   const Group h = g.with_options(options);
   // Pipelined through shared memory: as when some rank is on another host (else the ranks, all
@@ -65,6 +69,7 @@ std::string describe(const Case& c) {
      << "_B" << c.B << "_D" << c.D << "_Dv" << c.Dv;
   if (c.message_bytes > 0) os << (c.shared_memory ? "_shm" : "_messages") << c.message_bytes;
   if (c.message_bytes == 0 && c.shared_memory) os << "_flags";
+  if (c.window_bytes > 0) os << c.window_bytes;
   return os.str();
 }
 std::string case_name(const ::testing::TestParamInfo<Case>& info) { return describe(info.param); }
@@ -351,7 +356,9 @@ std::vector<Case> cases() {
     c.message_bytes = 1 << 20;
     c.shared_memory = true;
     out.push_back(c);
-    c.message_bytes = 0;  // And small, handed over with flags.
+    c.message_bytes = 0;  // And handed over with flags, in one round
+    out.push_back(c);
+    c.window_bytes = 96;  // and in windows of a token or so, many rounds.
     out.push_back(c);
   }
   return out;
@@ -658,7 +665,8 @@ TEST(AllToAllSharedMemory, BlocksBypassMessages) {
 // Small exchanges between ranks of one host hand over with flags in their outboxes' control
 // pages (Note [Flag handshake]): no message, one collective counted, and the same result bit for
 // bit as the collective, whole tensors fused (uneven query heads, kv heads replicated) and back
-// (replicas summed). A larger exchange after a smaller one grows the outboxes.
+// (replicas summed); small and larger (S = 3000). The sweep's `_flags96` cases go through windows
+// of a token or so, many rounds.
 TEST(AllToAllSharedMemory, SmallExchangesHandOverWithFlags) {
   expect_ranks_succeed(3, [](Group& world) {
     GroupOptions on = world.options(), off = world.options();
@@ -674,7 +682,7 @@ TEST(AllToAllSharedMemory, SmallExchangesHandOverWithFlags) {
       at::Tensor k = seeded_randn({2, S, 1, 8}, 82).narrow(1, mine.begin, mine.size()).contiguous();
       const Sharding sharding{part, seq, Layout::kBSHD};
       const std::vector<Heads> heads{Heads::kQuery, Heads::kKeyValue};
-      scatter_heads({q, k}, heads, sharding, g);  // Sets the links up (S = 10), grows (3000).
+      scatter_heads({q, k}, heads, sharding, g);  // Sets the links up (S = 10).
       const int64_t collectives = g.recorder().collectives(),
                     messages = g.recorder().p2p_messages(), flags = g.recorder().flag_exchanges();
       const auto y = scatter_heads({q, k}, heads, sharding, g);
@@ -687,6 +695,30 @@ TEST(AllToAllSharedMemory, SmallExchangesHandOverWithFlags) {
       const auto back_want = gather_heads(want, heads, sharding, plain);
       EXPECT_TRUE(back[0].equal(q) && back[1].equal(back_want[1])) << S;
     }
+  });
+}
+
+// An exchange far larger than its windows goes round by round through an outbox that stays at
+// its bound (two windows of about message_bytes, in whole MiB): 8 MiB for the peer here, in 2 MiB.
+TEST(AllToAllSharedMemory, LargeExchangeKeepsTheOutboxBounded) {
+  expect_ranks_succeed(2, [](Group& world) {
+    GroupOptions on = world.options(), off = world.options();
+    on.transport = off.transport = GroupOptions::Transport::kMessages;
+    on.shared_memory = true;
+    on.message_bytes = int64_t{1} << 20;
+    off.shared_memory = false;
+    const Group g = world.with_options(on), plain = world.with_options(off);
+    const int64_t S = 32768;
+    const Sharding sharding{HeadPartition::make(8, 8, 2), SequencePartition::even(S, 2),
+                            Layout::kBSHD};
+    const Range mine = sharding.seq.range(g.rank());
+    at::Tensor x = seeded_randn({1, S, 8, 32}, 91).narrow(1, mine.begin, mine.size()).contiguous();
+    const int64_t flags = g.recorder().flag_exchanges();
+    const at::Tensor y = scatter_heads(x, Heads::kQuery, sharding, g);
+    EXPECT_EQ(g.recorder().flag_exchanges() - flags, 1);
+    EXPECT_LE(g.runtime().links(g).outbox_bytes(), int64_t{2} << 20);
+    EXPECT_TRUE(y.equal(scatter_heads(x, Heads::kQuery, sharding, plain)));
+    EXPECT_TRUE(gather_heads(y, Heads::kQuery, sharding, g).equal(x));
   });
 }
 

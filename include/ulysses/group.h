@@ -60,10 +60,12 @@ struct GroupOptions {
   // CPU exchanges with ranks on this host go through shared memory (/dev/shm): the sender packs
   // its blocks into a file the receiver maps, and the receiver copies them out. When every rank
   // of the group is on this host, every such exchange, whatever its size, hands over with flags
-  // in those files and no message at all (one collective counted); otherwise pipelined exchanges
-  // send co-located ranks their blocks so and the others as messages. Ranks in other network
-  // namespaces count as other hosts. The first exchange of a group sets its links up with two
-  // all_gathers, counted once per group (docs/benchmarks.md has its speed). Where /dev/shm
+  // in those files and no message at all (one collective counted), through two windows of
+  // about `message_bytes` in all, round after round, so each file stays that small whatever the
+  // exchange's size; otherwise pipelined exchanges send co-located ranks their blocks so (each
+  // file then holds an exchange's blocks for them) and the others as messages. Ranks in other
+  // network namespaces count as other hosts. The first exchange of a group sets its links up with
+  // two all_gathers, counted once per group (docs/benchmarks.md has its speed). Where /dev/shm
   // cannot hold a rank's outbox, its blocks go as messages or collectives instead (one
   // warning), exact. Unset: on, unless ULYSSES_SHARED_MEMORY is 0. Not for the batched transport.
   std::optional<bool> shared_memory;

@@ -8,7 +8,6 @@
 #include "transport/message_tags.h"
 #include "transport/shared_exchange.h"
 #include "transport/shared_transfer.h"
-#include "transport/slabs.h"
 #include "transport/transfers.h"
 #include "transport/wire.h"
 
@@ -54,29 +53,6 @@ void exchange_collective(const BlockTensors& in, const BlockTensors& out, const 
 
 using detail::kFirstMessage;
 
-// One message of a pipelined exchange: `count` tokens of `block` from its token `first`, of
-// batch entry `batch` (-1: all).
-struct Message {
-  const ExchangeBlock* block;
-  int64_t batch, first, count;
-};
-
-// The messages to or from `peer` over `blocks`, in block order: the blocks' slabs (per batch
-// entry when `batches` > 1, so that in BSHD a message is contiguous wherever its heads are).
-// Both ends cut mirrored blocks alike (same token counts, batch and elements per token).
-std::vector<Message> messages(const std::vector<ExchangeBlock>& blocks, int64_t peer,
-                              int64_t max_elements, int64_t batches) {
-  std::vector<Message> out;
-  for (const ExchangeBlock& b : blocks) {
-    if (b.peer != peer || b.numel == 0) continue;
-    const int64_t n = b.tokens.size();
-    for (const detail::Slab& s : detail::slabs(batches, n, b.numel / n / batches, max_elements)) {
-      out.push_back({&b, batches > 1 ? s.batch : -1, s.first, s.count});
-    }
-  }
-  return out;
-}
-
 // Executes `plan` as point-to-point messages (CPU): every receive is posted first, straight
 // into the output where a message lands contiguously; then each message is packed (unless
 // contiguous already) and sent at once, so packing the next overlaps the transfer of this one;
@@ -88,8 +64,7 @@ void exchange_pipelined(const BlockTensors& in, const BlockTensors& out, const E
   const at::Tensor& first = in.tensors[0];
   const int64_t max_elements =
       std::max<int64_t>(1, group.options().message_bytes / first.element_size());
-  const int64_t bdim = batch_dim(in.layout);
-  const int64_t batches = bdim < seq_dim(in.layout) ? first.size(bdim) : 1;
+  const int64_t batches = in.message_batches();
   struct Arrival {
     at::Tensor dst, staged;  // staged: undefined when received in place.
     size_t transfer;

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "transport/slabs.h"
 #include "ulysses/exchange_plan.h"
 #include "ulysses/group.h"
 #include "ulysses/partition.h"
@@ -64,6 +65,12 @@ struct BlockTensors {
     return by_peer ? t : t.narrow(head_dim(layout), b.heads.begin, b.heads.size());
   }
   at::Tensor view(const ExchangeBlock& b) const { return view(b, -1, 0, b.tokens.size()); }
+  // Batch entries a message of a block is cut by (messages() below): each entry apart where the
+  // batch dim comes before the sequence dim, so a message of a BSHD block is contiguous.
+  int64_t message_batches() const {
+    const int64_t bdim = batch_dim(layout);
+    return bdim < seq_dim(layout) ? tensors[0].size(bdim) : 1;
+  }
   // Received blocks are summed where they overlap in one tensor (never in parts).
   bool sums(const ExchangePlan& plan) const { return plan.sums_received() && !by_peer; }
 };
@@ -151,6 +158,31 @@ inline void copy_own_blocks(const BlockTensors& in, const BlockTensors& out,
     const ExchangeBlock& s = *sent[i++];
     if (tensor < 0 || s.tensor == tensor) put_block(out.view(b), in.view(s), out, plan);
   }
+}
+
+// One piece of a block, as the pipelined exchange sends it in a message and the flag handshake
+// in a window: `count` tokens of `block` from its token `first`, of batch entry `batch` (-1: all).
+// `numel`: its elements.
+struct Message {
+  const ExchangeBlock* block;
+  int64_t batch, first, count, numel;
+};
+
+// The messages to or from `peer` over `blocks`, in block order: the blocks' slabs (per batch
+// entry when `batches` > 1, so that in BSHD a message is contiguous wherever its heads are), each
+// at most `max_elements` (at least one token). Both ends cut mirrored blocks alike (same token
+// counts, batch and elements per token).
+inline std::vector<Message> messages(const std::vector<ExchangeBlock>& blocks, int64_t peer,
+                                     int64_t max_elements, int64_t batches) {
+  std::vector<Message> out;
+  for (const ExchangeBlock& b : blocks) {
+    if (b.peer != peer || b.numel == 0) continue;
+    const int64_t n = b.tokens.size(), per_token = b.numel / n / batches;
+    for (const detail::Slab& s : detail::slabs(batches, n, per_token, max_elements)) {
+      out.push_back({&b, batches > 1 ? s.batch : -1, s.first, s.count, s.count * per_token});
+    }
+  }
+  return out;
 }
 
 // Prefix sums of `splits`: element offsets of each peer's chunk in a flat buffer, and the end.

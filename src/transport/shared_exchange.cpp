@@ -22,21 +22,29 @@ namespace ulysses {
 // is linked through shared memory (SharedMemoryLinks::all_linked, alike on every rank), CPU
 // exchanges go through the outboxes and hand over with flags in their control pages, no message
 // at all: two copies per block. At large sizes too this beats the pipelined path's messages and
-// notices (docs/benchmarks.md), which serve groups spread over hosts. Exchange number n (alike on
+// notices (docs/benchmarks.md), which serve groups spread over hosts.
+//
+// An outbox holds two windows, each a slot per rank of about GroupOptions::message_bytes / P
+// (at least one token of any block), so its memory is bounded whatever the exchange's size: a
+// rank's blocks for a peer go as the pieces the pipelined path would cut (messages(), over every
+// batch entry), filled in order into slots, round after round. Exchange number n (alike on
 // every rank):
-//  1. each rank grows its outbox to hold its blocks for every peer (kChunks + j: where peer j's
-//     start), sets kBytes and kPackError (the errno of a failure to grow), then kPacked =
-//     n * kStages;
-//  2. waits until every peer's kPacked reaches that. A rank that could not grow its outbox is
-//     seen by every rank here: all return false (the caller runs the exchange another way) and
-//     drop every link for good (later exchanges go as messages or collectives);
+//  1. each rank computes its slot (kSlot) and how many rounds its blocks for its busiest peer
+//     take (kRounds), makes room for both windows, sets kBytes and kPackError (the errno of a
+//     failure to make room), then kPacked = n * kStages;
+//  2. waits until every peer's kPacked reaches that. A rank that could not make room is seen by
+//     every rank here: all return false (the caller runs the exchange another way) and drop every
+//     link for good (later exchanges go as messages or collectives). Every rank runs the largest
+//     kRounds, R;
 //  3. maps the outboxes it reads (anew where one grew);
-//  4. for each fused tensor t: packs its blocks, sets kPacked = n * kStages + t + 1, waits until
-//     every peer's reaches that, and copies the peers' blocks of t out (a tensor's blocks stay
-//     in the cache between pack and copy: one fused exchange of three tensors beats three);
-//  5. sets kReadError, then kRead = n, and waits until every peer's kRead >= n: no one reads its
-//     outbox any more, so the next exchange may overwrite it. A failure to map a peer's outbox
-//     raises the lowest failing rank's error on every rank.
+//  4. round r of R: packs its pieces of round r into window r % 2, sets kPacked = n * kStages +
+//     r + 1, waits until every peer's kPacked reaches that, copies the peers' pieces of round r
+//     out, and sets kRead = n * kStages + r + 1. A round's blocks stay in the cache between pack
+//     and copy, and a peer's copy-out overlaps the next round's pack. Window r % 2 is free again
+//     by then: a peer packed round r - 1 only after reading round r - 2;
+//  5. sets kReadError, then kRead = n * kStages + R, and waits until every peer's kRead reaches
+//     that: no one reads its outbox any more, so the next exchange may overwrite it. A failure to
+//     map a peer's outbox raises the lowest failing rank's error on every rank.
 // kPacked and kRead are stored with release order and loaded with acquire order, so the blocks
 // and fields written before them are seen after them. A wait yields a while, then naps, longer
 // and longer (ranks may outnumber cores); past GroupOptions::log_wait_fraction of the timeout it
@@ -46,9 +54,8 @@ namespace {
 
 using detail::SharedMemoryLinks;
 
-// kPacked holds exchange * kStages + the fused tensors packed so far: exchange * kStages alone
-// once the rank's room (or its failure) is known.
-constexpr int64_t kStages = 1024;
+// kPacked and kRead count rounds from exchange * kStages.
+constexpr int64_t kStages = int64_t{1} << 32;
 
 // Waits until every peer's `field` is at least `n` (Note [Flag handshake]).
 void wait_for_peers(const Group& g, const SharedMemoryLinks& links, int field, int64_t n,
@@ -83,6 +90,30 @@ void wait_for_peers(const Group& g, const SharedMemoryLinks& links, int field, i
   }
 }
 
+// The pieces to or from one peer, by round: where each sits in its slot.
+struct Rounds {
+  std::vector<Message> pieces;
+  std::vector<int64_t> round, at;  // Per piece; `at` in elements from the slot's start.
+  int64_t count = 0;
+};
+
+// `pieces` filled in order into slots of `slot` elements, a new round where one is full. Both
+// ends of a link fill mirrored pieces alike (with the sender's slot).
+Rounds fill(std::vector<Message> pieces, int64_t slot) {
+  Rounds r{std::move(pieces), {}, {}, 0};
+  int64_t used = slot;
+  for (const Message& m : r.pieces) {
+    if (used + m.numel > slot) {
+      r.count += 1;
+      used = 0;
+    }
+    r.round.push_back(r.count - 1);
+    r.at.push_back(used);
+    used += m.numel;
+  }
+  return r;
+}
+
 }  // namespace
 
 bool exchange_through_outboxes(const BlockTensors& in, const BlockTensors& out,
@@ -91,20 +122,27 @@ bool exchange_through_outboxes(const BlockTensors& in, const BlockTensors& out,
   if (!links.all_linked()) return false;
   CollectiveRecorder::Scope scope(group.recorder());
   const int P = group.size(), me = group.rank();
-  const auto tensors = static_cast<int64_t>(plan.inputs().size());
-  TORCH_INTERNAL_ASSERT(tensors < kStages);
   const int64_t n = links.next_exchange(), element = in.tensors[0].element_size();
   const int64_t started = n * kStages;  // kPacked's value once this rank's status is set.
 
-  // 1. Make room for this rank's blocks for its peers, and say where they go.
-  const auto send_starts = chunk_starts(plan.send_splits());
-  int64_t need = 0;
-  for (int j = 0; j < P; ++j)
-    if (j != me) need = std::max(need, send_starts[j + 1] * element);
+  // 1. This rank's slot: its share of message_bytes, and at least a token of any block it sends.
+  // Pieces span every batch entry: each is copied into its slot, never received in place, so it
+  // need not be contiguous where it lies (fewer, larger copies).
+  int64_t slot = std::max<int64_t>(1, group.options().message_bytes / P / element);
+  for (const ExchangeBlock& b : plan.send())
+    if (b.numel > 0) slot = std::max(slot, b.numel / b.tokens.size());
+  std::vector<Rounds> to(P), from(P);
+  int64_t rounds = 0;
+  for (int j = 0; j < P; ++j) {
+    if (j == me) continue;
+    to[j] = fill(messages(plan.send(), j, slot, 1), slot);
+    rounds = std::max(rounds, to[j].count);
+  }
+  const int64_t need = 2 * P * slot * element;
   int error = 0;
-  uint8_t* base = need > 0 ? links.outbox(need, error) : nullptr;
-  for (int j = 0; j < P; ++j)
-    links.publish(SharedMemoryLinks::kChunks + j, send_starts[j] * element);
+  uint8_t* base = links.outbox(need, error);
+  links.publish(SharedMemoryLinks::kSlot, slot * element);
+  links.publish(SharedMemoryLinks::kRounds, rounds);
   // kBytes: the outbox's size, or where it could not grow the size it needed.
   links.publish(SharedMemoryLinks::kBytes, error == 0 ? links.outbox_bytes() : need);
   links.publish(SharedMemoryLinks::kPackError, error);
@@ -116,47 +154,66 @@ bool exchange_through_outboxes(const BlockTensors& in, const BlockTensors& out,
     const int64_t failed = j == me ? error : links.peer_field(j, SharedMemoryLinks::kPackError);
     if (failed == 0) continue;
     const int64_t needed = j == me ? need : links.peer_field(j, SharedMemoryLinks::kBytes);
-    links.publish(SharedMemoryLinks::kRead, n);  // (nothing read: no one waits for it)
-    for (int k = 0; k < P; ++k) links.drop(k);   // Every rank drops every link, alike.
+    for (int k = 0; k < P; ++k) links.drop(k);  // Every rank drops every link, alike.
     TORCH_WARN_ONCE("ulysses: /dev/shm cannot hold a ", needed, "-byte shared-memory outbox (",
                     std::strerror(static_cast<int>(failed)), ") for rank ", j,
                     ": blocks for ranks on this host go as messages or collectives from now on "
                     "(enlarge /dev/shm, or set ULYSSES_SHARED_MEMORY=0 to skip shared memory)");
     return false;
   }
+  for (int j = 0; j < P; ++j)
+    if (j != me) rounds = std::max(rounds, links.peer_field(j, SharedMemoryLinks::kRounds));
+  TORCH_INTERNAL_ASSERT(rounds < kStages);
 
-  // 3. Map the outboxes this rank reads: where each peer's blocks for it start.
-  const auto recv_starts = chunk_starts(plan.recv_splits());
-  std::vector<const uint8_t*> chunk_from(P, nullptr);
+  // 3. Map the outboxes this rank reads, and cut what each peer sends it as the peer did.
+  std::vector<const uint8_t*> inbox(P, nullptr);
+  std::vector<int64_t> peer_slot(P, 0);
   int read_error = 0;
   for (int j = 0; j < P && read_error == 0; ++j) {
-    if (j == me || recv_starts[j] == recv_starts[j + 1]) continue;
-    const uint8_t* peer =
-        links.inbox(j, links.peer_field(j, SharedMemoryLinks::kBytes), read_error);
-    if (peer != nullptr)
-      chunk_from[j] = peer + links.peer_field(j, SharedMemoryLinks::kChunks + me);
+    if (j == me || plan.recv_splits()[j] == 0) continue;
+    inbox[j] = links.inbox(j, links.peer_field(j, SharedMemoryLinks::kBytes), read_error);
+    peer_slot[j] = links.peer_field(j, SharedMemoryLinks::kSlot) / element;
+    from[j] = fill(messages(plan.recv(), j, peer_slot[j], 1), peer_slot[j]);
   }
 
-  // 4. Tensor by tensor: pack its blocks, say so, copy the peers' out (one tensor's blocks at a
-  // time stay in the cache between the two copies, and a peer's copy-out overlaps the next pack).
-  for (int64_t t = 0; t < tensors; ++t) {
-    auto of_t = [&](const ExchangeBlock& b) { return b.tensor == t && b.peer != me; };
-    pack_blocks(base, 0, plan.send(), in, of_t);
-    links.publish(SharedMemoryLinks::kPacked, started + t + 1);
-    copy_own_blocks(in, out, plan, me, t);
-    if (read_error != 0) continue;  // (still packing: the peers read this rank's blocks)
-    wait_for_peers(group, links, SharedMemoryLinks::kPacked, started + t + 1, scope.number());
+  // 4. Round by round: pack, say so, copy the peers' pieces out, say so.
+  for (int64_t r = 0; r < rounds; ++r) {
+    const int64_t window = r % 2;
     for (int j = 0; j < P; ++j) {
-      if (chunk_from[j] == nullptr) continue;
-      unpack_blocks(chunk_from[j], recv_starts[j], plan, out,
-                    [&](const ExchangeBlock& b) { return b.tensor == t && b.peer == j; });
+      for (size_t i = 0; i < to[j].pieces.size(); ++i) {
+        if (to[j].round[i] != r) continue;
+        const Message& m = to[j].pieces[i];
+        const at::Tensor src = in.view(*m.block, m.batch, m.first, m.count);
+        uint8_t* at = base + ((window * P + j) * slot + to[j].at[i]) * element;
+        at::from_blob(at, src.sizes(), src.options()).copy_(src);
+      }
     }
+    links.publish(SharedMemoryLinks::kPacked, started + r + 1);
+    if (r == 0) copy_own_blocks(in, out, plan, me);
+    // (Waited for even where this rank reads nothing: the windows' reuse rests on the lockstep.)
+    wait_for_peers(group, links, SharedMemoryLinks::kPacked, started + r + 1, scope.number());
+    if (read_error == 0) {  // (else still packing: the peers read this rank's blocks)
+      for (int j = 0; j < P; ++j) {
+        for (size_t i = 0; i < from[j].pieces.size(); ++i) {
+          if (from[j].round[i] != r) continue;
+          const Message& m = from[j].pieces[i];
+          const at::Tensor dst = out.view(*m.block, m.batch, m.first, m.count);
+          const uint8_t* at =
+              inbox[j] + ((window * P + me) * peer_slot[j] + from[j].at[i]) * element;
+          put_block(dst, at::from_blob(const_cast<uint8_t*>(at), dst.sizes(), dst.options()), out,
+                    plan);
+        }
+      }
+    }
+    // (The last round's kRead follows kReadError, step 5.)
+    if (r + 1 < rounds) links.publish(SharedMemoryLinks::kRead, started + r + 1);
   }
+  if (rounds == 0) copy_own_blocks(in, out, plan, me);
   links.publish(SharedMemoryLinks::kReadError, read_error);
-  links.publish(SharedMemoryLinks::kRead, n);
+  links.publish(SharedMemoryLinks::kRead, started + rounds);
 
   // 5. Every peer has read this rank's outbox; the lowest rank that could not map one fails all.
-  wait_for_peers(group, links, SharedMemoryLinks::kRead, n, scope.number());
+  wait_for_peers(group, links, SharedMemoryLinks::kRead, started + rounds, scope.number());
   for (int j = 0; j < P; ++j) {
     const int64_t e = j == me ? read_error : links.peer_field(j, SharedMemoryLinks::kReadError);
     TORCH_CHECK(e == 0, "ulysses: rank ", j, " of ", P,

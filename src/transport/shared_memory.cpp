@@ -51,7 +51,7 @@ SharedMemoryLinks::SharedMemoryLinks(const Group& group)
     : colocated_(group.size(), false), peers_(group.size()) {
   const int P = group.size(), me = group.rank();
   const int64_t page = ::sysconf(_SC_PAGESIZE);
-  control_bytes_ = ((kChunks + P) * int64_t{8} + page - 1) / page * page;
+  control_bytes_ = (kFields * int64_t{8} + page - 1) / page * page;
   std::vector<int64_t> key = host_key();
   const auto nonce = static_cast<int64_t>(std::random_device{}() ^
                                           (static_cast<uint64_t>(std::random_device{}()) << 32));

@@ -3,8 +3,10 @@
 // Each rank owns an outbox, a file in /dev/shm that its co-located peers map: a sender packs its
 // blocks for them straight into it and they copy the blocks out, two copies where a transfer over
 // TCP loopback takes four (pack, the kernel's send and receive, unpack). An outbox opens with a
-// control page: the flags exchanges between ranks all on one host hand over with (Note [Flag
-// handshake] in shared_exchange.cpp) and where each peer's blocks start. Ranks are co-located when
+// control page: the flags exchanges between ranks all on one host hand over with, through two
+// windows of bounded size (Note [Flag handshake] in shared_exchange.cpp). Where only some ranks
+// share a host, the pipelined exchange's notices hand over instead (shared_transfer.h), and the
+// outbox holds a whole exchange's blocks for those peers. Ranks are co-located when
 // they share the boot, the /dev/shm file system and the network namespace (test hosts in
 // namespaces, scripts/netns_hosts.sh, stay apart). An outbox's name is unlinked once every peer
 // has opened it, so a process that dies leaves nothing behind.
@@ -60,12 +62,14 @@ class SharedMemoryLinks {
   // The control page's fields (Note [Flag handshake]). This rank writes its own, and reads its
   // peers' (mapped read-only).
   enum Field : int {
-    kPacked = 0,      // The last exchange whose blocks this rank packed (or failed to).
-    kRead = 8,        // The last exchange whose blocks this rank read from every peer.
+    kPacked = 0,      // The exchange and round whose blocks this rank packed (or failed to).
+    kRead = 8,        // The exchange and round whose blocks this rank read from every peer.
     kBytes = 16,      // The outbox's bytes past the control page, when kPacked was set.
     kPackError = 17,  // The errno of a failure to make room, for kPacked's exchange; 0: none.
     kReadError = 18,  // The errno of a failure to map a peer's outbox, for kRead's; 0: none.
-    kChunks = 24,     // From here, one per rank: where its blocks start past the control page.
+    kSlot = 19,       // The bytes of each peer's slot in a window of the outbox.
+    kRounds = 20,     // The rounds this rank's blocks for its busiest peer take.
+    kFields = 21,
   };
   // Stores `value` in this rank's field; kPacked and kRead with release order (set last).
   void publish(int field, int64_t value);
@@ -84,7 +88,7 @@ class SharedMemoryLinks {
   int64_t* field(Mapping& m, int f) const { return static_cast<int64_t*>(m.p) + f; }
   std::vector<bool> colocated_;
   bool all_linked_ = false;
-  int64_t control_bytes_ = 0;  // A whole number of pages, room for kChunks + one per rank.
+  int64_t control_bytes_ = 0;  // A whole number of pages, room for kFields.
   int64_t exchanges_ = 0;
   Mapping mine_;
   std::vector<Mapping> peers_;
