@@ -38,10 +38,10 @@ namespace ulysses {
 //     kRounds, R;
 //  3. maps the outboxes it reads (anew where one grew);
 //  4. round r of R: packs its pieces of round r into window r % 2, sets kPacked = n * kStages +
-//     r + 1, waits until every peer's kPacked reaches that, copies the peers' pieces of round r
-//     out, and sets kRead = n * kStages + r + 1. A round's blocks stay in the cache between pack
-//     and copy, and a peer's copy-out overlaps the next round's pack. Window r % 2 is free again
-//     by then: a peer packed round r - 1 only after reading round r - 2;
+//     r + 1, waits until every peer's kPacked reaches that, and copies the peers' pieces of
+//     round r out. A round's blocks stay in the cache between pack and copy, and a peer's
+//     copy-out overlaps the next round's pack. Window r % 2 is free again by then with no other
+//     wait: a peer packed round r - 1 only after reading round r - 2;
 //  5. sets kReadError, then kRead = n * kStages + R, and waits until every peer's kRead reaches
 //     that: no one reads its outbox any more, so the next exchange may overwrite it. A failure to
 //     map a peer's outbox raises the lowest failing rank's error on every rank.
@@ -54,7 +54,7 @@ namespace {
 
 using detail::SharedMemoryLinks;
 
-// kPacked and kRead count rounds from exchange * kStages.
+// kPacked counts rounds from exchange * kStages; kRead is exchange * kStages + R once read.
 constexpr int64_t kStages = int64_t{1} << 32;
 
 // Waits until every peer's `field` is at least `n` (Note [Flag handshake]).
@@ -176,12 +176,13 @@ bool exchange_through_outboxes(const BlockTensors& in, const BlockTensors& out,
     from[j] = fill(messages(plan.recv(), j, peer_slot[j], 1), peer_slot[j]);
   }
 
-  // 4. Round by round: pack, say so, copy the peers' pieces out, say so.
+  // 4. Round by round: pack, say so, copy the peers' pieces out. Pieces come in round order:
+  // each peer's cursor walks them once.
+  std::vector<size_t> packed(P, 0), read(P, 0);
   for (int64_t r = 0; r < rounds; ++r) {
     const int64_t window = r % 2;
     for (int j = 0; j < P; ++j) {
-      for (size_t i = 0; i < to[j].pieces.size(); ++i) {
-        if (to[j].round[i] != r) continue;
+      for (size_t& i = packed[j]; i < to[j].pieces.size() && to[j].round[i] == r; ++i) {
         const Message& m = to[j].pieces[i];
         const at::Tensor src = in.view(*m.block, m.batch, m.first, m.count);
         uint8_t* at = base + ((window * P + j) * slot + to[j].at[i]) * element;
@@ -192,21 +193,16 @@ bool exchange_through_outboxes(const BlockTensors& in, const BlockTensors& out,
     if (r == 0) copy_own_blocks(in, out, plan, me);
     // (Waited for even where this rank reads nothing: the windows' reuse rests on the lockstep.)
     wait_for_peers(group, links, SharedMemoryLinks::kPacked, started + r + 1, scope.number());
-    if (read_error == 0) {  // (else still packing: the peers read this rank's blocks)
-      for (int j = 0; j < P; ++j) {
-        for (size_t i = 0; i < from[j].pieces.size(); ++i) {
-          if (from[j].round[i] != r) continue;
-          const Message& m = from[j].pieces[i];
-          const at::Tensor dst = out.view(*m.block, m.batch, m.first, m.count);
-          const uint8_t* at =
-              inbox[j] + ((window * P + me) * peer_slot[j] + from[j].at[i]) * element;
-          put_block(dst, at::from_blob(const_cast<uint8_t*>(at), dst.sizes(), dst.options()), out,
-                    plan);
-        }
+    if (read_error != 0) continue;  // (still packing: the peers read this rank's blocks)
+    for (int j = 0; j < P; ++j) {
+      for (size_t& i = read[j]; i < from[j].pieces.size() && from[j].round[i] == r; ++i) {
+        const Message& m = from[j].pieces[i];
+        const at::Tensor dst = out.view(*m.block, m.batch, m.first, m.count);
+        const uint8_t* at = inbox[j] + ((window * P + me) * peer_slot[j] + from[j].at[i]) * element;
+        put_block(dst, at::from_blob(const_cast<uint8_t*>(at), dst.sizes(), dst.options()), out,
+                  plan);
       }
     }
-    // (The last round's kRead follows kReadError, step 5.)
-    if (r + 1 < rounds) links.publish(SharedMemoryLinks::kRead, started + r + 1);
   }
   if (rounds == 0) copy_own_blocks(in, out, plan, me);
   links.publish(SharedMemoryLinks::kReadError, read_error);

@@ -63,7 +63,7 @@ class SharedMemoryLinks {
   // peers' (mapped read-only).
   enum Field : int {
     kPacked = 0,      // The exchange and round whose blocks this rank packed (or failed to).
-    kRead = 8,        // The exchange and round whose blocks this rank read from every peer.
+    kRead = 8,        // The last exchange whose blocks this rank read from every peer.
     kBytes = 16,      // The outbox's bytes past the control page, when kPacked was set.
     kPackError = 17,  // The errno of a failure to make room, for kPacked's exchange; 0: none.
     kReadError = 18,  // The errno of a failure to map a peer's outbox, for kRead's; 0: none.
