@@ -269,6 +269,29 @@ TEST(DistributedAttention, HeadChunksRunOneCallPerChunk) {
                c10::ValueError);
 }
 
+// Chunks add each input's gradient into one buffer: a q made by an op upstream, and one tensor
+// given as k and v (two slices a chunk), get the whole call's gradients.
+TEST(DistributedAttention, HeadChunksGiveTheWholeCallsGradients) {
+  expect_ranks_succeed(2, [](Group& g) {
+    const at::Tensor base = seeded_randn({1, 4, 8, 8}, 1 + g.rank());
+    const at::Tensor kv0 = seeded_randn({1, 4, 4, 8}, 3 + g.rank());
+    const at::Tensor grad = seeded_randn({1, 4, 8, 8}, 5 + g.rank());
+    AttentionOptions whole, chunked;
+    chunked.head_chunks = 4;
+    set_up_links(g);
+    auto run = [&](const AttentionOptions& options) {
+      at::Tensor leaf = base.clone().requires_grad_(), kv = kv0.clone().requires_grad_();
+      const at::Tensor q = leaf * 1.5;  // Not a leaf: its gradient flows on upstream.
+      DistributedAttention(g, options)(q, kv, kv).backward(grad);
+      return std::make_pair(leaf.grad(), kv.grad());
+    };
+    const auto [dq1, dkv1] = run(whole);
+    const auto [dq4, dkv4] = run(chunked);
+    EXPECT_LT(rel_error(dq4, dq1), 1e-6) << where(g, dq4);
+    EXPECT_LT(rel_error(dkv4, dkv1), 1e-6) << where(g, dkv4);
+  });
+}
+
 // Whether the gathered ids split documents is read on the host once per step (a device wait on
 // a GPU): the context answers from what it read until the ids change.
 TEST(DistributedAttention, StepContextReadsWhetherIdsSplitDocumentsOncePerVersion) {

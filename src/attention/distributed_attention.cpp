@@ -5,10 +5,14 @@
 
 #include <algorithm>
 #include <exception>
+#include <memory>
 #include <utility>
+#include <vector>
 
 #include "attention/ops.h"
 #include "attention/orchestration.h"
+#include "dispatch/autograd.h"
+#include "dispatch/op_util.h"
 #include "transport/agreement.h"
 #include "transport/group_runtime.h"
 #include "transport/head_parts.h"
@@ -446,30 +450,105 @@ AttentionCall call_of(const DistributedAttention& module, const AttentionInputs&
   return c;
 }
 
+// The one gradient the head slices of an input add their parts into (heads_of), handed back
+// with the last slice's backward: k chunks make one input-sized gradient, where narrow's
+// backward would make a zero-filled input-sized tensor per chunk.
+struct GradientBuffer {
+  std::vector<int64_t> shape;
+  at::TensorOptions options;
+  int64_t slices = 0, left = 0;
+  at::Tensor grad;
+};
+
+// Heads `r` of `x` along `dim`; with `buffer`, differentiable into it (else a plain narrow).
+at::Tensor heads_of(const at::Tensor& x, int64_t dim, Range r,
+                    const std::shared_ptr<GradientBuffer>& buffer) {
+  if (!buffer) return x.narrow(dim, r.begin, r.size());
+  std::vector<at::Tensor> out{
+      detail::below_autograd([&] { return x.narrow(dim, r.begin, r.size()); })};
+  detail::attach_backward(
+      {x}, out, "HeadsOfBackward", [dim, r, buffer](std::vector<at::Tensor>&& g) {
+        GradientBuffer& b = *buffer;
+        if (!b.grad.defined()) b.grad = at::zeros(b.shape, b.options);
+        b.grad.narrow(dim, r.begin, r.size()).add_(g[0]);  // (k and v may be one tensor)
+        if (--b.left > 0) return std::vector<at::Tensor>{at::Tensor()};
+        std::vector<at::Tensor> whole{std::move(b.grad)};
+        b.grad = at::Tensor();
+        return whole;
+      });
+  return out[0];
+}
+
 // Note [Head chunks] (partition.h): each chunk is a call of its own on the chunk's heads (a
-// per-head mask and the sinks keep the chunk's rows), the outputs concatenated in order.
+// per-head mask and the sinks keep the chunk's rows). Each chunk's output is copied into o as it
+// comes and freed (a concatenation would hold every chunk's output and o at once), its graph
+// kept by its gradient edge; o's backward hands each chunk its heads of o's gradient (views).
+// In backward each input's gradient is one buffer the chunks add into (heads_of). So one
+// chunk's exchange buffers, whole-sequence tensors and gradients by heads exist at a time beyond
+// what the call keeps.
 at::Tensor attend_in_head_chunks(AttentionCall call, const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& v, const AttentionInputs& in, int64_t count) {
   const int64_t hq = call.q_heads, dim = head_dim(call.layout);
   const std::vector<HeadChunk> chunks = fail_together_on_error(
       call.group, [&] { return head_chunks(hq, call.kv_heads, call.group.size(), count); });
   const bool per_head_mask = in.mask && in.mask->dim() == 4 && in.mask->size(1) == hq && hq > 1;
-  std::vector<at::Tensor> outs;
+  // One gradient buffer per input that needs one (k and v may be one tensor: two slices a chunk).
+  const bool grads = at::GradMode::is_enabled();
+  std::vector<std::pair<at::Tensor, std::shared_ptr<GradientBuffer>>> buffers;
+  auto buffer_of = [&](const at::Tensor& t) -> std::shared_ptr<GradientBuffer> {
+    if (!grads || !t.requires_grad()) return nullptr;
+    for (auto& [held, b] : buffers)
+      if (held.is_same(t)) return b;
+    auto b = std::make_shared<GradientBuffer>();
+    b->shape = t.sizes().vec();
+    b->options = t.options();
+    for (const at::Tensor* u : {&q, &k, &v}) b->slices += u->is_same(t) ? 1 : 0;
+    b->slices *= static_cast<int64_t>(chunks.size());
+    b->left = b->slices;
+    buffers.emplace_back(t, b);
+    return b;
+  };
+  const auto q_buffer = buffer_of(q), k_buffer = buffer_of(k), v_buffer = buffer_of(v);
+  at::Tensor o;
+  std::vector<torch::autograd::Edge> edges;
   for (const HeadChunk& chunk : chunks) {
-    const auto heads = [](const at::Tensor& t, int64_t d, Range r) {
-      return t.narrow(d, r.begin, r.size());
-    };
     AttentionCall c = call;
     c.q_heads = chunk.q.size();
     c.kv_heads = chunk.kv.size();
-    if (call.sinks) c.sinks = heads(*call.sinks, 0, chunk.q);
+    if (call.sinks) c.sinks = call.sinks->narrow(0, chunk.q.begin, chunk.q.size());
     c10::optional<at::Tensor> mask = in.mask;
-    if (per_head_mask) mask = heads(*mask, 1, chunk.q);
-    outs.push_back(
-        attend(c, {{heads(q, dim, chunk.q)}, {heads(k, dim, chunk.kv)}, {heads(v, dim, chunk.kv)}},
-               HeadForm::kWhole, mask, in.positions)[0]);
+    if (per_head_mask) mask = mask->narrow(1, chunk.q.begin, chunk.q.size());
+    const at::Tensor part = attend(c,
+                                   {{heads_of(q, dim, chunk.q, q_buffer)},
+                                    {heads_of(k, dim, chunk.kv, k_buffer)},
+                                    {heads_of(v, dim, chunk.kv, v_buffer)}},
+                                   HeadForm::kWhole, mask, in.positions)[0];
+    if (!o.defined()) {
+      std::vector<int64_t> shape = part.sizes().vec();
+      shape[dim] = hq;
+      o = at::empty(shape, part.options());
+    }
+    {
+      at::NoGradGuard no_grad;
+      o.narrow(dim, chunk.q.begin, chunk.q.size()).copy_(part);
+    }
+    if (part.requires_grad()) edges.push_back(torch::autograd::impl::gradient_edge(part));
   }
-  return at::cat(outs, dim);
+  if (!edges.empty()) {
+    TORCH_INTERNAL_ASSERT(edges.size() == chunks.size());
+    std::vector<Range> heads;
+    for (const HeadChunk& chunk : chunks) heads.push_back(chunk.q);
+    auto node = detail::make_node<detail::FunctionNode>(
+        "PutHeadsBackward", [dim, heads](std::vector<at::Tensor>&& g) {
+          std::vector<at::Tensor> parts;
+          for (const Range& r : heads) parts.push_back(g[0].narrow(dim, r.begin, r.size()));
+          return parts;
+        });
+    node->set_next_edges(std::move(edges));
+    node->record_output(o);
+    torch::autograd::set_history(o, node);
+  }
+  return o;
 }
 
 }  // namespace
