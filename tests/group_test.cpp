@@ -6,6 +6,8 @@
 #include <chrono>
 #include <optional>
 #include <thread>
+#include <torch/csrc/distributed/c10d/FakeProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
 #include "testing.h"
@@ -160,6 +162,80 @@ TEST(Group, WaitsForTransfersCountAsCollectiveTime) {
     }
     EXPECT_EQ(g.recorder().collectives(), count);
   });
+}
+
+// A backend that keeps every tensor it is handed, as a Work the worker thread drops last would.
+class KeepingBackend : public c10d::Backend {
+ public:
+  KeepingBackend() : c10d::Backend(0, 2) {}
+  const std::string getBackendName() const override { return "keeping"; }
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& t,
+                                           const c10d::AllreduceOptions&) override {
+    return keep(t);
+  }
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& t,
+                                           const c10d::BroadcastOptions&) override {
+    return keep(t);
+  }
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& out,
+                                           std::vector<at::Tensor>& in,
+                                           const c10d::AllgatherOptions&) override {
+    for (auto& o : out) keep(o);
+    return keep(in);
+  }
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& out, at::Tensor& in,
+                                               std::vector<int64_t>&, std::vector<int64_t>&,
+                                               const c10d::AllToAllOptions&) override {
+    std::vector<at::Tensor> both{out, in};
+    return keep(both);
+  }
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& t, int, int) override {
+    return keep(t);
+  }
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& t, int, int) override {
+    return keep(t);
+  }
+  std::vector<at::Tensor> kept;
+
+ private:
+  c10::intrusive_ptr<c10d::Work> keep(const std::vector<at::Tensor>& t) {
+    kept.insert(kept.end(), t.begin(), t.end());
+    return c10::make_intrusive<c10d::FakeWork>();
+  }
+};
+
+// A collective hands c10d its own TensorImpl over the caller's memory (for_work), so a Work
+// freed last on the backend's thread never frees a tensor Python owns: the caller's tensor is
+// referenced by nothing the backend keeps, not even as a view's base.
+TEST(Group, CollectivesKeepNoReferenceToTheCallersTensors) {
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(0, 2);
+  auto backend = c10::make_intrusive<KeepingBackend>();
+  pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM, backend);
+  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
+  GroupOptions options;
+  options.transport = GroupOptions::Transport::kMessages;
+  options.shared_memory = false;
+  const Group g = Group::from_process_group(pg, options);
+  at::Tensor x = at::ones({4}), y = at::zeros({4});
+  const size_t refs = x.use_count();
+  g.all_reduce_sum(x);
+  g.broadcast(x, 0);
+  (void)g.all_gather(x);
+  g.all_to_all(y, x, {2, 2}, {2, 2});
+  {
+    Transfers io(g, c10::DeviceType::CPU);
+    io.send(x, 1, 0);
+    io.wait();
+  }
+  ASSERT_EQ(backend->kept.size(), 8);  // all_gather: 2 outputs and 1 input.
+  EXPECT_EQ(x.use_count(), refs);
+  EXPECT_EQ(y.use_count(), refs);
+  for (const at::Tensor& t : backend->kept) {
+    EXPECT_FALSE(t.is_same(x) || t.is_same(y));
+    EXPECT_FALSE(t.is_view());
+  }
+  const at::Tensor& sent = backend->kept.back();
+  EXPECT_EQ(sent.data_ptr(), x.data_ptr());  // The same memory, not a copy.
 }
 
 // The transport is chosen in one place (Group::batches): auto follows the backend (Gloo does

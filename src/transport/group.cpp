@@ -107,8 +107,9 @@ void Group::all_to_all(at::Tensor& output, at::Tensor& input,
     return;
   }
   std::vector<int64_t> out_splits = output_splits, in_splits = input_splits;
-  wait(*this, "all_to_all", pg_->alltoall_base(output, input, out_splits, in_splits),
-       scope.number(), output.device().type(), &output_splits, &input_splits);
+  at::Tensor out = for_work(output), in = for_work(input);
+  wait(*this, "all_to_all", pg_->alltoall_base(out, in, out_splits, in_splits), scope.number(),
+       output.device().type(), &output_splits, &input_splits);
 }
 
 at::Tensor Group::all_gather(const at::Tensor& input) const {
@@ -118,8 +119,8 @@ at::Tensor Group::all_gather(const at::Tensor& input) const {
   if (size() == 1) return in.unsqueeze(0).clone();
   at::Tensor out = at::empty({size(), in.numel()}, in.options());
   std::vector<std::vector<at::Tensor>> outputs(1);
-  for (int i = 0; i < size(); ++i) outputs[0].push_back(out[i]);
-  std::vector<at::Tensor> inputs{in.view({-1})};
+  for (int i = 0; i < size(); ++i) outputs[0].push_back(for_work(out[i]));
+  std::vector<at::Tensor> inputs{for_work(in.view({-1}))};
   wait(*this, "all_gather", pg_->allgather(outputs, inputs), scope.number(), in.device().type());
   std::vector<int64_t> shape{size()};
   for (int64_t s : in.sizes()) shape.push_back(s);
@@ -130,7 +131,7 @@ void Group::all_reduce_sum(at::Tensor& tensor) const {
   NoPythonObjectsInWork no_python;
   CollectiveRecorder::Scope scope(runtime_->recorder);
   if (size() == 1) return;
-  std::vector<at::Tensor> tensors{tensor};
+  std::vector<at::Tensor> tensors{for_work(tensor)};
   wait(*this, "all_reduce", pg_->allreduce(tensors), scope.number(), tensor.device().type());
 }
 
@@ -138,7 +139,7 @@ void Group::broadcast(at::Tensor& tensor, int root) const {
   NoPythonObjectsInWork no_python;
   CollectiveRecorder::Scope scope(runtime_->recorder);
   if (size() == 1) return;
-  std::vector<at::Tensor> tensors{tensor};
+  std::vector<at::Tensor> tensors{for_work(tensor)};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   wait(*this, "broadcast", pg_->broadcast(tensors, opts), scope.number(), tensor.device().type());

@@ -74,7 +74,7 @@ size_t Transfers::receive(const at::Tensor& t, int from, int tag) {
 }
 
 void Transfers::post(Transfer& t) {
-  std::vector<at::Tensor> tensors{t.tensor};
+  std::vector<at::Tensor> tensors{for_work(t.tensor)};
   const auto& pg = group_.process_group();
   t.work = t.send ? pg->send(tensors, t.peer, t.tag) : pg->recv(tensors, t.peer, t.tag);
 }

@@ -22,7 +22,7 @@ namespace ulysses {
 // contextvars context). The backend's worker thread often drops the last reference to a Work,
 // and the decref then needs the GIL; at interpreter exit that thread is ended inside a noexcept
 // destructor, and the process aborts ("terminate called without an active exception"). Without
-// Python objects a Work never touches the GIL.
+// Python objects (and with tensors from for_work below) a Work never touches the GIL.
 class NoPythonObjectsInWork {
  public:
   NoPythonObjectsInWork() : saved_(at::impl::ThreadLocalPythonObjects::get_state()) {
@@ -35,6 +35,13 @@ class NoPythonObjectsInWork {
  private:
   at::impl::ThreadLocalPythonObjects saved_;
 };
+
+// What a collective is handed in place of `t`: the same memory under a TensorImpl of its own,
+// without autograd (no view base). A tensor Python ever saw owns its Python object once Python
+// lets go of it, so a Work holding the caller's tensor (or a view of it) would, on the worker
+// thread that drops the Work last, free that object and take the GIL: the abort above, seen
+// at exit after a sum_over_group whose result Python had just dropped.
+inline at::Tensor for_work(const at::Tensor& t) { return t.variable_data(); }
 
 // Whether a wait for work on `device` tensors is timed and logged on the host (CPU tensors:
 // GroupOptions::timeout), or left to the stream and the process group (Note [Waits]).
