@@ -270,7 +270,8 @@ def _attention_rank(rank: int, task: dict, out_dir: str) -> None:
     peak = _status_kib("VmHWM")
     outputs = 2 * q.nbytes + k.nbytes + v.nbytes  # o is q-shaped
     saved = 0  # q, k, v and o by heads, each chunk's (this rank's heads in its plan) x S x D
-    for (qb, qe), (kb, ke) in ulysses._C.head_chunks(hq, hkv, sp, 1 if chunks == "alst" else chunks):
+    count = 1 if chunks == "alst" else ulysses.attention.chunk_count(chunks, hkv, sp)
+    for (qb, qe), (kb, ke) in ulysses._C.head_chunks(hq, hkv, sp, count):
         plan = ulysses._C.plan(qe - qb, ke - kb, sp)
         saved += (2 * plan["q_heads"][rank] + 2 * plan["kv_heads"][rank]) * S * D * q.element_size()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -87,6 +87,8 @@ void translate_c10_errors() {
 void bind_plans(py::module_& m) {
   m.def("plan", &plan, py::arg("q_heads"), py::arg("kv_heads"), py::arg("sp"),
         py::arg("seq_len") = py::none());
+  m.def("auto_head_chunks", &auto_head_chunks, py::arg("kv_heads"), py::arg("sp"),
+        "The chunk count head_chunks='auto' takes (partition.h).");
   m.def(
       "head_chunks",
       [](int64_t q_heads, int64_t kv_heads, int64_t sp, int64_t count) {

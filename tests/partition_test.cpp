@@ -134,6 +134,21 @@ TEST(SequencePartition, UnevenSplit) {
   EXPECT_EQ(s.seq_len(), 10);
 }
 
+// Note [Head chunks]: kv groups whole, at least P query heads a chunk; "auto" the most chunks
+// (up to 4) whose kv heads are each at least P.
+TEST(HeadChunks, BlocksOfKvHeadsWithTheirQueryHeads) {
+  const std::vector<HeadChunk> chunks = head_chunks(32, 8, 2, 4);
+  ASSERT_EQ(chunks.size(), 4U);
+  EXPECT_EQ(chunks[1].q, (Range{8, 16}));
+  EXPECT_EQ(chunks[1].kv, (Range{2, 4}));
+  EXPECT_THROW(head_chunks(8, 2, 2, 4), c10::ValueError);  // More chunks than kv heads.
+  EXPECT_EQ(auto_head_chunks(8, 2), 4);
+  EXPECT_EQ(auto_head_chunks(8, 4), 2);
+  EXPECT_EQ(auto_head_chunks(32, 2), 4);
+  EXPECT_EQ(auto_head_chunks(2, 4), 1);
+  EXPECT_THROW(auto_head_chunks(0, 2), c10::ValueError);
+}
+
 TEST(SequencePartition, FewerTokensThanRanks) {
   EXPECT_EQ(SequencePartition::even(2, 3).lengths(), (V{1, 1, 0}));
 }

@@ -118,6 +118,12 @@ struct HeadChunk {
 // c10::ValueError when `count` < 1, > Hkv, or leaves a chunk with fewer query heads than ranks.
 std::vector<HeadChunk> head_chunks(int64_t q_heads, int64_t kv_heads, int64_t sp_size,
                                    int64_t count);
+// The count head_chunks="auto" takes: the most chunks, at most 4, whose kv heads are each at
+// least `sp_size`, so none is replicated (1 where Hkv < 2P). Measured on a Llama-8B layer
+// (docs/long_sequences.md), replication costs more than chunking saves, and past 4 chunks the
+// transient falls by at most another eighth of the unchunked call's while each chunk adds a
+// round and two exchanges.
+int64_t auto_head_chunks(int64_t kv_heads, int64_t sp_size);
 
 // How S tokens are split over an SP group: contiguous, in rank order, S_r = S/P + (r < S%P),
 // or given explicitly as per-rank lengths (learned from the ranks themselves).

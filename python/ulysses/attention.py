@@ -15,6 +15,7 @@ them from the other ranks).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 from torch import nn
@@ -25,6 +26,20 @@ from . import ops as O
 from .plans import head_plan
 
 LocalAttention = Callable[..., torch.Tensor]
+HeadChunks = int | Literal["auto"]
+
+
+def check_head_chunks(head_chunks: object, who: str) -> None:
+    """Raises ValueError unless ``head_chunks`` is an int >= 1 or "auto"."""
+    if head_chunks != "auto" and (isinstance(head_chunks, bool) or not isinstance(head_chunks, int)
+                                  or head_chunks < 1):
+        raise ValueError(f"{who}: head_chunks must be an int >= 1 or 'auto'; got {head_chunks!r}")
+
+
+def chunk_count(head_chunks: HeadChunks, kv_heads: int, sp_size: int) -> int:
+    """The chunks a call runs in: ``head_chunks``, or for "auto" the most (up to 4) whose kv
+    heads are each at least the group's size, none replicated (C++ ``auto_head_chunks``)."""
+    return _C.auto_head_chunks(kv_heads, sp_size) if head_chunks == "auto" else int(head_chunks)
 
 
 class StepContext:
@@ -129,14 +144,16 @@ class DistributedAttention(nn.Module):
             buffers and whole-sequence copies exist at a time (what backward keeps is not
             chunked): less transient memory, the same result. Chunk c is the c-th block of the
             kv heads with their query heads (1 to Hkv chunks, each with >= P query heads); a
-            chunk with fewer kv heads than P replicates them, as any call does.
+            chunk with fewer kv heads than P replicates them, as any call does. "auto": the most
+            chunks, up to 4, whose kv heads are each at least P (none replicated; 1 where
+            Hkv < 2P), the least peak memory measured (docs/long_sequences.md).
     """
 
     def __init__(self, group: G.GroupLike = None, *, q_heads: int | None = None, kv_heads: int | None = None,
                  layout: str = "BSHD", causal: bool = False, scale: float | None = None,
                  window: int | None = None, softcap: float | None = None, timeout: G.Timeout = None,
                  ring_group: G.GroupLike = None, local: str | LocalAttention = "auto",
-                 head_chunks: int = 1) -> None:
+                 head_chunks: HeadChunks = 1) -> None:
         super().__init__()
         window = int(window or 0)
         softcap = float(softcap or 0.0)
@@ -171,13 +188,12 @@ class DistributedAttention(nn.Module):
         self.timeout_ms = G.timeout_ms(timeout)
         self._options = G.group_options(self.timeout_ms)  # The ops' group_options.
         self.q_heads, self.kv_heads = q_heads, kv_heads
-        if head_chunks < 1:
-            raise ValueError(f"DistributedAttention: head_chunks must be >= 1; got {head_chunks}")
-        self.head_chunks = int(head_chunks)
+        check_head_chunks(head_chunks, "DistributedAttention")
+        self.head_chunks = head_chunks
         if q_heads is not None:  # Fail fast on an invalid setup (kv heads may come later).
             _C.plan(q_heads, kv_heads if kv_heads is not None else 1, self.sp_size)
             if kv_heads is not None:
-                _C.head_chunks(q_heads, kv_heads, self.sp_size, self.head_chunks)
+                _C.head_chunks(q_heads, kv_heads, self.sp_size, chunk_count(head_chunks, kv_heads, self.sp_size))
 
     def extra_repr(self) -> str:
         ring = f", ring={self.ring_name!r} ({self.ring_size} ranks)" if self.ring_size > 1 else ""
@@ -185,7 +201,7 @@ class DistributedAttention(nn.Module):
         return (f"group={self.group_name!r}, sp={self.sp_size}{ring}, q_heads={self.q_heads}, "
                 f"kv_heads={self.kv_heads}, layout={self.layout}, causal={self.causal}, "
                 f"window={self.window or None}, softcap={self.softcap or None}, local={local}"
-                + (f", head_chunks={self.head_chunks}" if self.head_chunks > 1 else ""))
+                + (f", head_chunks={self.head_chunks!r}" if self.head_chunks != 1 else ""))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -209,7 +225,7 @@ class DistributedAttention(nn.Module):
         o = attend(q, k, v, mask, position_ids, hq, hkv, self._seq_lens(seq_lens), self.layout, self.causal,
                    self.scale, self.local, self.group_name, self._options, ring=self.ring_name,
                    step=self._step(step), window=self.window, softcap=self.softcap, sinks=sinks,
-                   head_chunks=self.head_chunks)
+                   head_chunks=chunk_count(self.head_chunks, hkv, self.sp_size))
         self.q_heads, self.kv_heads = hq, hkv  # This instance's from the first call on.
         return o
 
@@ -227,7 +243,8 @@ class DistributedAttention(nn.Module):
             _C.fail_together("DistributedAttention.forward_parts: give q_heads and kv_heads at "
                              "construction (parts do not show the totals)", self.group_name,
                              self.timeout_ms)
-        if callable(self.local) or self.local == "flex" or self.head_chunks > 1:
+        kv_heads = self.kv_heads or 1  # (given: fail_together raised otherwise)
+        if callable(self.local) or self.local == "flex" or chunk_count(self.head_chunks, kv_heads, self.sp_size) > 1:
             raise ValueError("DistributedAttention.forward_parts: a callable or flex local attention, and "
                              "head_chunks, take whole tensors; use forward")
         seq_lens = self._seq_lens(seq_lens)

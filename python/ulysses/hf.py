@@ -41,7 +41,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from . import _C, hybrid, tiled, vision
 from . import groups as G
 from . import ops as O
-from .attention import DistributedAttention, LocalAttention, StepContext
+from .attention import DistributedAttention, HeadChunks, LocalAttention, StepContext, check_head_chunks
 from .training import (  # noqa: F401  (part of this module's API, as before)
     IGNORE_INDEX,
     all_reduce_gradients,
@@ -280,7 +280,7 @@ def sequence_parallel(model: PreTrainedModel, group: G.GroupLike = None, *,
                       timeout: G.Timeout = None, tiled_mlp: bool = False, tiled_loss: bool = False,
                       checkpoint: str | None = None, mlp_tile_tokens: int | None = None,
                       loss_tile_bytes: int = LOSS_TILE_BYTES,
-                      local: str | LocalAttention = "auto", head_chunks: int = 1) -> PreTrainedModel:
+                      local: str | LocalAttention = "auto", head_chunks: HeadChunks = 1) -> PreTrainedModel:
     """Makes ``model`` (a ``transformers`` PreTrainedModel) run attention through ulysses over
     ``group`` (any form of ``ulysses.groups.GroupLike``; None: the default group). Turns the KV cache off
     (training; a cache of sharded keys would be wrong). Returns the model.
@@ -302,11 +302,11 @@ def sequence_parallel(model: PreTrainedModel, group: G.GroupLike = None, *,
 
     ``local`` is every layer's local attention, as ``DistributedAttention`` takes it: a kernel
     name (``"auto"``, ``"fused"``, ``"sdpa"``, ``"math"``, ``"flex"``) or a callable.
-    ``head_chunks`` runs every layer's attention in that many chunks of heads
-    (``DistributedAttention``'s option: less transient memory, the same result).
+    ``head_chunks`` runs every layer's attention in that many chunks of heads, or "auto" for
+    each layer's most chunks that replicate no kv head (``DistributedAttention``'s option: less
+    transient memory, the same result).
     """
-    if head_chunks < 1:
-        raise ValueError(f"ulysses.hf: head_chunks must be >= 1; got {head_chunks}")
+    check_head_chunks(head_chunks, "ulysses.hf")
     if not callable(local) and local not in O.LOCAL_KERNELS:
         raise ValueError(f"ulysses.hf: local must be one of {list(O.LOCAL_KERNELS)} or a callable; "
                          f"got {local!r}")

@@ -66,6 +66,7 @@ from transformers.trainer import SCHEDULER_NAME
 from . import _C, hf, training, vision
 from . import groups as G
 from . import ops as O
+from .attention import HeadChunks
 
 # Batch keys that carry nothing the shard needs: documents are given by position_ids, and
 # TRL's masks are already folded into the labels.
@@ -128,7 +129,7 @@ class SequenceParallel:
 
     def __init__(self, *args: Any, sp_size: int, tiled_mlp: bool = False, tiled_loss: bool = False,
                  checkpoint: str | None = None, mlp_tile_tokens: int | None = None,
-                 head_chunks: int = 1, verify_tolerance: float | None = None, **kwargs: Any) -> None:
+                 head_chunks: HeadChunks = 1, verify_tolerance: float | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         trainer: Any = self
         world = trainer.args.world_size
@@ -292,10 +293,11 @@ class SequenceParallel:
         keys = self._batch_keys()
         vlm = keys != _SHARDED_KEYS
         unknown = sorted(set(inputs) - keys - _DROPPED_KEYS)
-        problem = vision.positions_problem(trainer.model, inputs.get("position_ids")) if vlm else ""
         if unknown:
             problem = (f"the batch has {unknown}, which the sequence shard does not carry; a batch may hold "
                        f"{sorted(keys)}")
+        else:
+            problem = vision.positions_problem(trainer.model, inputs.get("position_ids")) if vlm else ""
         problem = f"ulysses.trainer: {problem}" if problem else ""
         # One round over every rank before the first collective of the step: a batch wrong on one
         # rank fails all of them alike, not that rank with this error and the others in a timeout.

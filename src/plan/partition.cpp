@@ -130,6 +130,15 @@ std::vector<HeadChunk> head_chunks(int64_t q_heads, int64_t kv_heads, int64_t sp
   return chunks;
 }
 
+int64_t auto_head_chunks(int64_t kv_heads, int64_t sp_size) {
+  TORCH_CHECK_VALUE(kv_heads >= 1 && sp_size >= 1,
+                    "auto_head_chunks: kv_heads and sp_size must be "
+                    ">= 1; got ",
+                    kv_heads, " and ", sp_size);
+  constexpr int64_t kMost = 4;
+  return std::clamp<int64_t>(kv_heads / sp_size, 1, kMost);
+}
+
 std::ostream& operator<<(std::ostream& os, const HeadPartition& p) {
   os << "HeadPartition(q_heads=" << p.q_heads() << ", kv_heads=" << p.kv_heads()
      << ", sp=" << p.sp_size() << ", q=";

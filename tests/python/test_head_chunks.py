@@ -126,6 +126,41 @@ def test_each_chunk_runs_the_local_attention_on_its_own_heads():
         assert rel(outs[2], outs[1]) < 1e-14
 
 
+@pytest.mark.parametrize("hkv,P,want", [(8, 2, 4), (8, 4, 2), (8, 8, 1), (2, 4, 1), (1, 2, 1), (32, 2, 4),
+                                         (6, 4, 1), (12, 4, 3)])
+def test_auto_takes_the_most_chunks_that_replicate_no_kv_head(hkv, P, want):
+    # Up to 4; every chunk keeps at least P kv heads (replication costs more than chunking
+    # saves: docs/long_sequences.md), and the chunks can be made for any GQA query count.
+    assert _C.auto_head_chunks(hkv, P) == want
+    chunks = _C.head_chunks(hkv * 2, hkv, P, want)
+    assert want == 1 or min(ke - kb for _, (kb, ke) in chunks) >= P
+
+
+def test_auto_chunks_as_its_count_does():
+    # Llama-8B's 32/8 heads over 2 ranks: "auto" is 4 chunks, each a call of its own (the
+    # callable sees them); the result is the whole call's.
+    S, hq, hkv, D = 8, 32, 8, 4
+    gen = torch.Generator().manual_seed(7)
+    Q, K, V = (torch.randn(1, S, h, D, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
+    lens = seq_lens(S, 2)
+
+    def body(rank, group):
+        seen = []
+
+        def local(q, k, v, kv_map, mask, positions, causal, scale):
+            seen.append((q.shape[1], k.shape[1]))
+            return ulysses.local_attention(q, k, v, kv_map, causal=causal, kernel="math")
+        auto = ulysses.DistributedAttention(group, causal=True, local=local, head_chunks="auto")
+        inputs = [shard(t, 1, rank, lens) for t in (Q, K, V)]
+        got = auto(*inputs)
+        want = ulysses.DistributedAttention(group, causal=True, local="math")(*inputs)
+        return seen, rel(got, want), repr(auto)
+
+    for seen, error, text in run_ranks(2, body):
+        assert seen == [(4, 1)] * 4 and error < 1e-14
+        assert "head_chunks='auto'" in text
+
+
 def test_a_chunk_count_the_heads_cannot_make_fails_alike():
     S = 8
     Q, K = torch.randn(1, S, 4, 8), torch.randn(1, S, 2, 8)
@@ -135,7 +170,7 @@ def test_a_chunk_count_the_heads_cannot_make_fails_alike():
         group, q_heads=4, kv_heads=2, head_chunks=4))
     assert all("4 chunks of an attention with 2 kv heads" in e for e in errors)
     errors = run_ranks_errors(2, lambda rank, group: ulysses.DistributedAttention(group, head_chunks=0))
-    assert all("head_chunks must be >= 1" in e for e in errors)
+    assert all("head_chunks must be an int >= 1 or 'auto'; got 0" in e for e in errors)
     # Heads learned from the first call: every rank raises the same error, none hangs.
     errors = run_ranks_errors(2, lambda rank, group: ulysses.DistributedAttention(group, head_chunks=4)(
         shard(Q, 1, rank, lens), shard(K, 1, rank, lens), shard(K, 1, rank, lens)))

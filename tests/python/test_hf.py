@@ -140,7 +140,8 @@ def test_loss_and_every_gradient_equal_the_unsharded_model(name, kind, P):
         assert_matches(got, want)
 
 
-@pytest.mark.parametrize("name,chunks", [("gemma2", 2), ("gpt_oss", 2), ("deepseek_v3", 2), ("llama", 2)])
+@pytest.mark.parametrize("name,chunks", [("gemma2", 2), ("gpt_oss", 2), ("deepseek_v3", 2), ("llama", 2),
+                                         ("deepseek_v3", "auto")])  # (4 kv heads over 2 ranks: 2)
 def test_attention_in_head_chunks_trains_the_same_model(name, chunks):
     # sequence_parallel(head_chunks=k): every layer's attention in k chunks of heads, with the
     # model's window, softcap, sinks or narrow value heads, padded rows; loss and every gradient.
@@ -155,7 +156,7 @@ def test_attention_in_head_chunks_trains_the_same_model(name, chunks):
 
     for got in run_ranks(2, body):
         assert_matches(got, want)
-    with pytest.raises(ValueError, match="head_chunks must be >= 1"):
+    with pytest.raises(ValueError, match="head_chunks must be an int >= 1 or .auto."):
         uhf.sequence_parallel(make_model(name), head_chunks=0)
 
 
