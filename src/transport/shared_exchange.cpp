@@ -24,8 +24,9 @@ namespace ulysses {
 // at all: two copies per block. At large sizes too this beats the pipelined path's messages and
 // notices (docs/benchmarks.md), which serve groups spread over hosts.
 //
-// An outbox holds two windows, each a slot per rank of about GroupOptions::message_bytes / P
-// (at least one token of any block), so its memory is bounded whatever the exchange's size: a
+// An outbox holds two windows, each a slot per peer of about GroupOptions::message_bytes /
+// (P - 1) (at least one token of any block; none for the rank itself, whose blocks are copied
+// straight across), so its memory is bounded whatever the exchange's size: a
 // rank's blocks for a peer go as the pieces the pipelined path would cut (messages(), over every
 // batch entry), filled in order into slots, round after round. Exchange number n (alike on
 // every rank):
@@ -90,6 +91,9 @@ void wait_for_peers(const Group& g, const SharedMemoryLinks& links, int field, i
   }
 }
 
+// Where `to`'s slot sits in a window of `from`'s outbox: one slot per peer, none for itself.
+int64_t slot_index(int to, int from) { return to < from ? to : to - 1; }
+
 // The pieces to or from one peer, by round: where each sits in its slot.
 struct Rounds {
   std::vector<Message> pieces;
@@ -128,7 +132,8 @@ bool exchange_through_outboxes(const BlockTensors& in, const BlockTensors& out,
   // 1. This rank's slot: its share of message_bytes, and at least a token of any block it sends.
   // Pieces span every batch entry: each is copied into its slot, never received in place, so it
   // need not be contiguous where it lies (fewer, larger copies).
-  int64_t slot = std::max<int64_t>(1, group.options().message_bytes / P / element);
+  const int64_t peers = std::max(1, P - 1);  // (a group of one has no pieces to hand over)
+  int64_t slot = std::max<int64_t>(1, group.options().message_bytes / peers / element);
   for (const ExchangeBlock& b : plan.send())
     if (b.numel > 0) slot = std::max(slot, b.numel / b.tokens.size());
   std::vector<Rounds> to(P), from(P);
@@ -138,7 +143,7 @@ bool exchange_through_outboxes(const BlockTensors& in, const BlockTensors& out,
     to[j] = fill(messages(plan.send(), j, slot, 1), slot);
     rounds = std::max(rounds, to[j].count);
   }
-  const int64_t need = 2 * P * slot * element;
+  const int64_t need = 2 * peers * slot * element;
   int error = 0;
   uint8_t* base = links.outbox(need, error);
   links.publish(SharedMemoryLinks::kSlot, slot * element);
@@ -185,7 +190,7 @@ bool exchange_through_outboxes(const BlockTensors& in, const BlockTensors& out,
       for (size_t& i = packed[j]; i < to[j].pieces.size() && to[j].round[i] == r; ++i) {
         const Message& m = to[j].pieces[i];
         const at::Tensor src = in.view(*m.block, m.batch, m.first, m.count);
-        uint8_t* at = base + ((window * P + j) * slot + to[j].at[i]) * element;
+        uint8_t* at = base + ((window * peers + slot_index(j, me)) * slot + to[j].at[i]) * element;
         at::from_blob(at, src.sizes(), src.options()).copy_(src);
       }
     }
@@ -198,7 +203,9 @@ bool exchange_through_outboxes(const BlockTensors& in, const BlockTensors& out,
       for (size_t& i = read[j]; i < from[j].pieces.size() && from[j].round[i] == r; ++i) {
         const Message& m = from[j].pieces[i];
         const at::Tensor dst = out.view(*m.block, m.batch, m.first, m.count);
-        const uint8_t* at = inbox[j] + ((window * P + me) * peer_slot[j] + from[j].at[i]) * element;
+        const uint8_t* at =
+            inbox[j] +
+            ((window * peers + slot_index(me, j)) * peer_slot[j] + from[j].at[i]) * element;
         put_block(dst, at::from_blob(const_cast<uint8_t*>(at), dst.sizes(), dst.options()), out,
                   plan);
       }
