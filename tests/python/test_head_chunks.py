@@ -102,26 +102,34 @@ def test_chunked_attention_is_the_whole_call(world, S, hq, hkv, chunks, mask_kin
     assert rel(torch.cat([r[1][0] for r in results], 1), ref) < 1e-10
 
 
-def test_each_chunk_runs_the_local_attention_on_its_own_heads():
-    # A callable local attention sees the chunks: 2 calls of 2 query heads and 1 kv head each
-    # (P = 2, 8/4 heads), where the whole call hands it 4 and 2; the result is the same.
-    S, hq, hkv, D = 10, 8, 4, 8
-    gen = torch.Generator().manual_seed(5)
+def chunks_seen(hq: int, hkv: int, counts: tuple, seed: int) -> list:
+    """On 2 ranks, one DistributedAttention per head_chunks value in ``counts`` with a callable
+    local attention that records its (query heads, kv heads) per call. Per rank: {count: calls},
+    {count: o}, {count: repr}."""
+    S, D = 10, 4
+    gen = torch.Generator().manual_seed(seed)
     Q, K, V = (torch.randn(1, S, h, D, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
     lens = seq_lens(S, 2)
 
     def body(rank, group):
-        seen = {1: [], 2: []}
-        outs = {}
-        for k in (1, 2):
-            def local(q, k_, v, kv_map, mask, positions, causal, scale, k=k):
-                seen[k].append((q.shape[1], k_.shape[1]))
-                return ulysses.local_attention(q, k_, v, kv_map, causal=causal, kernel="math")
-            outs[k] = ulysses.DistributedAttention(group, causal=True, local=local, head_chunks=k)(
-                *(shard(t, 1, rank, lens) for t in (Q, K, V)))
-        return seen, outs
+        seen: dict = {c: [] for c in counts}
+        outs, reprs = {}, {}
+        for c in counts:
+            def local(q, k, v, kv_map, mask, positions, causal, scale, c=c):
+                seen[c].append((q.shape[1], k.shape[1]))
+                return ulysses.local_attention(q, k, v, kv_map, causal=causal, kernel="math")
+            attention = ulysses.DistributedAttention(group, causal=True, local=local, head_chunks=c)
+            outs[c] = attention(*(shard(t, 1, rank, lens) for t in (Q, K, V)))
+            reprs[c] = repr(attention)
+        return seen, outs, reprs
 
-    for seen, outs in run_ranks(2, body):
+    return run_ranks(2, body)
+
+
+def test_each_chunk_runs_the_local_attention_on_its_own_heads():
+    # A callable local attention sees the chunks: 2 calls of 2 query heads and 1 kv head each
+    # (P = 2, 8/4 heads), where the whole call hands it 4 and 2; the result is the same.
+    for seen, outs, _ in chunks_seen(8, 4, (1, 2), seed=5):
         assert seen == {1: [(4, 2)], 2: [(2, 1), (2, 1)]}
         assert rel(outs[2], outs[1]) < 1e-14
 
@@ -139,26 +147,10 @@ def test_auto_takes_the_most_chunks_that_replicate_no_kv_head(hkv, P, want):
 def test_auto_chunks_as_its_count_does():
     # Llama-8B's 32/8 heads over 2 ranks: "auto" is 4 chunks, each a call of its own (the
     # callable sees them); the result is the whole call's.
-    S, hq, hkv, D = 8, 32, 8, 4
-    gen = torch.Generator().manual_seed(7)
-    Q, K, V = (torch.randn(1, S, h, D, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
-    lens = seq_lens(S, 2)
-
-    def body(rank, group):
-        seen = []
-
-        def local(q, k, v, kv_map, mask, positions, causal, scale):
-            seen.append((q.shape[1], k.shape[1]))
-            return ulysses.local_attention(q, k, v, kv_map, causal=causal, kernel="math")
-        auto = ulysses.DistributedAttention(group, causal=True, local=local, head_chunks="auto")
-        inputs = [shard(t, 1, rank, lens) for t in (Q, K, V)]
-        got = auto(*inputs)
-        want = ulysses.DistributedAttention(group, causal=True, local="math")(*inputs)
-        return seen, rel(got, want), repr(auto)
-
-    for seen, error, text in run_ranks(2, body):
-        assert seen == [(4, 1)] * 4 and error < 1e-14
-        assert "head_chunks='auto'" in text
+    for seen, outs, reprs in chunks_seen(32, 8, (1, "auto"), seed=7):
+        assert seen == {1: [(16, 4)], "auto": [(4, 1)] * 4}
+        assert rel(outs["auto"], outs[1]) < 1e-14
+        assert "head_chunks='auto'" in reprs["auto"]
 
 
 def test_a_chunk_count_the_heads_cannot_make_fails_alike():
