@@ -456,7 +456,7 @@ AttentionCall call_of(const DistributedAttention& module, const AttentionInputs&
 struct GradientBuffer {
   std::vector<int64_t> shape;
   at::TensorOptions options;
-  int64_t slices = 0, left = 0;
+  int64_t left = 0;  // Slices whose backward has not run yet.
   at::Tensor grad;
 };
 
@@ -502,9 +502,8 @@ at::Tensor attend_in_head_chunks(AttentionCall call, const at::Tensor& q, const 
     auto b = std::make_shared<GradientBuffer>();
     b->shape = t.sizes().vec();
     b->options = t.options();
-    for (const at::Tensor* u : {&q, &k, &v}) b->slices += u->is_same(t) ? 1 : 0;
-    b->slices *= static_cast<int64_t>(chunks.size());
-    b->left = b->slices;
+    for (const at::Tensor* u : {&q, &k, &v}) b->left += u->is_same(t) ? 1 : 0;
+    b->left *= static_cast<int64_t>(chunks.size());
     buffers.emplace_back(t, b);
     return b;
   };

@@ -132,9 +132,8 @@ std::vector<HeadChunk> head_chunks(int64_t q_heads, int64_t kv_heads, int64_t sp
 
 int64_t auto_head_chunks(int64_t kv_heads, int64_t sp_size) {
   TORCH_CHECK_VALUE(kv_heads >= 1 && sp_size >= 1,
-                    "auto_head_chunks: kv_heads and sp_size must be "
-                    ">= 1; got ",
-                    kv_heads, " and ", sp_size);
+                    "auto_head_chunks: kv_heads and sp_size must be >= 1; got ", kv_heads, " and ",
+                    sp_size);
   constexpr int64_t kMost = 4;
   return std::clamp<int64_t>(kv_heads / sp_size, 1, kMost);
 }
