@@ -31,7 +31,8 @@ number) and summary.txt (a line per result):
    the plain run's under the same seed; on CUDA the peak memory is lower.
 5. layer: DistributedAttention at P = 1, bf16, causal, Hq 32 / Hkv 8,
    D 128, at S = 32K, 64K, 128K (--quick: 8K; on CPU a small fp32 case): fwd+bwd time and
-   peak, against torch's SDPA (kv heads expanded), and with head_chunks=4 (Note [Head chunks]; time and peak).
+   peak, against torch's SDPA (kv heads expanded), and with head_chunks=4 (Note [Head chunks]; time and peak),
+   also recomputed in backward (recompute_chunks: its gradients the chunked call's, then time and peak).
 6. device_group: 2 processes on a group registered for the device alone (Gloo underneath, as
    NCCL would be): the group keeps its name through two DistributedAttention modules, the loss
    and gradient helpers stay exact, and ULYSSES_TRANSPORT=messages runs (batched off the CPU).
@@ -529,6 +530,8 @@ def layer_at_length(S: int, hq: int, hkv: int, D: int, dtype, device: torch.devi
     attn = ulysses.DistributedAttention(dist.group.WORLD, causal=True)
     chunks = min(4, hkv)  # Note [Head chunks]: 4 on the GPU's 32/8 heads
     chunked = ulysses.DistributedAttention(dist.group.WORLD, causal=True, head_chunks=chunks)
+    recomputed = ulysses.DistributedAttention(dist.group.WORLD, causal=True, head_chunks=chunks,
+                                              recompute_chunks=True)
 
     def sdpa():
         rep = hq // hkv  # kv heads expanded: SDPA's flash backend then applies
@@ -537,7 +540,19 @@ def layer_at_length(S: int, hq: int, hkv: int, D: int, dtype, device: torch.devi
         return o.transpose(1, 2)
 
     row = {"S": S}
-    for label, fn in (("ulysses", lambda: attn(q, k, v)), ("chunked", lambda: chunked(q, k, v)), ("sdpa", sdpa)):
+    # Recomputed chunks (Note [Recomputed chunks]) give the chunked call's gradients: the same
+    # kernels on the same heads, run again.
+    grads = []
+    for module in (chunked, recomputed):
+        q.grad = k.grad = v.grad = None
+        module(q, k, v).float().square().mean().backward()
+        grads.append([t.grad.float() for t in (q, k, v)])
+    row["recomputed_grad_rel"] = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(*grads))
+    if row["recomputed_grad_rel"] > 1e-2:
+        raise AssertionError(f"recomputed chunks' gradients differ from the chunked call's: {row['recomputed_grad_rel']}")
+    q.grad = k.grad = v.grad = None
+    for label, fn in (("ulysses", lambda: attn(q, k, v)), ("chunked", lambda: chunked(q, k, v)),
+                      ("recomputed", lambda: recomputed(q, k, v)), ("sdpa", sdpa)):
         fn().sum().backward()
         base = peak_reset(device)
         synchronize(device)
@@ -550,6 +565,7 @@ def layer_at_length(S: int, hq: int, hkv: int, D: int, dtype, device: torch.devi
     row["ulysses_over_sdpa"] = row["ulysses_ms"] / row["sdpa_ms"]
     row["head_chunks"] = chunks
     row["chunked_over_ulysses"] = row["chunked_ms"] / row["ulysses_ms"]
+    row["recomputed_over_ulysses"] = row["recomputed_ms"] / row["ulysses_ms"]
     return row
 
 

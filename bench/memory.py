@@ -15,6 +15,9 @@ step), ``outputs_MiB`` what the layer must hand back (o and the gradients of q, 
 ``saved_MiB`` what the kernel keeps for backward (q, k, v and o by heads over the whole sequence,
 every chunk's, from the head plan), and ``transient_MiB`` = peak - outputs - saved: what running
 the layer costs beyond both (exchange buffers, whole-sequence copies, gradients by heads).
+A count with an ``r`` after it (``4r``) also recomputes the chunks (``recompute_chunks``): the
+kernel then keeps nothing by heads (``saved_MiB`` 0), and ``held_MiB`` = peak - outputs is what
+the layer holds beyond what it hands back, saved tensors included, comparable across the rows.
 ``--head-chunks alst`` adds DeepSpeed ALST's attention layer to that table (0.19.8, an optional
 extra: ``UlyssesSPAttentionHF`` around transformers' SDPA attention, as ALST installs it in a
 model). ``--head-chunks`` also applies to the model rows (``sequence_parallel(head_chunks=k)``;
@@ -174,7 +177,8 @@ def _rank(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
         for p in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
             p.requires_grad_(False)
     group = dist.group.WORLD
-    uhf.sequence_parallel(model, group, **FEATURES[feature], head_chunks=task.get("head_chunks", 1))
+    chunks, recompute = chunk_spec(task.get("head_chunks", 1))
+    uhf.sequence_parallel(model, group, **FEATURES[feature], head_chunks=chunks, recompute_chunks=recompute)
     holding = task.get("holding")  # --fsdp: "ddp" or "fsdp2", with an AdamW step
     if holding == "fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -233,6 +237,15 @@ def _rank(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def chunk_spec(spec: object) -> tuple[object, bool]:
+    """A ``--head-chunks`` entry as (head_chunks, recompute_chunks): ``4``, ``"auto"``, or with
+    an ``r`` after it (``"4r"``) recomputed; other names ("alst") as given."""
+    text = str(spec)
+    recompute = text.endswith("r") and text != "r"
+    text = text[:-1] if recompute else text
+    return (int(text) if text.isdigit() else text), recompute
+
+
 def _attention_rank(rank: int, task: dict, out_dir: str) -> None:
     """--attention: one DistributedAttention layer's forward and backward on this rank's shard."""
     import ulysses
@@ -243,11 +256,12 @@ def _attention_rank(rank: int, task: dict, out_dir: str) -> None:
     gen = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(1, lens[rank], h, D, generator=gen).requires_grad_() for h in (hq, hkv, hkv))
     grad = torch.randn(1, lens[rank], hq, D, generator=gen)
+    chunks, recompute = chunk_spec(chunks)
     if chunks == "alst":
         run = _alst_attention(rank, S, hq, hkv, D, lens[rank])
     else:
         attention = ulysses.DistributedAttention(dist.group.WORLD, q_heads=hq, kv_heads=hkv, causal=True,
-                                                 head_chunks=chunks)
+                                                 head_chunks=chunks, recompute_chunks=recompute)
 
         def run(q, k, v):
             return attention(q, k, v, seq_lens=lens)
@@ -271,7 +285,7 @@ def _attention_rank(rank: int, task: dict, out_dir: str) -> None:
     outputs = 2 * q.nbytes + k.nbytes + v.nbytes  # o is q-shaped
     saved = 0  # q, k, v and o by heads, each chunk's (this rank's heads in its plan) x S x D
     count = 1 if chunks == "alst" else ulysses.attention.chunk_count(chunks, hkv, sp)
-    for (qb, qe), (kb, ke) in ulysses._C.head_chunks(hq, hkv, sp, count):
+    for (qb, qe), (kb, ke) in [] if recompute else ulysses._C.head_chunks(hq, hkv, sp, count):
         plan = ulysses._C.plan(qe - qb, ke - kb, sp)
         saved += (2 * plan["q_heads"][rank] + 2 * plan["kv_heads"][rank]) * S * D * q.element_size()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -309,22 +323,24 @@ def _alst_attention(rank: int, S: int, hq: int, hkv: int, D: int, rows: int):
 def compare_chunks(a: argparse.Namespace, rows: list[dict]) -> int:
     """--attention: each (S, P) at every chunk count, side by side with k = 1."""
     print(f"{'S':>6} {'P':>2} {'chunks':>6} {'peak_MiB':>9} {'outputs_MiB':>11} {'saved_MiB':>9} "
-          f"{'transient_MiB':>13} {'step_s':>7} {'peak_over_k1':>12} {'transient_over_k1':>17} {'step_over_k1':>12}",
-          flush=True)
+          f"{'transient_MiB':>13} {'held_MiB':>8} {'step_s':>7} {'peak_over_k1':>12} {'transient_over_k1':>17} "
+          f"{'held_over_k1':>12} {'step_over_k1':>12}", flush=True)
     for seq_len in map(int, a.seq_lens.split(",")):
         for sp in map(int, a.sp.split(",")):
             first = None
             for chunks in [int(k) if k.isdigit() else k for k in a.head_chunks.split(",")]:
                 row = measure(dict(seq_len=seq_len, sp=sp, head_chunks=chunks, attention=True, steps=a.steps or 2))
                 row["transient_mib"] = row["peak_mib"] - row["outputs_mib"] - row["saved_mib"]
+                row["held_mib"] = row["peak_mib"] - row["outputs_mib"]
                 first = first or row
-                for key in ("peak", "transient", "step"):
+                for key in ("peak", "transient", "held", "step"):
                     unit = "s" if key == "step" else "mib"
                     row[f"{key}_over_k1"] = row[f"{key}_{unit}"] / first[f"{key}_{unit}"]
                 rows.append(row)
                 print(f"{seq_len:>6} {sp:>2} {chunks:>6} {row['peak_mib']:>9.1f} {row['outputs_mib']:>11.1f} "
-                      f"{row['saved_mib']:>9.1f} {row['transient_mib']:>13.1f} {row['step_s']:>7.2f} "
-                      f"{row['peak_over_k1']:>12.3f} {row['transient_over_k1']:>17.3f} {row['step_over_k1']:>12.3f}",
+                      f"{row['saved_mib']:>9.1f} {row['transient_mib']:>13.1f} {row['held_mib']:>8.1f} "
+                      f"{row['step_s']:>7.2f} {row['peak_over_k1']:>12.3f} {row['transient_over_k1']:>17.3f} "
+                      f"{row['held_over_k1']:>12.3f} {row['step_over_k1']:>12.3f}",
                       flush=True)
                 if a.json:
                     with open(a.json, "w") as f:
@@ -430,6 +446,7 @@ def main() -> int:
     p.add_argument("--attention", action="store_true",
                    help="one attention layer (fwd + bwd) at each --head-chunks count instead of a model step")
     p.add_argument("--head-chunks", default="1", help="head chunk counts (DistributedAttention(head_chunks=)); "
+                   "'4r': 4 chunks with recompute_chunks; "
                    "with --attention, 'alst' for DeepSpeed ALST's attention layer (UlyssesSPAttentionHF)")
     p.add_argument("--heads", default="8,2", help="the model's query and kv heads (hidden size 512)")
     p.add_argument("--family", default="llama", choices=("llama", "qwen3_next", "bamba", "lfm2"),
@@ -447,7 +464,7 @@ def main() -> int:
         return compare_chunks(a, rows)
     heads = [int(h) for h in a.heads.split(",")]
     features = [f for f in a.features.split(",") if not f.startswith("ds") or _have_deepspeed()]
-    chunk_counts = [int(k) for k in a.head_chunks.split(",")]
+    chunk_counts = [int(k) if k.isdigit() else k for k in a.head_chunks.split(",")]
     show = chunk_counts != [1]  # the chunks column, when chunk counts are asked for
 
     def chunk_cell(value: object) -> str:
@@ -465,7 +482,7 @@ def main() -> int:
                                     steps=steps, **({"freeze_vocab": True} if a.freeze_vocab else {}),
                                     **({"heads": heads} if heads != [8, 2] else {}),
                                     **({"family": a.family} if a.family != "llama" else {}),
-                                    **({"head_chunks": chunks} if chunks > 1 else {}))
+                                    **({"head_chunks": chunks} if chunks != 1 else {}))
                         row = measure(task)
                         rows = [r for r in rows if {k: r.get(k) for k in task if k != "steps"}
                                 != {k: task[k] for k in task if k != "steps"}] + [row]

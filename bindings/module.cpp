@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "dispatch/autograd.h"
 #include "plan/fnv1a.h"
 #include "training/offloaded_bytes.h"
 #include "ulysses/collective_recorder.h"
@@ -87,6 +88,9 @@ void translate_c10_errors() {
 void bind_plans(py::module_& m) {
   m.def("plan", &plan, py::arg("q_heads"), py::arg("kv_heads"), py::arg("sp"),
         py::arg("seq_len") = py::none());
+  m.def("free_if_unshared", &detail::free_if_unshared, py::arg("tensor"),
+        "Frees the tensor's bytes, keeping its shape, where nothing else holds its storage; "
+        "returns whether it did (a recomputed output whose graph is all that is wanted).");
   m.def("auto_head_chunks", &auto_head_chunks, py::arg("kv_heads"), py::arg("sp"),
         "The chunk count head_chunks='auto' takes (partition.h).");
   m.def(

@@ -43,14 +43,16 @@ struct Case {
   bool causal = false;
   bool packed = false;
   int64_t B = 2, D = 8, Dv = 8;
-  int64_t chunks = 1;  // AttentionOptions::head_chunks.
+  int64_t chunks = 1;      // AttentionOptions::head_chunks.
+  bool recompute = false;  // AttentionOptions::recompute_chunks.
 };
 
 std::string describe(const Case& c) {
   std::ostringstream os;
   os << "P" << c.P << "_q" << c.hq << "_kv" << c.hkv << "_S" << c.S << "_" << to_string(c.layout)
      << "_mask_" << c.mask.name << (c.causal ? "_causal" : "") << (c.packed ? "_packed" : "")
-     << (c.chunks > 1 ? "_chunks" + std::to_string(c.chunks) : "");
+     << (c.chunks > 1 ? "_chunks" + std::to_string(c.chunks) : "")
+     << (c.recompute ? "_recomputed" : "");
   return os.str();
 }
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -116,6 +118,7 @@ void check_case(const Case& c) {
     opts.layout = L;
     opts.causal = c.causal;
     opts.head_chunks = c.chunks;
+    opts.recompute_chunks = c.recompute;
     DistributedAttention attention(g, opts);
     at::Tensor o = attention(q, k, v, in);
     (o * W.narrow(sdim, mine.begin, mine.size())).sum().backward();
@@ -213,6 +216,11 @@ std::vector<Case> cases() {
   out.push_back({2, 6, 3, 10, mask_specs()[3], Layout::kBSHD, false, false, 2, 8, 8, 3});
   out.push_back({2, 7, 7, 9, mask_specs()[10], Layout::kBSHD, true, false, 2, 8, 8, 3});
   out.push_back({4, 8, 4, 13, mask_specs()[0], Layout::kBSHD, true, true, 2, 8, 8, 2});
+  // Recomputed chunks (Note [Recomputed chunks]): a learnable mask, per-head, documents; and
+  // the whole call recomputed (one chunk).
+  out.push_back({2, 8, 4, 11, mask_specs()[12], Layout::kSBHD, true, true, 2, 8, 8, 2, true});
+  out.push_back({2, 7, 7, 9, mask_specs()[10], Layout::kBSHD, true, false, 2, 8, 8, 3, true});
+  out.push_back({4, 8, 2, 11, mask_specs()[3], Layout::kBHSD, false, false, 2, 8, 8, 1, true});
   return out;
 }
 
@@ -267,6 +275,36 @@ TEST(DistributedAttention, HeadChunksRunOneCallPerChunk) {
                                       return o;
                                     }()),
                c10::ValueError);
+}
+
+// Recomputed chunks (Note [Recomputed chunks]) run each chunk's call again in backward: its
+// agreement, scatter and gather, before the gradient's own scatter and gather; the gradients are
+// the whole call's.
+TEST(DistributedAttention, RecomputedChunksRunTheirCallAgainInBackward) {
+  expect_ranks_succeed(2, [](Group& g) {
+    const at::Tensor q0 = seeded_randn({1, 4, 8, 8}, 1 + g.rank()),
+                     kv0 = seeded_randn({1, 4, 4, 8}, 3 + g.rank());
+    set_up_links(g);
+    auto run = [&](int64_t chunks, bool recompute) {
+      AttentionOptions options;
+      options.causal = true;
+      options.head_chunks = chunks;
+      options.recompute_chunks = recompute;
+      at::Tensor q = q0.clone().requires_grad_(), kv = kv0.clone().requires_grad_();
+      const at::Tensor o = DistributedAttention(g, options)(q, kv, kv);
+      const int64_t before = g.recorder().collectives();
+      o.square().sum().backward();
+      return std::make_tuple(g.recorder().collectives() - before, q.grad(), kv.grad());
+    };
+    const auto [whole_collectives, dq1, dkv1] = run(1, false);
+    EXPECT_EQ(whole_collectives, 2);  // Scatter o's gradient, gather q, k and v's.
+    for (int64_t chunks : {1, 4}) {
+      const auto [collectives, dq, dkv] = run(chunks, true);
+      EXPECT_EQ(collectives, chunks * (3 + 2));
+      EXPECT_LT(rel_error(dq, dq1), 1e-6) << where(g, dq);
+      EXPECT_LT(rel_error(dkv, dkv1), 1e-6) << where(g, dkv);
+    }
+  });
 }
 
 // Chunks add each input's gradient into one buffer: a q made by an op upstream, and one tensor

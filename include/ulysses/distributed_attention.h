@@ -110,6 +110,10 @@ struct AttentionOptions : AttentionRules {  // causal, scale, window (needs caus
   // Attention in this many chunks of heads, one after another (Note [Head chunks] in
   // partition.h): each chunk's exchange buffers are made while it runs. 1: whole.
   int64_t head_chunks = 1;
+  // Each chunk (the whole call where head_chunks is 1) keeps only its inputs for backward and
+  // runs again there, its exchange and kernel with autograd (Note [Recomputed chunks] in
+  // partition.h): nothing by heads lives from forward to backward, for one more forward.
+  bool recompute_chunks = false;
 };
 
 // Optional per-call inputs.

@@ -110,6 +110,14 @@ std::ostream& operator<<(std::ostream& os, const HeadPartition& p);
 // chunk needs >= P query heads; where its kv heads are fewer than P they are replicated within
 // it, as in any call. Heads are independent, so the chunks' outputs, concatenated in order, are
 // the unchunked call's.
+//
+// Note [Recomputed chunks]: what backward needs by heads (q, k, v and o over the whole sequence,
+// every chunk's) otherwise lives from forward to backward, as much as the call's inputs and
+// output together. With recompute_chunks a chunk runs without autograd and keeps only its
+// inputs (slices of q, k, v, the mask and the sinks, which the caller holds anyway); its
+// backward runs the chunk again with autograd (agreement, exchange, kernel, exchange back) and
+// backpropagates through that. So one chunk's tensors by heads exist at a time in backward too,
+// for one more forward of the attention and its exchanges; the result is the same arithmetic.
 struct HeadChunk {
   Range q;
   Range kv;

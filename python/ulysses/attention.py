@@ -147,13 +147,18 @@ class DistributedAttention(nn.Module):
             chunk with fewer kv heads than P replicates them, as any call does. "auto": the most
             chunks, up to 4, whose kv heads are each at least P (none replicated; 1 where
             Hkv < 2P), the least peak memory measured (docs/long_sequences.md).
+        recompute_chunks: each chunk (the whole call with ``head_chunks=1``) keeps only its
+            inputs for backward and runs again there, its exchange and local attention with
+            autograd (Note [Recomputed chunks], partition.h): nothing by heads lives from forward
+            to backward, for one more forward of the attention. The same result. Eager (under
+            torch.compile the chunks keep what they save, as without it).
     """
 
     def __init__(self, group: G.GroupLike = None, *, q_heads: int | None = None, kv_heads: int | None = None,
                  layout: str = "BSHD", causal: bool = False, scale: float | None = None,
                  window: int | None = None, softcap: float | None = None, timeout: G.Timeout = None,
                  ring_group: G.GroupLike = None, local: str | LocalAttention = "auto",
-                 head_chunks: HeadChunks = 1) -> None:
+                 head_chunks: HeadChunks = 1, recompute_chunks: bool = False) -> None:
         super().__init__()
         window = int(window or 0)
         softcap = float(softcap or 0.0)
@@ -190,6 +195,7 @@ class DistributedAttention(nn.Module):
         self.q_heads, self.kv_heads = q_heads, kv_heads
         check_head_chunks(head_chunks, "DistributedAttention")
         self.head_chunks = head_chunks
+        self.recompute_chunks = bool(recompute_chunks)
         if q_heads is not None:  # Fail fast on an invalid setup (kv heads may come later).
             _C.plan(q_heads, kv_heads if kv_heads is not None else 1, self.sp_size)
             if kv_heads is not None:
@@ -201,7 +207,8 @@ class DistributedAttention(nn.Module):
         return (f"group={self.group_name!r}, sp={self.sp_size}{ring}, q_heads={self.q_heads}, "
                 f"kv_heads={self.kv_heads}, layout={self.layout}, causal={self.causal}, "
                 f"window={self.window or None}, softcap={self.softcap or None}, local={local}"
-                + (f", head_chunks={self.head_chunks!r}" if self.head_chunks != 1 else ""))
+                + (f", head_chunks={self.head_chunks!r}" if self.head_chunks != 1 else "")
+                + (", recompute_chunks=True" if self.recompute_chunks else ""))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -225,7 +232,8 @@ class DistributedAttention(nn.Module):
         o = attend(q, k, v, mask, position_ids, hq, hkv, self._seq_lens(seq_lens), self.layout, self.causal,
                    self.scale, self.local, self.group_name, self._options, ring=self.ring_name,
                    step=self._step(step), window=self.window, softcap=self.softcap, sinks=sinks,
-                   head_chunks=chunk_count(self.head_chunks, hkv, self.sp_size))
+                   head_chunks=chunk_count(self.head_chunks, hkv, self.sp_size),
+                   recompute_chunks=self.recompute_chunks)
         self.q_heads, self.kv_heads = hq, hkv  # This instance's from the first call on.
         return o
 
@@ -244,9 +252,10 @@ class DistributedAttention(nn.Module):
                              "construction (parts do not show the totals)", self.group_name,
                              self.timeout_ms)
         kv_heads = self.kv_heads or 1  # (given: fail_together raised otherwise)
-        if callable(self.local) or self.local == "flex" or chunk_count(self.head_chunks, kv_heads, self.sp_size) > 1:
-            raise ValueError("DistributedAttention.forward_parts: a callable or flex local attention, and "
-                             "head_chunks, take whole tensors; use forward")
+        if (callable(self.local) or self.local == "flex" or self.recompute_chunks
+                or chunk_count(self.head_chunks, kv_heads, self.sp_size) > 1):
+            raise ValueError("DistributedAttention.forward_parts: a callable or flex local attention, "
+                             "head_chunks and recompute_chunks take whole tensors; use forward")
         seq_lens = self._seq_lens(seq_lens)
         q, k, v = (list(_under_autocast(*parts)) for parts in (q, k, v))
         return torch.ops.ulysses.attention_parts(list(q), list(k), list(v), mask, position_ids, self.q_heads,
@@ -314,17 +323,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
            positions: torch.Tensor | None, q_heads: int, kv_heads: int, seq_lens: Sequence[int], layout: str,
            causal: bool, scale: float | None, local: str | LocalAttention, group: str, options: list[int], *,
            ring: str | None = None, step: StepContext | None = None, window: int = 0, softcap: float = 0.0,
-           sinks: torch.Tensor | None = None, mask_rebuilt: bool = False, head_chunks: int = 1) -> torch.Tensor:
+           sinks: torch.Tensor | None = None, mask_rebuilt: bool = False, head_chunks: int = 1,
+           recompute_chunks: bool = False) -> torch.Tensor:
     """One attention call on this rank's shard, as ``DistributedAttention.forward`` and AutoSP's
     rewritten graphs run it: the C++ orchestration (``torch.ops.ulysses.attention``), or where
     Python runs the local attention (a callable; FlexAttention where the kernel rule names it)
     the orchestration's first half (``attention_heads``), the local attention on this rank's
     heads, then the exchange back. ``seq_lens`` [] learns the split in the call's agreement.
     ``head_chunks`` > 1: one such call per chunk of heads (Note [Head chunks], partition.h)."""
-    if head_chunks > 1:
+    if head_chunks > 1 or recompute_chunks:
         return _attend_in_head_chunks(q, k, v, mask, positions, q_heads, kv_heads, seq_lens, layout, causal,
                                       scale, local, group, options, head_chunks, ring=ring, step=step,
-                                      window=window, softcap=softcap, sinks=sinks, mask_rebuilt=mask_rebuilt)
+                                      window=window, softcap=softcap, sinks=sinks, mask_rebuilt=mask_rebuilt,
+                                      recompute=recompute_chunks)
     scale_arg = 0.0 if scale is None else float(scale)
     if not _python_local(q, mask, positions, causal, local, ring, window, softcap, sinks):
         return torch.ops.ulysses.attention(q, k, v, mask, positions, q_heads, kv_heads, list(seq_lens), layout,
@@ -420,13 +431,38 @@ class _PutHeads(torch.autograd.Function):
         return grad, grad.narrow(ctx.dim, ctx.begin, ctx.n), None, None
 
 
+class _Recomputed(torch.autograd.Function):
+    """``run(*inputs)`` without autograd, kept for backward as its inputs only; backward runs it
+    again with autograd (the chunk's exchange and kernel) and backpropagates through that, so
+    nothing by heads lives from forward to backward."""
+
+    @staticmethod
+    def forward(ctx, run, *inputs):  # type: ignore[override]
+        ctx.run = run
+        ctx.save_for_backward(*inputs)
+        with torch.no_grad():
+            return run(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        inputs = [None if t is None else t.detach().requires_grad_(needs)
+                  for t, needs in zip(ctx.saved_tensors, ctx.needs_input_grad[1:], strict=True)]
+        with torch.enable_grad():
+            out = ctx.run(*inputs)
+        _C.free_if_unshared(out)  # its graph is all backward reads
+        wanted = [t for t in inputs if t is not None and t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+        return (None, *(next(grads) if t is not None and t.requires_grad else None for t in inputs))
+
+
 def _attend_in_head_chunks(q, k, v, mask, positions, q_heads, kv_heads, seq_lens, layout, causal, scale, local,
                            group, options, count, **call) -> torch.Tensor:
     """``attend`` on each chunk of heads in turn (as the C++ ``DistributedAttention`` with
     ``head_chunks``): slices of q, k, v (and of a per-head mask and the sinks) in, each output
     put into o as it comes (``_PutHeads``); in backward each chunk's input gradients go into one
     buffer per input (``_HeadsOf``). So one chunk's exchange buffers, whole-sequence tensors and
-    gradients by heads exist at a time beyond what the call keeps. A chunk count this rank
+    gradients by heads exist at a time beyond what the call keeps; with ``recompute`` each chunk
+    keeps only its inputs and runs again in backward (``_Recomputed``). A chunk count this rank
     cannot make fails every rank alike."""
     try:
         chunks, dim = _head_chunks(q_heads, kv_heads, group, count, layout)
@@ -439,6 +475,9 @@ def _attend_in_head_chunks(q, k, v, mask, positions, q_heads, kv_heads, seq_lens
     for t in (q, k, v):
         uses[id(t)] = uses.get(id(t), 0) + len(chunks)
     streams = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    recompute = call.pop("recompute") and streams
+    if recompute:  # A step's shared masks would carry forward's graph (none) into backward.
+        call["step"] = None
     buffers = {id(t): _GradientBuffer(t, uses[id(t)]) for t in (q, k, v) if t.requires_grad and streams}
 
     def heads(t, d, block):
@@ -448,10 +487,14 @@ def _attend_in_head_chunks(q, k, v, mask, positions, q_heads, kv_heads, seq_lens
 
     outs, o = [], None
     for q_block, kv_block in chunks:
-        part = attend(heads(q, dim, q_block), heads(k, dim, kv_block), heads(v, dim, kv_block),
-                      heads(mask, 1, q_block) if per_head_mask else mask, positions,
-                      q_block[1] - q_block[0], kv_block[1] - kv_block[0], seq_lens, layout, causal, scale,
-                      local, group, options, sinks=None if sinks is None else heads(sinks, 0, q_block), **call)
+        def run(qc, kc, vc, mc, sc, hq=q_block[1] - q_block[0], hkv=kv_block[1] - kv_block[0]):
+            return attend(qc, kc, vc, mc, positions, hq, hkv, seq_lens, layout, causal, scale, local, group,
+                          options, sinks=sc, **call)
+
+        inputs = (heads(q, dim, q_block), heads(k, dim, kv_block), heads(v, dim, kv_block),
+                  heads(mask, 1, q_block) if per_head_mask else mask,
+                  None if sinks is None else heads(sinks, 0, q_block))
+        part = _Recomputed.apply(run, *inputs) if recompute else run(*inputs)
         if not streams:
             outs.append(part)
             continue

@@ -75,7 +75,8 @@ def _attention_of(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
         attention = DistributedAttention(group, q_heads=query.shape[1], kv_heads=key.shape[1],
                                          layout="BHSD", causal=not dense_mask and getattr(module, "is_causal", True),
                                          timeout=timeout, local=module.__dict__.get("_ulysses_local", "auto"),
-                                         head_chunks=module.__dict__.get("_ulysses_head_chunks", 1))
+                                         head_chunks=module.__dict__.get("_ulysses_head_chunks", 1),
+                                         recompute_chunks=module.__dict__.get("_ulysses_recompute_chunks", False))
         object.__setattr__(module, slot, attention)  # state, not a submodule
     return attention
 
@@ -280,7 +281,8 @@ def sequence_parallel(model: PreTrainedModel, group: G.GroupLike = None, *,
                       timeout: G.Timeout = None, tiled_mlp: bool = False, tiled_loss: bool = False,
                       checkpoint: str | None = None, mlp_tile_tokens: int | None = None,
                       loss_tile_bytes: int = LOSS_TILE_BYTES,
-                      local: str | LocalAttention = "auto", head_chunks: HeadChunks = 1) -> PreTrainedModel:
+                      local: str | LocalAttention = "auto", head_chunks: HeadChunks = 1,
+                      recompute_chunks: bool = False) -> PreTrainedModel:
     """Makes ``model`` (a ``transformers`` PreTrainedModel) run attention through ulysses over
     ``group`` (any form of ``ulysses.groups.GroupLike``; None: the default group). Turns the KV cache off
     (training; a cache of sharded keys would be wrong). Returns the model.
@@ -304,7 +306,8 @@ def sequence_parallel(model: PreTrainedModel, group: G.GroupLike = None, *,
     name (``"auto"``, ``"fused"``, ``"sdpa"``, ``"math"``, ``"flex"``) or a callable.
     ``head_chunks`` runs every layer's attention in that many chunks of heads, or "auto" for
     each layer's most chunks that replicate no kv head (``DistributedAttention``'s option: less
-    transient memory, the same result).
+    transient memory, the same result); ``recompute_chunks`` makes each chunk keep only its
+    inputs for backward and run again there (less memory for one more forward of attention).
     """
     check_head_chunks(head_chunks, "ulysses.hf")
     if not callable(local) and local not in O.LOCAL_KERNELS:
@@ -333,6 +336,7 @@ def sequence_parallel(model: PreTrainedModel, group: G.GroupLike = None, *,
         object.__setattr__(module, "_ulysses_timeout", timeout)
         object.__setattr__(module, "_ulysses_local", local)
         object.__setattr__(module, "_ulysses_head_chunks", head_chunks)
+        object.__setattr__(module, "_ulysses_recompute_chunks", bool(recompute_chunks))
         module.__dict__.pop("_ulysses_attention", None)
     object.__setattr__(model, "_ulysses_mixers", hybrid.install(model))
     if vision.is_vision_language(model):

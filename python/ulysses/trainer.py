@@ -122,14 +122,16 @@ class SequenceParallel:
     ``verify_tolerance``: before the first step trains, check the model on that step's batch
     against itself unsharded (:func:`ulysses.hf.verify`) and stop with its error above this
     relative error (DDP or one process; not FSDP2). ``tiled_mlp``, ``tiled_loss``, ``checkpoint``,
-    ``mlp_tile_tokens`` and ``head_chunks`` are :func:`ulysses.hf.sequence_parallel`'s."""
+    ``mlp_tile_tokens``, ``head_chunks`` and ``recompute_chunks`` are
+    :func:`ulysses.hf.sequence_parallel`'s."""
 
     ignore_index = hf.IGNORE_INDEX
     _normalises_the_step = True  # compute_loss is SequenceParallel's (the token mean of the step)
 
     def __init__(self, *args: Any, sp_size: int, tiled_mlp: bool = False, tiled_loss: bool = False,
                  checkpoint: str | None = None, mlp_tile_tokens: int | None = None,
-                 head_chunks: HeadChunks = 1, verify_tolerance: float | None = None, **kwargs: Any) -> None:
+                 head_chunks: HeadChunks = 1, recompute_chunks: bool = False,
+                 verify_tolerance: float | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         trainer: Any = self
         world = trainer.args.world_size
@@ -149,7 +151,7 @@ class SequenceParallel:
                                               mesh_dim_names=("dp", "sp"))
         self._make_sequence_parallel(trainer.model, tiled_mlp=tiled_mlp, tiled_loss=tiled_loss,
                                      checkpoint=checkpoint, mlp_tile_tokens=mlp_tile_tokens,
-                                     head_chunks=head_chunks)
+                                     head_chunks=head_chunks, recompute_chunks=recompute_chunks)
         if fsdp is not None and not trainer.is_fsdp_enabled:  # the Trainer ignored fsdp (CPU): shard here
             self._fully_shard(fsdp)
         if self._normalises_the_step:  # compute_loss divides by the whole optimizer step's count

@@ -2,9 +2,11 @@
 
 #include <ATen/FunctionalTensorWrapper.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -479,6 +481,44 @@ at::Tensor heads_of(const at::Tensor& x, int64_t dim, Range r,
   return out[0];
 }
 
+// Note [Recomputed chunks] (partition.h): `run(inputs)` without autograd, its backward running
+// it again with autograd on the same inputs (undefined ones: none) and backpropagating through
+// that, the recomputed output's bytes freed first. The node keeps the inputs (detached: they
+// are views of the caller's tensors) and `run`.
+at::Tensor recomputed(std::function<at::Tensor(const std::vector<at::Tensor>&)> run,
+                      const std::vector<at::Tensor>& inputs) {
+  std::vector<at::Tensor> outs;
+  {
+    at::NoGradGuard no_grad;
+    outs.push_back(run(inputs));
+  }
+  std::vector<at::Tensor> differentiable, kept;
+  std::vector<bool> learns;
+  for (const at::Tensor& t : inputs) {
+    learns.push_back(t.defined() && t.requires_grad());
+    if (learns.back()) differentiable.push_back(t);
+    kept.push_back(t.defined() ? t.detach() : t);
+  }
+  detail::attach_backward(
+      differentiable, outs, "RecomputedChunkBackward",
+      [run = std::move(run), kept = std::move(kept), learns](std::vector<at::Tensor>&& g) {
+        std::vector<at::Tensor> again, leaves;
+        for (size_t i = 0; i < kept.size(); ++i) {
+          again.push_back(learns[i] ? kept[i].detach().requires_grad_() : kept[i]);
+          if (learns[i]) leaves.push_back(again.back());
+        }
+        at::Tensor o;
+        {
+          at::AutoGradMode with_grad(true);
+          o = run(again);
+        }
+        detail::free_if_unshared(o);  // Its graph is all backward reads.
+        return torch::autograd::grad({o}, leaves, {g[0]}, /*retain_graph=*/false,
+                                     /*create_graph=*/false, /*allow_unused=*/true);
+      });
+  return outs[0];
+}
+
 // Note [Head chunks] (partition.h): each chunk is a call of its own on the chunk's heads (a
 // per-head mask and the sinks keep the chunk's rows). Each chunk's output is copied into o as it
 // comes and freed (a concatenation would hold every chunk's output and o at once), its graph
@@ -487,7 +527,8 @@ at::Tensor heads_of(const at::Tensor& x, int64_t dim, Range r,
 // chunk's exchange buffers, whole-sequence tensors and gradients by heads exist at a time beyond
 // what the call keeps.
 at::Tensor attend_in_head_chunks(AttentionCall call, const at::Tensor& q, const at::Tensor& k,
-                                 const at::Tensor& v, const AttentionInputs& in, int64_t count) {
+                                 const at::Tensor& v, const AttentionInputs& in, int64_t count,
+                                 bool recompute) {
   const int64_t hq = call.q_heads, dim = head_dim(call.layout);
   const std::vector<HeadChunk> chunks = fail_together_on_error(
       call.group, [&] { return head_chunks(hq, call.kv_heads, call.group.size(), count); });
@@ -508,20 +549,34 @@ at::Tensor attend_in_head_chunks(AttentionCall call, const at::Tensor& q, const 
     return b;
   };
   const auto q_buffer = buffer_of(q), k_buffer = buffer_of(k), v_buffer = buffer_of(v);
+  recompute = recompute && grads;
+  std::shared_ptr<const LocalAttention> local;  // Backward's recomputation outlives the module.
+  if (recompute) {
+    if (call.local) local = std::make_shared<const LocalAttention>(*call.local);
+    call.local = local.get();
+    call.step = nullptr;  // A step's shared masks would carry forward's graph (none) into backward.
+  }
   at::Tensor o;
   std::vector<torch::autograd::Edge> edges;
   for (const HeadChunk& chunk : chunks) {
     AttentionCall c = call;
     c.q_heads = chunk.q.size();
     c.kv_heads = chunk.kv.size();
-    if (call.sinks) c.sinks = call.sinks->narrow(0, chunk.q.begin, chunk.q.size());
+    c.sinks.reset();
     c10::optional<at::Tensor> mask = in.mask;
     if (per_head_mask) mask = mask->narrow(1, chunk.q.begin, chunk.q.size());
-    const at::Tensor part = attend(c,
-                                   {{heads_of(q, dim, chunk.q, q_buffer)},
-                                    {heads_of(k, dim, chunk.kv, k_buffer)},
-                                    {heads_of(v, dim, chunk.kv, v_buffer)}},
-                                   HeadForm::kWhole, mask, in.positions)[0];
+    // The chunk's call on its inputs: q, k, v, the mask and the sinks (undefined: none).
+    auto run = [c, positions = in.positions, local](const std::vector<at::Tensor>& x) {
+      AttentionCall with = c;
+      if (x[4].defined()) with.sinks = x[4];
+      const c10::optional<at::Tensor> m = x[3].defined() ? c10::make_optional(x[3]) : c10::nullopt;
+      return attend(with, {{x[0]}, {x[1]}, {x[2]}}, HeadForm::kWhole, m, positions)[0];
+    };
+    const std::vector<at::Tensor> inputs{
+        heads_of(q, dim, chunk.q, q_buffer), heads_of(k, dim, chunk.kv, k_buffer),
+        heads_of(v, dim, chunk.kv, v_buffer), mask.value_or(at::Tensor()),
+        call.sinks ? call.sinks->narrow(0, chunk.q.begin, chunk.q.size()) : at::Tensor()};
+    const at::Tensor part = recompute ? recomputed(run, inputs) : run(inputs);
     if (!o.defined()) {
       std::vector<int64_t> shape = part.sizes().vec();
       shape[dim] = hq;
@@ -559,9 +614,10 @@ at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& 
   // are checked in the call's agreement).
   if (c.q_heads == 0) c.q_heads = heads_of(q, options_.layout);
   if (c.kv_heads == 0) c.kv_heads = heads_of(k, options_.layout);
-  at::Tensor o = options_.head_chunks > 1
-                     ? attend_in_head_chunks(c, q, k, v, in, options_.head_chunks)
-                     : attend(c, {{q}, {k}, {v}}, HeadForm::kWhole, in.mask, in.positions)[0];
+  at::Tensor o =
+      options_.head_chunks > 1 || options_.recompute_chunks
+          ? attend_in_head_chunks(c, q, k, v, in, options_.head_chunks, options_.recompute_chunks)
+          : attend(c, {{q}, {k}, {v}}, HeadForm::kWhole, in.mask, in.positions)[0];
   if (!partition_) partition_ = HeadPartition::make(c.q_heads, c.kv_heads, group_.size());
   return o;
 }

@@ -74,4 +74,14 @@ inline void attach_backward(const std::vector<at::Tensor>& inputs, std::vector<a
   }
 }
 
+// Frees `t`'s bytes where nothing else holds its storage, keeping its shape: for an output of
+// which only the graph is wanted from here on (a recomputed chunk's, before its backward;
+// Note [Recomputed chunks]), as FSDP frees a parameter's. Storage shared with anything (a view,
+// a node's saved copy) is left alone. Returns whether it freed them.
+inline bool free_if_unshared(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage() || t.storage().use_count() != 1) return false;
+  t.storage().unsafeGetStorageImpl()->reset();
+  return true;
+}
+
 }  // namespace ulysses::detail

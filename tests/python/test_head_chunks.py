@@ -57,8 +57,9 @@ CASES = [
 @pytest.mark.parametrize("world,S,hq,hkv,chunks,mask_kind,packed,causal,window,softcap,use_sinks", CASES)
 def test_chunked_attention_is_the_whole_call(world, S, hq, hkv, chunks, mask_kind, packed, causal, window,
                                              softcap, use_sinks):
-    # The same thread ranks run the call whole and in chunks: o and the gradients of q, k, v,
-    # a learnable mask and the sinks agree to rounding (float64), and both match the reference.
+    # The same thread ranks run the call whole, in chunks, and in chunks run again in backward
+    # (recompute_chunks): o and the gradients of q, k, v, a learnable mask and the sinks agree
+    # to rounding (float64), and all match the reference.
     B, D = 2, 8
     gen = torch.Generator().manual_seed(world * 100 + S + chunks)
     Q, K, V = (torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
@@ -69,7 +70,7 @@ def test_chunked_attention_is_the_whole_call(world, S, hq, hkv, chunks, mask_kin
     lens = seq_lens(S, world)
     ref = reference_attention(Q, K, V, M, pos, causal=causal, window=window, softcap=softcap, sinks=sinks)
 
-    def run(rank, group, k):
+    def run(rank, group, k, recompute=False):
         q, k_, v = (shard(t, 1, rank, lens).clone().requires_grad_() for t in (Q, K, V))
         m = None
         if M is not None:
@@ -77,7 +78,8 @@ def test_chunked_attention_is_the_whole_call(world, S, hq, hkv, chunks, mask_kin
             m = m.clone().requires_grad_() if m.is_floating_point() else m
         s = sinks.clone().requires_grad_() if sinks is not None else None
         attention = ulysses.DistributedAttention(group, causal=causal, window=window or None,
-                                                 softcap=softcap or None, head_chunks=k)
+                                                 softcap=softcap or None, head_chunks=k,
+                                                 recompute_chunks=recompute)
         o = attention(q, k_, v, mask=m, position_ids=shard(pos, 1, rank, lens) if pos is not None else None,
                       sinks=s)
         o.square().sum().backward()
@@ -90,16 +92,19 @@ def test_chunked_attention_is_the_whole_call(world, S, hq, hkv, chunks, mask_kin
         return o.detach(), own, shared
 
     def body(rank, group):
-        return run(rank, group, 1), run(rank, group, chunks)
+        return run(rank, group, 1), run(rank, group, chunks), run(rank, group, chunks, recompute=True)
 
     results = run_ranks(world, body)
-    for whole, chunked in results:
-        assert rel(chunked[0], whole[0]) < 1e-13
-        for got, want in zip(chunked[1], whole[1], strict=True):
-            assert rel(got, want) < 1e-13
+    for whole, *chunked_runs in results:
+        for chunked in chunked_runs:
+            assert rel(chunked[0], whole[0]) < 1e-13
+            for got, want in zip(chunked[1], whole[1], strict=True):
+                assert rel(got, want) < 1e-13
     for i in range(len(results[0][0][2])):
-        assert rel(sum(r[1][2][i] for r in results), sum(r[0][2][i] for r in results)) < 1e-13
-    assert rel(torch.cat([r[1][0] for r in results], 1), ref) < 1e-10
+        for c in (1, 2):
+            assert rel(sum(r[c][2][i] for r in results), sum(r[0][2][i] for r in results)) < 1e-13
+    for c in (1, 2):
+        assert rel(torch.cat([r[c][0] for r in results], 1), ref) < 1e-10
 
 
 def chunks_seen(hq: int, hkv: int, counts: tuple, seed: int) -> list:
@@ -219,3 +224,53 @@ def test_a_chunk_count_given_on_one_rank_only_fails_alike():
     errors = run_ranks_errors(2, lambda rank, group: ulysses.DistributedAttention(
         group, head_chunks=2 if rank == 0 else 1)(*(shard(t, 1, rank, lens) for t in (Q, K, K))))
     assert len(set(errors)) == 1 and "ranks disagree on q_heads" in errors[0]
+
+
+def test_recomputed_chunks_keep_nothing_by_heads_and_run_again_in_backward():
+    # recompute_chunks (Note [Recomputed chunks]): forward saves no [B, H, S, D] tensor of the
+    # whole sequence for backward, only each chunk's inputs; backward runs each chunk's local
+    # attention again, with autograd, last chunk first. The gradients are the kept call's.
+    S, D, hq, hkv = 10, 4, 8, 4
+    gen = torch.Generator().manual_seed(11)
+    Q, K, V = (torch.randn(1, S, h, D, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
+    lens = seq_lens(S, 2)
+
+    def body(rank, group):
+        results = {}
+        for recompute in (False, True):
+            calls: list = []
+
+            def local(q, k, v, kv_map, mask, positions, causal, scale, calls=calls):
+                calls.append((q.shape[1], torch.is_grad_enabled()))
+                return ulysses.local_attention(q, k, v, kv_map, causal=causal, kernel="math")
+
+            attention = ulysses.DistributedAttention(group, causal=True, local=local, head_chunks=2,
+                                                     recompute_chunks=recompute)
+            q, k, v = (shard(t, 1, rank, lens).clone().requires_grad_() for t in (Q, K, V))
+            saved: list = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(tuple(t.shape)) or t,
+                                                          lambda t: t):
+                o = attention(q, k, v)
+            o.square().sum().backward()
+            by_heads = [s for s in saved if len(s) == 4 and s[2] == S]
+            results[recompute] = calls, by_heads, [o.detach(), q.grad, k.grad, v.grad]
+        return results
+
+    for result in run_ranks(2, body):
+        calls, by_heads, kept = result[False]
+        assert calls == [(2, True), (2, True)] and by_heads
+        calls, by_heads, recomputed = result[True]
+        assert calls == [(2, False), (2, False), (2, True), (2, True)] and by_heads == []
+        for got, want in zip(recomputed, kept, strict=True):
+            assert rel(got, want) < 1e-14
+
+
+def test_a_recomputed_output_is_freed_only_where_nothing_else_holds_its_bytes():
+    # _C.free_if_unshared (what a recomputed chunk does to its output before backward): a
+    # tensor alone with its storage loses its bytes and keeps its shape; one whose storage a
+    # view (as a kernel's saved copy of its output) shares is left whole.
+    alone = torch.randn(3, 4)
+    assert _C.free_if_unshared(alone) and alone.untyped_storage().nbytes() == 0 and alone.shape == (3, 4)
+    shared = torch.randn(3, 4)
+    view = shared.detach()
+    assert not _C.free_if_unshared(shared) and torch.equal(shared, view)

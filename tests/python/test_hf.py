@@ -140,18 +140,21 @@ def test_loss_and_every_gradient_equal_the_unsharded_model(name, kind, P):
         assert_matches(got, want)
 
 
-@pytest.mark.parametrize("name,chunks", [("gemma2", 2), ("gpt_oss", 2), ("deepseek_v3", 2), ("llama", 2),
-                                         ("deepseek_v3", "auto")])  # (4 kv heads over 2 ranks: 2)
-def test_attention_in_head_chunks_trains_the_same_model(name, chunks):
+@pytest.mark.parametrize("name,chunks,recompute", [
+    ("gemma2", 2, False), ("gpt_oss", 2, False), ("deepseek_v3", 2, False), ("llama", 2, False),
+    ("deepseek_v3", "auto", False),  # (4 kv heads over 2 ranks: 2)
+    ("gpt_oss", 2, True), ("llama", 1, True)])
+def test_attention_in_head_chunks_trains_the_same_model(name, chunks, recompute):
     # sequence_parallel(head_chunks=k): every layer's attention in k chunks of heads, with the
     # model's window, softcap, sinks or narrow value heads, padded rows; loss and every gradient.
+    # recompute_chunks: each chunk runs again in backward (gpt-oss's learnable sinks among them).
     base = make_model(name)
     batch = make_batch("padded")
     want = reference(copy.deepcopy(base), batch)
     models = [copy.deepcopy(base) for _ in range(2)]
 
     def body(rank, group):
-        uhf.sequence_parallel(models[rank], group, head_chunks=chunks)
+        uhf.sequence_parallel(models[rank], group, head_chunks=chunks, recompute_chunks=recompute)
         return sharded_step(models[rank], batch, group)
 
     for got in run_ranks(2, body):
