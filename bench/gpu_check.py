@@ -549,7 +549,8 @@ def layer_at_length(S: int, hq: int, hkv: int, D: int, dtype, device: torch.devi
         grads.append([t.grad.float() for t in (q, k, v)])
     row["recomputed_grad_rel"] = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(*grads))
     if row["recomputed_grad_rel"] > 1e-2:
-        raise AssertionError(f"recomputed chunks' gradients differ from the chunked call's: {row['recomputed_grad_rel']}")
+        raise AssertionError("recomputed chunks' gradients differ from the chunked call's: "
+                             f"{row['recomputed_grad_rel']}")
     q.grad = k.grad = v.grad = None
     for label, fn in (("ulysses", lambda: attn(q, k, v)), ("chunked", lambda: chunked(q, k, v)),
                       ("recomputed", lambda: recomputed(q, k, v)), ("sdpa", sdpa)):

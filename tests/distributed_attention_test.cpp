@@ -307,6 +307,32 @@ TEST(DistributedAttention, RecomputedChunksRunTheirCallAgainInBackward) {
   });
 }
 
+// Backward recomputes from the inputs, so one changed in place since forward is refused (as
+// autograd refuses a saved tensor changed in place), not recomputed into wrong gradients.
+TEST(DistributedAttention, RecomputedChunksRefuseAnInputChangedInPlace) {
+  expect_ranks_succeed(2, [](Group& g) {
+    AttentionOptions options;
+    options.head_chunks = 2;
+    options.recompute_chunks = true;
+    const at::Tensor leaf = seeded_randn({1, 4, 4, 8}, 1 + g.rank()).requires_grad_();
+    const at::Tensor kv = seeded_randn({1, 4, 2, 8}, 3 + g.rank());
+    at::Tensor q = leaf * 1.0;
+    const at::Tensor o = DistributedAttention(g, options)(q, kv, kv);
+    {
+      at::NoGradGuard no_grad;
+      q.add_(1.0);
+    }
+    try {
+      o.sum().backward();
+      ADD_FAILURE() << "backward ran on an input changed in place";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("modified in place after its forward"),
+                std::string::npos)
+          << e.what();
+    }
+  });
+}
+
 // Chunks add each input's gradient into one buffer: a q made by an op upstream, and one tensor
 // given as k and v (two slices a chunk), get the whole call's gradients.
 TEST(DistributedAttention, HeadChunksGiveTheWholeCallsGradients) {

@@ -484,24 +484,40 @@ at::Tensor heads_of(const at::Tensor& x, int64_t dim, Range r,
 // Note [Recomputed chunks] (partition.h): `run(inputs)` without autograd, its backward running
 // it again with autograd on the same inputs (undefined ones: none) and backpropagating through
 // that, the recomputed output's bytes freed first. The node keeps the inputs (detached: they
-// are views of the caller's tensors) and `run`.
+// are views of the caller's tensors) and `run`. `sources` are the caller's tensors the inputs
+// are slices of (the slices, cut below autograd, keep no version of their own): one changed
+// in place since forward is refused, as autograd refuses a saved tensor changed so.
 at::Tensor recomputed(std::function<at::Tensor(const std::vector<at::Tensor>&)> run,
-                      const std::vector<at::Tensor>& inputs) {
+                      const std::vector<at::Tensor>& inputs,
+                      const std::vector<at::Tensor>& sources) {
   std::vector<at::Tensor> outs;
   {
     at::NoGradGuard no_grad;
     outs.push_back(run(inputs));
   }
-  std::vector<at::Tensor> differentiable, kept;
+  std::vector<at::Tensor> differentiable, kept, watched;
   std::vector<bool> learns;
+  std::vector<uint32_t> versions;
   for (const at::Tensor& t : inputs) {
     learns.push_back(t.defined() && t.requires_grad());
     if (learns.back()) differentiable.push_back(t);
     kept.push_back(t.defined() ? t.detach() : t);
   }
+  for (const at::Tensor& t : sources) {
+    if (!t.defined()) continue;
+    watched.push_back(t.detach());  // (detach shares the version counter)
+    versions.push_back(t._version());
+  }
   detail::attach_backward(
       differentiable, outs, "RecomputedChunkBackward",
-      [run = std::move(run), kept = std::move(kept), learns](std::vector<at::Tensor>&& g) {
+      [run = std::move(run), kept = std::move(kept), learns, watched = std::move(watched),
+       versions = std::move(versions)](std::vector<at::Tensor>&& g) {
+        for (size_t i = 0; i < watched.size(); ++i) {
+          TORCH_CHECK(watched[i]._version() == versions[i],
+                      "DistributedAttention (recompute_chunks): an input of the attention was "
+                      "modified in place after its forward; backward recomputes the chunks from "
+                      "the inputs, so keep them unchanged until backward has run");
+        }
         std::vector<at::Tensor> again, leaves;
         for (size_t i = 0; i < kept.size(); ++i) {
           again.push_back(learns[i] ? kept[i].detach().requires_grad_() : kept[i]);
@@ -576,7 +592,10 @@ at::Tensor attend_in_head_chunks(AttentionCall call, const at::Tensor& q, const 
         heads_of(q, dim, chunk.q, q_buffer), heads_of(k, dim, chunk.kv, k_buffer),
         heads_of(v, dim, chunk.kv, v_buffer), mask.value_or(at::Tensor()),
         call.sinks ? call.sinks->narrow(0, chunk.q.begin, chunk.q.size()) : at::Tensor()};
-    const at::Tensor part = recompute ? recomputed(run, inputs) : run(inputs);
+    const at::Tensor part = recompute ? recomputed(run, inputs,
+                                                   {q, k, v, in.mask.value_or(at::Tensor()),
+                                                    call.sinks.value_or(at::Tensor())})
+                                      : run(inputs);
     if (!o.defined()) {
       std::vector<int64_t> shape = part.sizes().vec();
       shape[dim] = hq;

@@ -274,3 +274,23 @@ def test_a_recomputed_output_is_freed_only_where_nothing_else_holds_its_bytes():
     shared = torch.randn(3, 4)
     view = shared.detach()
     assert not _C.free_if_unshared(shared) and torch.equal(shared, view)
+
+
+def test_recomputed_chunks_refuse_an_input_changed_in_place_before_backward():
+    # Backward recomputes from the inputs: one changed in place since forward is refused (by
+    # autograd's checks on the chunk's slices of it), never recomputed into wrong gradients.
+    S = 8
+    gen = torch.Generator().manual_seed(13)
+    Q, K = torch.randn(1, S, 4, 8, generator=gen), torch.randn(1, S, 2, 8, generator=gen)
+    lens = seq_lens(S, 2)
+
+    def body(rank, group):
+        leaf = shard(Q, 1, rank, lens).clone().requires_grad_()
+        q, k = leaf * 1.0, shard(K, 1, rank, lens)
+        o = ulysses.DistributedAttention(group, head_chunks=2, recompute_chunks=True)(q, k, k)
+        with torch.no_grad():
+            q.add_(1.0)
+        with pytest.raises(RuntimeError, match="modified (by an )?inplace"):
+            o.sum().backward()
+
+    run_ranks(2, body)
