@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "attention/orchestration.h"
 #include "dispatch/autograd.h"
 #include "plan/fnv1a.h"
 #include "training/offloaded_bytes.h"
@@ -199,7 +200,8 @@ void bind_groups_and_hooks(py::module_& m) {
       py::arg("group"));
   m.def(
       "fail_together",
-      [](const std::string& message, const std::string& group, int64_t timeout_ms) {
+      [](const std::string& message, const std::string& group, int64_t timeout_ms,
+         bool before_attention) {
         GroupOptions options;
         options.timeout = std::chrono::milliseconds(timeout_ms);
         const Group g = Group::resolve(group, options);
@@ -207,13 +209,16 @@ void bind_groups_and_hooks(py::module_& m) {
         try {
           TORCH_CHECK_VALUE(false, message);
         } catch (const c10::Error&) {
+          if (before_attention) fail_attention_together(g, std::current_exception());
           g.fail_together(std::current_exception());
         }
       },
       py::arg("message"), py::arg("group"), py::arg("timeout_ms"),
+      py::arg("before_attention") = false,
       "Raises `message` on every rank of `group` through the agreement round that the other "
       "ranks' ops run (every agreement round has one shape), so a local mistake found in Python "
-      "fails all ranks alike instead of hanging them.");
+      "fails all ranks alike instead of hanging them. `before_attention`: the other ranks start "
+      "an attention call (through the group's armed exchange first, Note [Reused agreement]).");
   m.def(
       "gradients_of",
       [](const std::vector<at::Tensor>& params, const std::string& group, int64_t timeout_ms) {

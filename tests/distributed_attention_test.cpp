@@ -307,30 +307,33 @@ TEST(DistributedAttention, RecomputedChunksRunTheirCallAgainInBackward) {
   });
 }
 
-// Backward recomputes from the inputs, so one changed in place since forward is refused (as
-// autograd refuses a saved tensor changed in place), not recomputed into wrong gradients.
-TEST(DistributedAttention, RecomputedChunksRefuseAnInputChangedInPlace) {
-  expect_ranks_succeed(2, [](Group& g) {
-    AttentionOptions options;
-    options.head_chunks = 2;
-    options.recompute_chunks = true;
-    const at::Tensor leaf = seeded_randn({1, 4, 4, 8}, 1 + g.rank()).requires_grad_();
-    const at::Tensor kv = seeded_randn({1, 4, 2, 8}, 3 + g.rank());
-    at::Tensor q = leaf * 1.0;
-    const at::Tensor o = DistributedAttention(g, options)(q, kv, kv);
-    {
-      at::NoGradGuard no_grad;
-      q.add_(1.0);
-    }
-    try {
+// Backward recomputes from the inputs, so one changed in place since forward (here on rank 0
+// only) is refused (as autograd refuses a saved tensor changed in place) on every rank alike,
+// not recomputed into wrong gradients nor left to the others' timeout; also where a later call
+// with a StepContext armed the group, so that the others' recomputation starts in the armed
+// exchange rather than an agreement round (Note [Reused agreement]).
+TEST(DistributedAttention, RecomputedChunksRefuseAnInputChangedInPlaceOnOneRankAlike) {
+  for (const bool armed : {false, true}) {
+    SCOPED_TRACE(armed ? "armed" : "not armed");
+    auto errors = run_ranks(2, [armed](Group& g) {
+      AttentionOptions options;
+      options.head_chunks = 2;
+      options.recompute_chunks = true;
+      const at::Tensor leaf = seeded_randn({1, 4, 4, 8}, 1 + g.rank()).requires_grad_();
+      const at::Tensor kv = seeded_randn({1, 4, 2, 8}, 3 + g.rank());
+      at::Tensor q = leaf * 1.0;
+      at::Tensor o = DistributedAttention(g, options)(q, kv, kv);
+      StepContext step(g);
+      if (armed)
+        o = o + DistributedAttention(g)(leaf * 2.0, kv, kv, {c10::nullopt, c10::nullopt, &step});
+      if (g.rank() == 0) {
+        at::NoGradGuard no_grad;
+        q.add_(1.0);
+      }
       o.sum().backward();
-      ADD_FAILURE() << "backward ran on an input changed in place";
-    } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("modified in place after its forward"),
-                std::string::npos)
-          << e.what();
-    }
-  });
+    });
+    expect_ranks_fail_alike(errors, "modified in place after its forward");
+  }
 }
 
 // Chunks add each input's gradient into one buffer: a q made by an op upstream, and one tensor

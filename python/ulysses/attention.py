@@ -250,7 +250,7 @@ class DistributedAttention(nn.Module):
         if self.q_heads is None or self.kv_heads is None:
             _C.fail_together("DistributedAttention.forward_parts: give q_heads and kv_heads at "
                              "construction (parts do not show the totals)", self.group_name,
-                             self.timeout_ms)
+                             self.timeout_ms, before_attention=True)
         kv_heads = self.kv_heads or 1  # (given: fail_together raised otherwise)
         if (callable(self.local) or self.local == "flex" or self.recompute_chunks
                 or chunk_count(self.head_chunks, kv_heads, self.sp_size) > 1):
@@ -342,17 +342,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
                                            causal, scale_arg, local, group, options, ring, _handle(step),
                                            mask_rebuilt, window=window, softcap=softcap, sinks=sinks)
     timeout_ms = options[0]
-    # Sinks given on some ranks only: a local raise would hang the others.
-    if callable(local) and sinks is not None:
-        _C.fail_together("DistributedAttention: a callable local attention takes no sinks; use a kernel name "
-                         "(\"auto\", \"fused\", \"math\", \"flex\")", group, timeout_ms)
-    if local == "flex" and not q.is_cuda and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        _C.fail_together("DistributedAttention: local=\"flex\" runs forward only off CUDA (torch has no CPU "
-                         "backward for FlexAttention); train with local=\"auto\" there, or run under "
-                         "torch.no_grad()", group, timeout_ms)
     seq_dim, from_bhsd, kv_map = _call_facts(layout, q_heads, kv_heads, group)
     if not seq_lens:
         seq_lens = O.sequence_lengths(q, seq_dim, group, timeout_ms / 1000)
+    # Sinks given on some ranks only: a local raise would hang the others (in attention_heads).
+    if callable(local) and sinks is not None:
+        _C.fail_together("DistributedAttention: a callable local attention takes no sinks; use a kernel name "
+                         "(\"auto\", \"fused\", \"math\", \"flex\")", group, timeout_ms, before_attention=True)
+    if local == "flex" and not q.is_cuda and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        _C.fail_together("DistributedAttention: local=\"flex\" runs forward only off CUDA (torch has no CPU "
+                         "backward for FlexAttention); train with local=\"auto\" there, or run under "
+                         "torch.no_grad()", group, timeout_ms, before_attention=True)
     heads = torch.ops.ulysses.attention_heads(q, k, v, mask, positions, q_heads, kv_heads, list(seq_lens), layout,
                                               causal, scale_arg, group, options, _handle(step), mask_rebuilt,
                                               window=window, softcap=softcap, sinks=sinks)
@@ -437,22 +437,28 @@ class _Recomputed(torch.autograd.Function):
     nothing by heads lives from forward to backward."""
 
     @staticmethod
-    def forward(ctx, run, *inputs):  # type: ignore[override]
-        ctx.run = run
+    def forward(ctx, run, group, timeout_ms, *inputs):  # type: ignore[override]
+        ctx.run, ctx.group, ctx.timeout_ms = run, group, timeout_ms
         ctx.save_for_backward(*inputs)
         with torch.no_grad():
             return run(*inputs)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
+        try:
+            saved = ctx.saved_tensors
+        except RuntimeError as e:  # an input changed in place: every rank raises it alike
+            _C.fail_together(f"DistributedAttention (recompute_chunks): backward recomputes the chunks from the "
+                             f"inputs, so keep them unchanged until backward has run: {e}", ctx.group,
+                             ctx.timeout_ms, before_attention=True)
         inputs = [None if t is None else t.detach().requires_grad_(needs)
-                  for t, needs in zip(ctx.saved_tensors, ctx.needs_input_grad[1:], strict=True)]
+                  for t, needs in zip(saved, ctx.needs_input_grad[3:], strict=True)]
         with torch.enable_grad():
             out = ctx.run(*inputs)
         _C.free_if_unshared(out)  # its graph is all backward reads
         wanted = [t for t in inputs if t is not None and t.requires_grad]
         grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
-        return (None, *(next(grads) if t is not None and t.requires_grad else None for t in inputs))
+        return (None, None, None, *(next(grads) if t is not None and t.requires_grad else None for t in inputs))
 
 
 def _attend_in_head_chunks(q, k, v, mask, positions, q_heads, kv_heads, seq_lens, layout, causal, scale, local,
@@ -464,12 +470,17 @@ def _attend_in_head_chunks(q, k, v, mask, positions, q_heads, kv_heads, seq_lens
     gradients by heads exist at a time beyond what the call keeps; with ``recompute`` each chunk
     keeps only its inputs and runs again in backward (``_Recomputed``). A chunk count this rank
     cannot make fails every rank alike."""
+    sinks = call.pop("sinks")
+    if (not seq_lens and not torch.compiler.is_compiling()
+            and _python_local(q, mask, positions, causal, local, call["ring"], call["window"], call["softcap"], sinks)):
+        # Learned once (each chunk's call would learn them again), so that a failure below meets
+        # the others' chunk calls where they start: in attention_heads.
+        seq_lens = O.sequence_lengths(q, _C.layout_dims(layout)[0], group, options[0] / 1000)
     try:
         chunks, dim = _head_chunks(q_heads, kv_heads, group, count, layout)
     except ValueError as e:
-        _C.fail_together(f"DistributedAttention: {e}", group, options[0])
+        _C.fail_together(f"DistributedAttention: {e}", group, options[0], before_attention=True)
     per_head_mask = mask is not None and mask.dim() == 4 and mask.shape[1] == q_heads > 1
-    sinks = call.pop("sinks")
     # One gradient buffer per input (k and v may be one tensor: it then has two slices a chunk).
     uses: dict[int, int] = {}
     for t in (q, k, v):
@@ -494,7 +505,7 @@ def _attend_in_head_chunks(q, k, v, mask, positions, q_heads, kv_heads, seq_lens
         inputs = (heads(q, dim, q_block), heads(k, dim, kv_block), heads(v, dim, kv_block),
                   heads(mask, 1, q_block) if per_head_mask else mask,
                   None if sinks is None else heads(sinks, 0, q_block))
-        part = _Recomputed.apply(run, *inputs) if recompute else run(*inputs)
+        part = _Recomputed.apply(run, group, options[0], *inputs) if recompute else run(*inputs)
         if not streams:
             outs.append(part)
             continue

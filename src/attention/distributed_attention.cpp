@@ -231,28 +231,18 @@ std::vector<int64_t> whole_fingerprint(const AttentionCall& call,
       .encode();
 }
 
-// The exchange by the group's armed sharding, with each rank's index fused in (Note [Reused
-// agreement]). Returns q, k, v by heads when every rank's call matched, else nothing (every
-// rank alike): the caller then agrees and exchanges in full.
-c10::optional<std::vector<at::Tensor>> exchange_as_agreed(
-    const AttentionCall& call, const std::vector<std::vector<at::Tensor>>& qkv, int64_t hq,
-    int64_t hkv, const CallOptions& options, detail::ArmedAgreement& armed) {
+// The exchange by the group's armed sharding with this rank's `index` fused in (Note [Reused
+// agreement]): `qkv` when index > 0, else zeros of the agreed sizes. Returns q, k, v by heads
+// when every rank's index was the same nonzero one, else nothing (every rank alike).
+c10::optional<std::vector<at::Tensor>> move_as_armed(const Group& group,
+                                                     detail::ArmedAgreement& armed,
+                                                     const std::vector<at::Tensor>& qkv,
+                                                     int64_t index) {
   const detail::ArmedAgreement::Exchange& agreed = *armed.armed();
-  const Group& group = call.group;
-  int64_t index = 0;  // 1 + the position of this call's fingerprint among the agreed; 0: none.
-  if (options.reuses_agreement) {
-    try {
-      const std::vector<int64_t> mine = whole_fingerprint(call, qkv, hq, hkv, options);
-      const auto at = std::find(agreed.calls.begin(), agreed.calls.end(), mine);
-      if (at != agreed.calls.end()) index = 1 + (at - agreed.calls.begin());
-    } catch (const std::exception&) {
-      index = 0;  // The full agreement raises it, alike on every rank.
-    }
-  }
   const at::TensorOptions like = at::TensorOptions().dtype(agreed.dtype);
   std::vector<at::Tensor> xs;
   for (size_t t = 0; t < 3; ++t) {  // A call that differs sends zeros of the agreed sizes.
-    xs.push_back(index > 0 ? qkv[t][0] : at::zeros(agreed.sizes[t], like));
+    xs.push_back(index > 0 ? qkv[t] : at::zeros(agreed.sizes[t], like));
   }
   std::vector<int64_t> flag_sizes = agreed.sizes[1];
   flag_sizes[3] = 1;  // k's shape with one feature: every rank's index reaches every rank.
@@ -270,7 +260,33 @@ c10::optional<std::vector<at::Tensor>> exchange_as_agreed(
   return out;
 }
 
+// The armed exchange of a call of whole q, k, v: its index is 1 + the position of its
+// fingerprint among the agreed ones, or 0 (none, or its local checks raise: the full agreement
+// then raises that, alike on every rank).
+c10::optional<std::vector<at::Tensor>> exchange_as_agreed(
+    const AttentionCall& call, const std::vector<std::vector<at::Tensor>>& qkv, int64_t hq,
+    int64_t hkv, const CallOptions& options, detail::ArmedAgreement& armed) {
+  int64_t index = 0;
+  if (options.reuses_agreement) {
+    try {
+      const std::vector<int64_t> mine = whole_fingerprint(call, qkv, hq, hkv, options);
+      const auto& calls = armed.armed()->calls;
+      const auto at = std::find(calls.begin(), calls.end(), mine);
+      if (at != calls.end()) index = 1 + (at - calls.begin());
+    } catch (const std::exception&) {
+      index = 0;
+    }
+  }
+  return move_as_armed(call.group, armed, {qkv[0][0], qkv[1][0], qkv[2][0]}, index);
+}
+
 }  // namespace
+
+void fail_attention_together(const Group& group, const std::exception_ptr& error) {
+  detail::ArmedAgreement& armed = group.runtime().armed;
+  if (armed.armed()) move_as_armed(group, armed, {}, 0);  // Where the others' calls start.
+  group.fail_together(error);
+}
 
 AttentionHeads attend_heads(const AttentionCall& call,
                             const std::vector<std::vector<at::Tensor>>& qkv, HeadForm form,
@@ -486,10 +502,11 @@ at::Tensor heads_of(const at::Tensor& x, int64_t dim, Range r,
 // that, the recomputed output's bytes freed first. The node keeps the inputs (detached: they
 // are views of the caller's tensors) and `run`. `sources` are the caller's tensors the inputs
 // are slices of (the slices, cut below autograd, keep no version of their own): one changed
-// in place since forward is refused, as autograd refuses a saved tensor changed so.
+// in place since forward is refused, as autograd refuses a saved tensor changed so, on every
+// rank of `group` alike (the others are in the recomputation's agreement by then).
 at::Tensor recomputed(std::function<at::Tensor(const std::vector<at::Tensor>&)> run,
-                      const std::vector<at::Tensor>& inputs,
-                      const std::vector<at::Tensor>& sources) {
+                      const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& sources,
+                      const Group& group) {
   std::vector<at::Tensor> outs;
   {
     at::NoGradGuard no_grad;
@@ -511,13 +528,15 @@ at::Tensor recomputed(std::function<at::Tensor(const std::vector<at::Tensor>&)> 
   detail::attach_backward(
       differentiable, outs, "RecomputedChunkBackward",
       [run = std::move(run), kept = std::move(kept), learns, watched = std::move(watched),
-       versions = std::move(versions)](std::vector<at::Tensor>&& g) {
-        for (size_t i = 0; i < watched.size(); ++i) {
-          TORCH_CHECK(watched[i]._version() == versions[i],
-                      "DistributedAttention (recompute_chunks): an input of the attention was "
-                      "modified in place after its forward; backward recomputes the chunks from "
-                      "the inputs, so keep them unchanged until backward has run");
-        }
+       versions = std::move(versions), group](std::vector<at::Tensor>&& g) {
+        fail_attention_together_on_error(group, [&] {
+          for (size_t i = 0; i < watched.size(); ++i) {
+            TORCH_CHECK(watched[i]._version() == versions[i],
+                        "DistributedAttention (recompute_chunks): an input of the attention was "
+                        "modified in place after its forward; backward recomputes the chunks "
+                        "from the inputs, so keep them unchanged until backward has run");
+          }
+        });
         std::vector<at::Tensor> again, leaves;
         for (size_t i = 0; i < kept.size(); ++i) {
           again.push_back(learns[i] ? kept[i].detach().requires_grad_() : kept[i]);
@@ -546,7 +565,7 @@ at::Tensor attend_in_head_chunks(AttentionCall call, const at::Tensor& q, const 
                                  const at::Tensor& v, const AttentionInputs& in, int64_t count,
                                  bool recompute) {
   const int64_t hq = call.q_heads, dim = head_dim(call.layout);
-  const std::vector<HeadChunk> chunks = fail_together_on_error(
+  const std::vector<HeadChunk> chunks = fail_attention_together_on_error(
       call.group, [&] { return head_chunks(hq, call.kv_heads, call.group.size(), count); });
   const bool per_head_mask = in.mask && in.mask->dim() == 4 && in.mask->size(1) == hq && hq > 1;
   // One gradient buffer per input that needs one (k and v may be one tensor: two slices a chunk).
@@ -594,7 +613,8 @@ at::Tensor attend_in_head_chunks(AttentionCall call, const at::Tensor& q, const 
         call.sinks ? call.sinks->narrow(0, chunk.q.begin, chunk.q.size()) : at::Tensor()};
     const at::Tensor part = recompute ? recomputed(run, inputs,
                                                    {q, k, v, in.mask.value_or(at::Tensor()),
-                                                    call.sinks.value_or(at::Tensor())})
+                                                    call.sinks.value_or(at::Tensor())},
+                                                   call.group)
                                       : run(inputs);
     if (!o.defined()) {
       std::vector<int64_t> shape = part.sizes().vec();
@@ -646,10 +666,12 @@ std::vector<at::Tensor> DistributedAttention::forward_parts(const std::vector<at
                                                             const std::vector<at::Tensor>& v,
                                                             const AttentionInputs& in) {
   if (!partition_) {
-    group_.fail_together(std::make_exception_ptr(c10::ValueError(
-        {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-        "DistributedAttention::forward_parts: give q_heads and kv_heads in the options (parts "
-        "do not show the totals)")));
+    fail_attention_together(
+        group_,
+        std::make_exception_ptr(c10::ValueError(
+            {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+            "DistributedAttention::forward_parts: give q_heads and kv_heads in the options (parts "
+            "do not show the totals)")));
   }
   return attend(call_of(*this, in), {q, k, v}, HeadForm::kParts, in.mask, in.positions);
 }

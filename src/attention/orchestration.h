@@ -56,6 +56,21 @@ std::vector<at::Tensor> attend(const AttentionCall& call,
                                const std::vector<std::vector<at::Tensor>>& qkv, HeadForm form,
                                const c10::optional<at::Tensor>& mask,
                                const c10::optional<at::Tensor>& positions);
+// Raises `error` on every rank of `group` from a point where the other ranks start an attention
+// call on it (a check of this rank's before its call): through the group's armed exchange first
+// when it is armed (Note [Reused agreement]; this rank's index 0 sends every rank on to the full
+// agreement), then the agreement round, which the others' calls run next.
+[[noreturn]] void fail_attention_together(const Group& group, const std::exception_ptr& error);
+// fail_together_on_error (group.h) for a check before an attention call: `prepare`'s failure is
+// raised through fail_attention_together.
+template <typename Fn>
+auto fail_attention_together_on_error(const Group& group, Fn&& prepare) {
+  try {
+    return prepare();
+  } catch (const std::exception&) {
+    fail_attention_together(group, std::current_exception());
+  }
+}
 // attend's first half, for a local attention of the caller's.
 AttentionHeads attend_heads(const AttentionCall& call,
                             const std::vector<std::vector<at::Tensor>>& qkv, HeadForm form,

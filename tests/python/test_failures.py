@@ -188,11 +188,16 @@ def test_a_tensor_on_another_device_type_on_one_rank_fails_alike(which):
         assert "meta" in errors[0] and f"{other} is on" in errors[0] and "[raised on rank 0 of 2]" in errors[0], errors
 
 
-def test_sinks_given_to_a_callable_on_one_rank_fail_alike():
+@pytest.mark.parametrize("armed", [False, True])
+def test_sinks_given_to_a_callable_on_one_rank_fail_alike(armed):
+    # Armed: a call with a StepContext came first, so rank 1's call starts in the group's armed
+    # exchange (Note [Reused agreement]), where rank 0's refusal must meet it first.
     def local(q, k, v, kv_map, mask, positions, causal, scale):
         return torch.ops.ulysses.local_attention(q, k, v, kv_map, mask, positions, causal, scale)
 
     def body(rank, group):
+        if armed:
+            ulysses.DistributedAttention(group)(*qkv(), step=ulysses.StepContext())
         attn = ulysses.DistributedAttention(group, q_heads=H, kv_heads=H, local=local, timeout=5)
         attn(*qkv(), sinks=torch.zeros(H) if rank == 0 else None)
 

@@ -3,6 +3,8 @@ against the whole call (forward and backward) for every rule, and the refusals."
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -276,9 +278,19 @@ def test_a_recomputed_output_is_freed_only_where_nothing_else_holds_its_bytes():
     assert not _C.free_if_unshared(shared) and torch.equal(shared, view)
 
 
-def test_recomputed_chunks_refuse_an_input_changed_in_place_before_backward():
-    # Backward recomputes from the inputs: one changed in place since forward is refused (by
-    # autograd's checks on the chunk's slices of it), never recomputed into wrong gradients.
+def arm(group, rank, lens, Q, K):
+    """A call with a StepContext: the group is armed after it (Note [Reused agreement]), so the
+    next attention calls on it start in the armed exchange, not in an agreement round."""
+    q, k = shard(Q, 1, rank, lens), shard(K, 1, rank, lens)
+    return ulysses.DistributedAttention(group)(q * 1.0, k, k, step=ulysses.StepContext())
+
+
+@pytest.mark.parametrize("armed", [False, True])
+def test_recomputed_chunks_refuse_an_input_changed_in_place_on_one_rank_alike(armed):
+    # Backward recomputes from the inputs: one changed in place since forward (here on rank 0
+    # only) is refused (autograd's checks on the chunk's slices of it) on every rank alike,
+    # never recomputed into wrong gradients nor left to the others' timeout, also where the
+    # group is armed by a later call (the others' recomputation starts in the armed exchange).
     S = 8
     gen = torch.Generator().manual_seed(13)
     Q, K = torch.randn(1, S, 4, 8, generator=gen), torch.randn(1, S, 2, 8, generator=gen)
@@ -288,9 +300,30 @@ def test_recomputed_chunks_refuse_an_input_changed_in_place_before_backward():
         leaf = shard(Q, 1, rank, lens).clone().requires_grad_()
         q, k = leaf * 1.0, shard(K, 1, rank, lens)
         o = ulysses.DistributedAttention(group, head_chunks=2, recompute_chunks=True)(q, k, k)
-        with torch.no_grad():
-            q.add_(1.0)
-        with pytest.raises(RuntimeError, match="modified (by an )?inplace"):
-            o.sum().backward()
+        if armed:
+            o = o + arm(group, rank, lens, Q, K)
+        if rank == 0:
+            with torch.no_grad():
+                q.add_(1.0)
+        o.sum().backward()
 
-    run_ranks(2, body)
+    errors = run_ranks_errors(2, body)
+    assert len(set(errors)) == 1, errors
+    assert "keep them unchanged until backward" in errors[0] and "[raised on rank 0 of 2]" in errors[0]
+    assert re.search("modified (by an )?inplace", errors[0]), errors[0]
+
+
+def test_a_chunk_count_one_rank_cannot_make_fails_alike_on_an_armed_group():
+    # Rank 0's count is refused before its first chunk; rank 1's first chunk call starts in the
+    # group's armed exchange: rank 0 meets it there first, then both raise rank 0's error.
+    S = 8
+    Q, K = torch.randn(1, S, 4, 8), torch.randn(1, S, 2, 8)
+    lens = seq_lens(S, 2)
+
+    def body(rank, group):
+        arm(group, rank, lens, Q, K)
+        q, k = shard(Q, 1, rank, lens), shard(K, 1, rank, lens)
+        ulysses.DistributedAttention(group, head_chunks=3 if rank == 0 else 2)(q, k, k)
+
+    errors = run_ranks_errors(2, body)
+    assert len(set(errors)) == 1 and "3 chunks of an attention with 2 kv heads" in errors[0]
