@@ -284,7 +284,7 @@ def _attention_rank(rank: int, task: dict, out_dir: str) -> None:
     peak = _status_kib("VmHWM")
     outputs = 2 * q.nbytes + k.nbytes + v.nbytes  # o is q-shaped
     saved = 0  # q, k, v and o by heads, each chunk's (this rank's heads in its plan) x S x D
-    count = 1 if chunks == "alst" else ulysses.attention.chunk_count(chunks, hkv, sp)
+    count = 1 if chunks == "alst" else ulysses.attention.chunk_count(chunks, hq, hkv, sp, recompute)
     for (qb, qe), (kb, ke) in [] if recompute else ulysses._C.head_chunks(hq, hkv, sp, count):
         plan = ulysses._C.plan(qe - qb, ke - kb, sp)
         saved += (2 * plan["q_heads"][rank] + 2 * plan["kv_heads"][rank]) * S * D * q.element_size()

@@ -92,7 +92,8 @@ void bind_plans(py::module_& m) {
   m.def("free_if_unshared", &detail::free_if_unshared, py::arg("tensor"),
         "Frees the tensor's bytes, keeping its shape, where nothing else holds its storage; "
         "returns whether it did (a recomputed output whose graph is all that is wanted).");
-  m.def("auto_head_chunks", &auto_head_chunks, py::arg("kv_heads"), py::arg("sp"),
+  m.def("auto_head_chunks", &auto_head_chunks, py::arg("q_heads"), py::arg("kv_heads"),
+        py::arg("sp"), py::arg("recompute") = false,
         "The chunk count head_chunks='auto' takes (partition.h).");
   m.def(
       "head_chunks",

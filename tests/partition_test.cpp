@@ -142,11 +142,19 @@ TEST(HeadChunks, BlocksOfKvHeadsWithTheirQueryHeads) {
   EXPECT_EQ(chunks[1].q, (Range{8, 16}));
   EXPECT_EQ(chunks[1].kv, (Range{2, 4}));
   EXPECT_THROW(head_chunks(8, 2, 2, 4), c10::ValueError);  // More chunks than kv heads.
-  EXPECT_EQ(auto_head_chunks(8, 2), 4);
-  EXPECT_EQ(auto_head_chunks(8, 4), 2);
-  EXPECT_EQ(auto_head_chunks(32, 2), 4);
-  EXPECT_EQ(auto_head_chunks(2, 4), 1);
-  EXPECT_THROW(auto_head_chunks(0, 2), c10::ValueError);
+  EXPECT_EQ(auto_head_chunks(32, 8, 2), 4);
+  EXPECT_EQ(auto_head_chunks(32, 8, 4), 2);
+  EXPECT_EQ(auto_head_chunks(32, 32, 2), 4);
+  EXPECT_EQ(auto_head_chunks(8, 2, 4), 1);
+  EXPECT_THROW(auto_head_chunks(8, 0, 2), c10::ValueError);
+  // Recomputed: the most chunks the heads allow (each >= P query heads), up to 8.
+  EXPECT_EQ(auto_head_chunks(32, 8, 2, true), 8);
+  EXPECT_EQ(auto_head_chunks(32, 8, 4, true), 8);
+  EXPECT_EQ(auto_head_chunks(32, 8, 8, true), 4);
+  EXPECT_EQ(auto_head_chunks(8, 8, 4, true), 2);
+  EXPECT_EQ(auto_head_chunks(4, 1, 2, true), 1);
+  EXPECT_NO_THROW(head_chunks(32, 8, 4, auto_head_chunks(32, 8, 4, true)));
+  EXPECT_THROW(head_chunks(32, 8, 8, auto_head_chunks(32, 8, 8, true) + 1), c10::ValueError);
 }
 
 TEST(SequencePartition, FewerTokensThanRanks) {

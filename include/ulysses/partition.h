@@ -126,12 +126,16 @@ struct HeadChunk {
 // c10::ValueError when `count` < 1, > Hkv, or leaves a chunk with fewer query heads than ranks.
 std::vector<HeadChunk> head_chunks(int64_t q_heads, int64_t kv_heads, int64_t sp_size,
                                    int64_t count);
-// The count head_chunks="auto" takes: the most chunks, at most 4, whose kv heads are each at
-// least `sp_size`, so none is replicated (1 where Hkv < 2P). Measured on a Llama-8B layer
+// The count head_chunks="auto" takes. Kept chunks: the most, at most 4, whose kv heads are each
+// at least `sp_size`, so none is replicated (1 where Hkv < 2P). Measured on a Llama-8B layer
 // (docs/long_sequences.md), replication costs more than chunking saves, and past 4 chunks the
 // transient falls by at most another eighth of the unchunked call's while each chunk adds a
-// round and two exchanges.
-int64_t auto_head_chunks(int64_t kv_heads, int64_t sp_size);
+// round and two exchanges. Recomputed chunks (`recompute`): the most the heads allow (each
+// chunk >= P query heads), at most 8. What backward holds then falls as 1/count while the cost is
+// the recomputation's, nearly flat in the count: on that layer at P = 2, 4 -> 8 chunks held 0.39
+// -> 0.25 of the unchunked call's, step 1.28 -> 1.30x (P = 4: 0.49 -> 0.34, 1.28 -> 1.27x).
+int64_t auto_head_chunks(int64_t q_heads, int64_t kv_heads, int64_t sp_size,
+                         bool recompute = false);
 
 // How S tokens are split over an SP group: contiguous, in rank order, S_r = S/P + (r < S%P),
 // or given explicitly as per-rank lengths (learned from the ranks themselves).

@@ -36,10 +36,14 @@ def check_head_chunks(head_chunks: object, who: str) -> None:
         raise ValueError(f"{who}: head_chunks must be an int >= 1 or 'auto'; got {head_chunks!r}")
 
 
-def chunk_count(head_chunks: HeadChunks, kv_heads: int, sp_size: int) -> int:
-    """The chunks a call runs in: ``head_chunks``, or for "auto" the most (up to 4) whose kv
-    heads are each at least the group's size, none replicated (C++ ``auto_head_chunks``)."""
-    return _C.auto_head_chunks(kv_heads, sp_size) if head_chunks == "auto" else int(head_chunks)
+def chunk_count(head_chunks: HeadChunks, q_heads: int, kv_heads: int, sp_size: int, recompute: bool = False) -> int:
+    """The chunks a call runs in: ``head_chunks``, or for "auto" (C++ ``auto_head_chunks``) the
+    most (up to 4) whose kv heads are each at least the group's size, none replicated; with
+    ``recompute`` the most the heads allow (up to 8). Head counts that cannot be: 1 (the call's
+    agreement refuses them, alike on every rank)."""
+    if head_chunks != "auto":
+        return int(head_chunks)
+    return _C.auto_head_chunks(q_heads, kv_heads, sp_size, recompute) if min(q_heads, kv_heads) >= 1 else 1
 
 
 class StepContext:
@@ -146,7 +150,8 @@ class DistributedAttention(nn.Module):
             kv heads with their query heads (1 to Hkv chunks, each with >= P query heads); a
             chunk with fewer kv heads than P replicates them, as any call does. "auto": the most
             chunks, up to 4, whose kv heads are each at least P (none replicated; 1 where
-            Hkv < 2P), the least peak memory measured (docs/long_sequences.md).
+            Hkv < 2P), the least peak memory measured (docs/long_sequences.md); with
+            ``recompute_chunks``, the most the heads allow, up to 8.
         recompute_chunks: each chunk (the whole call with ``head_chunks=1``) keeps only its
             inputs for backward and runs again there, its exchange and local attention with
             autograd (Note [Recomputed chunks], partition.h): nothing by heads lives from forward
@@ -199,7 +204,8 @@ class DistributedAttention(nn.Module):
         if q_heads is not None:  # Fail fast on an invalid setup (kv heads may come later).
             _C.plan(q_heads, kv_heads if kv_heads is not None else 1, self.sp_size)
             if kv_heads is not None:
-                _C.head_chunks(q_heads, kv_heads, self.sp_size, chunk_count(head_chunks, kv_heads, self.sp_size))
+                _C.head_chunks(q_heads, kv_heads, self.sp_size,
+                               chunk_count(head_chunks, q_heads, kv_heads, self.sp_size, self.recompute_chunks))
 
     def extra_repr(self) -> str:
         ring = f", ring={self.ring_name!r} ({self.ring_size} ranks)" if self.ring_size > 1 else ""
@@ -232,7 +238,7 @@ class DistributedAttention(nn.Module):
         o = attend(q, k, v, mask, position_ids, hq, hkv, self._seq_lens(seq_lens), self.layout, self.causal,
                    self.scale, self.local, self.group_name, self._options, ring=self.ring_name,
                    step=self._step(step), window=self.window, softcap=self.softcap, sinks=sinks,
-                   head_chunks=chunk_count(self.head_chunks, hkv, self.sp_size),
+                   head_chunks=chunk_count(self.head_chunks, hq, hkv, self.sp_size, self.recompute_chunks),
                    recompute_chunks=self.recompute_chunks)
         self.q_heads, self.kv_heads = hq, hkv  # This instance's from the first call on.
         return o
@@ -253,7 +259,7 @@ class DistributedAttention(nn.Module):
                              self.timeout_ms, before_attention=True)
         kv_heads = self.kv_heads or 1  # (given: fail_together raised otherwise)
         if (callable(self.local) or self.local == "flex" or self.recompute_chunks
-                or chunk_count(self.head_chunks, kv_heads, self.sp_size) > 1):
+                or chunk_count(self.head_chunks, self.q_heads or 1, kv_heads, self.sp_size) > 1):
             raise ValueError("DistributedAttention.forward_parts: a callable or flex local attention, "
                              "head_chunks and recompute_chunks take whole tensors; use forward")
         seq_lens = self._seq_lens(seq_lens)

@@ -305,8 +305,9 @@ def sequence_parallel(model: PreTrainedModel, group: G.GroupLike = None, *,
     ``local`` is every layer's local attention, as ``DistributedAttention`` takes it: a kernel
     name (``"auto"``, ``"fused"``, ``"sdpa"``, ``"math"``, ``"flex"``) or a callable.
     ``head_chunks`` runs every layer's attention in that many chunks of heads, or "auto" for
-    each layer's most chunks that replicate no kv head (``DistributedAttention``'s option: less
-    transient memory, the same result); ``recompute_chunks`` makes each chunk keep only its
+    each layer's most chunks that replicate no kv head (with ``recompute_chunks``: the most its
+    heads allow, up to 8) (``DistributedAttention``'s option: less transient memory, the same
+    result); ``recompute_chunks`` makes each chunk keep only its
     inputs for backward and run again there (less memory for one more forward of attention).
     """
     check_head_chunks(head_chunks, "ulysses.hf")

@@ -130,12 +130,20 @@ std::vector<HeadChunk> head_chunks(int64_t q_heads, int64_t kv_heads, int64_t sp
   return chunks;
 }
 
-int64_t auto_head_chunks(int64_t kv_heads, int64_t sp_size) {
-  TORCH_CHECK_VALUE(kv_heads >= 1 && sp_size >= 1,
-                    "auto_head_chunks: kv_heads and sp_size must be >= 1; got ", kv_heads, " and ",
-                    sp_size);
-  constexpr int64_t kMost = 4;
-  return std::clamp<int64_t>(kv_heads / sp_size, 1, kMost);
+int64_t auto_head_chunks(int64_t q_heads, int64_t kv_heads, int64_t sp_size, bool recompute) {
+  TORCH_CHECK_VALUE(q_heads >= 1 && kv_heads >= 1 && sp_size >= 1,
+                    "auto_head_chunks: q_heads, kv_heads and sp_size must be >= 1; got ", q_heads,
+                    ", ", kv_heads, " and ", sp_size);
+  if (!recompute) {
+    constexpr int64_t kMost = 4;
+    return std::clamp<int64_t>(kv_heads / sp_size, 1, kMost);
+  }
+  constexpr int64_t kMostRecomputed = 8;
+  const int64_t group = std::max<int64_t>(q_heads / kv_heads, 1);
+  for (int64_t count = std::min(kv_heads, kMostRecomputed); count > 1; --count) {
+    if (group * (kv_heads / count) >= sp_size) return count;  // Its smallest chunk's q heads.
+  }
+  return 1;
 }
 
 std::ostream& operator<<(std::ostream& os, const HeadPartition& p) {

@@ -109,10 +109,10 @@ def test_chunked_attention_is_the_whole_call(world, S, hq, hkv, chunks, mask_kin
         assert rel(torch.cat([r[c][0] for r in results], 1), ref) < 1e-10
 
 
-def chunks_seen(hq: int, hkv: int, counts: tuple, seed: int) -> list:
+def chunks_seen(hq: int, hkv: int, counts: tuple, seed: int, recompute: bool = False) -> list:
     """On 2 ranks, one DistributedAttention per head_chunks value in ``counts`` with a callable
-    local attention that records its (query heads, kv heads) per call. Per rank: {count: calls},
-    {count: o}, {count: repr}."""
+    local attention that records its (query heads, kv heads) per call (forward only). Per rank:
+    {count: calls}, {count: o}, {count: repr}."""
     S, D = 10, 4
     gen = torch.Generator().manual_seed(seed)
     Q, K, V = (torch.randn(1, S, h, D, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
@@ -125,7 +125,8 @@ def chunks_seen(hq: int, hkv: int, counts: tuple, seed: int) -> list:
             def local(q, k, v, kv_map, mask, positions, causal, scale, c=c):
                 seen[c].append((q.shape[1], k.shape[1]))
                 return ulysses.local_attention(q, k, v, kv_map, causal=causal, kernel="math")
-            attention = ulysses.DistributedAttention(group, causal=True, local=local, head_chunks=c)
+            attention = ulysses.DistributedAttention(group, causal=True, local=local, head_chunks=c,
+                                                     recompute_chunks=recompute)
             outs[c] = attention(*(shard(t, 1, rank, lens) for t in (Q, K, V)))
             reprs[c] = repr(attention)
         return seen, outs, reprs
@@ -146,9 +147,21 @@ def test_each_chunk_runs_the_local_attention_on_its_own_heads():
 def test_auto_takes_the_most_chunks_that_replicate_no_kv_head(hkv, P, want):
     # Up to 4; every chunk keeps at least P kv heads (replication costs more than chunking
     # saves: docs/long_sequences.md), and the chunks can be made for any GQA query count.
-    assert _C.auto_head_chunks(hkv, P) == want
+    assert _C.auto_head_chunks(hkv * 2, hkv, P) == want
     chunks = _C.head_chunks(hkv * 2, hkv, P, want)
     assert want == 1 or min(ke - kb for _, (kb, ke) in chunks) >= P
+
+
+@pytest.mark.parametrize("hq,hkv,P,want", [(32, 8, 2, 8), (32, 8, 4, 8), (32, 8, 8, 4), (8, 8, 4, 2), (4, 1, 2, 1),
+                                           (64, 64, 2, 8), (12, 6, 4, 3), (15, 15, 4, 3)])
+def test_auto_recomputed_takes_the_most_chunks_the_heads_allow(hq, hkv, P, want):
+    # Recomputed, replication saves nothing by heads and the step costs the recomputation,
+    # nearly flat in the count: the most chunks that can be made, up to 8; one more cannot.
+    assert _C.auto_head_chunks(hq, hkv, P, recompute=True) == want
+    _C.head_chunks(hq, hkv, P, want)
+    if want < min(8, hkv):
+        with pytest.raises(ValueError, match="fewer than the"):
+            _C.head_chunks(hq, hkv, P, want + 1)
 
 
 def test_auto_chunks_as_its_count_does():
@@ -158,6 +171,11 @@ def test_auto_chunks_as_its_count_does():
         assert seen == {1: [(16, 4)], "auto": [(4, 1)] * 4}
         assert rel(outs["auto"], outs[1]) < 1e-14
         assert "head_chunks='auto'" in reprs["auto"]
+    # Recomputed: as many chunks as the heads allow (8 kv heads: 8 calls of 2 query heads and
+    # the chunk's one kv head, replicated on both ranks).
+    for seen, outs, _ in chunks_seen(32, 8, (1, "auto"), seed=7, recompute=True):
+        assert seen == {1: [(16, 4)], "auto": [(2, 1)] * 8}
+        assert rel(outs["auto"], outs[1]) < 1e-14
 
 
 def test_a_chunk_count_the_heads_cannot_make_fails_alike():
