@@ -328,7 +328,7 @@ def compare_chunks(a: argparse.Namespace, rows: list[dict]) -> int:
     for seq_len in map(int, a.seq_lens.split(",")):
         for sp in map(int, a.sp.split(",")):
             first = None
-            for chunks in [int(k) if k.isdigit() else k for k in a.head_chunks.split(",")]:
+            for chunks in a.head_chunks:
                 row = measure(dict(seq_len=seq_len, sp=sp, head_chunks=chunks, attention=True, steps=a.steps or 2))
                 row["transient_mib"] = row["peak_mib"] - row["outputs_mib"] - row["saved_mib"]
                 row["held_mib"] = row["peak_mib"] - row["outputs_mib"]
@@ -454,6 +454,7 @@ def main() -> int:
     p.add_argument("--json", default=None, help="append the rows to this JSON file (a list)")
     p.add_argument("--plot", default=None, help="plot peak memory vs S from the JSON file into this PNG")
     a = p.parse_args()
+    a.head_chunks = [int(k) if k.isdigit() else k for k in a.head_chunks.split(",")]
     unknown = set(a.features.split(",")) - set(FEATURES)
     if unknown:
         p.error(f"unknown features {sorted(unknown)}; choose from {', '.join(FEATURES)}")
@@ -464,7 +465,7 @@ def main() -> int:
         return compare_chunks(a, rows)
     heads = [int(h) for h in a.heads.split(",")]
     features = [f for f in a.features.split(",") if not f.startswith("ds") or _have_deepspeed()]
-    chunk_counts = [int(k) if k.isdigit() else k for k in a.head_chunks.split(",")]
+    chunk_counts = a.head_chunks
     show = chunk_counts != [1]  # the chunks column, when chunk counts are asked for
 
     def chunk_cell(value: object) -> str:

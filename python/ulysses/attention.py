@@ -453,10 +453,9 @@ class _Recomputed(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         try:
             saved = ctx.saved_tensors
-        except RuntimeError as e:  # an input changed in place: every rank raises it alike
-            _C.fail_together(f"DistributedAttention (recompute_chunks): backward recomputes the chunks from the "
-                             f"inputs, so keep them unchanged until backward has run: {e}", ctx.group,
-                             ctx.timeout_ms, before_attention=True)
+        except RuntimeError as e:  # (an input changed in place, a second backward): on every rank alike
+            _C.fail_together(f"DistributedAttention (recompute_chunks): backward recomputes each chunk from its "
+                             f"saved inputs: {e}", ctx.group, ctx.timeout_ms, before_attention=True)
         inputs = [None if t is None else t.detach().requires_grad_(needs)
                   for t, needs in zip(saved, ctx.needs_input_grad[3:], strict=True)]
         with torch.enable_grad():

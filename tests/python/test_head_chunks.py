@@ -327,7 +327,7 @@ def test_recomputed_chunks_refuse_an_input_changed_in_place_on_one_rank_alike(ar
 
     errors = run_ranks_errors(2, body)
     assert len(set(errors)) == 1, errors
-    assert "keep them unchanged until backward" in errors[0] and "[raised on rank 0 of 2]" in errors[0]
+    assert "(recompute_chunks): backward recomputes" in errors[0] and "[raised on rank 0 of 2]" in errors[0]
     assert re.search("modified (by an )?inplace", errors[0]), errors[0]
 
 
