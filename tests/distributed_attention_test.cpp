@@ -277,32 +277,41 @@ TEST(DistributedAttention, HeadChunksRunOneCallPerChunk) {
                c10::ValueError);
 }
 
-// Recomputed chunks (Note [Recomputed chunks]) run each chunk's call again in backward: its
-// agreement, scatter and gather, before the gradient's own scatter and gather; the gradients are
-// the whole call's.
+// Recomputed chunks (Note [Recomputed chunks]) run each chunk's call again in backward. On the
+// fused kernel, its first half only: agreement and scatter, then o and o's gradient to heads in
+// one exchange, the kernel's backward on the saved log-sum-exp, and the gradients' gather; the
+// gradients are the kept chunks' bit for bit. On another kernel (math here) the whole call:
+// agreement, scatter and gather, then the gradient's own scatter and gather.
 TEST(DistributedAttention, RecomputedChunksRunTheirCallAgainInBackward) {
   expect_ranks_succeed(2, [](Group& g) {
     const at::Tensor q0 = seeded_randn({1, 4, 8, 8}, 1 + g.rank()),
                      kv0 = seeded_randn({1, 4, 4, 8}, 3 + g.rank());
     set_up_links(g);
-    auto run = [&](int64_t chunks, bool recompute) {
+    auto run = [&](int64_t chunks, bool recompute, LocalKernel kernel) {
       AttentionOptions options;
       options.causal = true;
       options.head_chunks = chunks;
       options.recompute_chunks = recompute;
+      options.kernel = kernel;
       at::Tensor q = q0.clone().requires_grad_(), kv = kv0.clone().requires_grad_();
       const at::Tensor o = DistributedAttention(g, options)(q, kv, kv);
       const int64_t before = g.recorder().collectives();
       o.square().sum().backward();
       return std::make_tuple(g.recorder().collectives() - before, q.grad(), kv.grad());
     };
-    const auto [whole_collectives, dq1, dkv1] = run(1, false);
-    EXPECT_EQ(whole_collectives, 2);  // Scatter o's gradient, gather q, k and v's.
-    for (int64_t chunks : {1, 4}) {
-      const auto [collectives, dq, dkv] = run(chunks, true);
-      EXPECT_EQ(collectives, chunks * (3 + 2));
-      EXPECT_LT(rel_error(dq, dq1), 1e-6) << where(g, dq);
-      EXPECT_LT(rel_error(dkv, dkv1), 1e-6) << where(g, dkv);
+    for (LocalKernel kernel : {LocalKernel::kFused, LocalKernel::kMath}) {
+      const bool fused = kernel == LocalKernel::kFused;
+      const auto [whole_collectives, dq1, dkv1] = run(1, false, kernel);
+      EXPECT_EQ(whole_collectives, 2);  // Scatter o's gradient, gather q, k and v's.
+      for (int64_t chunks : {1, 4}) {
+        const auto [collectives, dq, dkv] = run(chunks, true, kernel);
+        EXPECT_EQ(collectives, chunks * (fused ? 4 : 3 + 2));
+        EXPECT_LT(rel_error(dq, dq1), 1e-6) << where(g, dq);
+        EXPECT_LT(rel_error(dkv, dkv1), 1e-6) << where(g, dkv);
+        if (!fused) continue;
+        const auto [kept_collectives, dq_kept, dkv_kept] = run(chunks, false, kernel);
+        EXPECT_TRUE(dq.equal(dq_kept) && dkv.equal(dkv_kept)) << where(g, dq);
+      }
     }
   });
 }

@@ -111,8 +111,10 @@ struct AttentionOptions : AttentionRules {  // causal, scale, window (needs caus
   // partition.h): each chunk's exchange buffers are made while it runs. 1: whole.
   int64_t head_chunks = 1;
   // Each chunk (the whole call where head_chunks is 1) keeps only its inputs for backward and
-  // runs again there, its exchange and kernel with autograd (Note [Recomputed chunks] in
-  // partition.h): nothing by heads lives from forward to backward, for one more forward.
+  // exchanges them again there (Note [Recomputed chunks] in partition.h): nothing by heads
+  // lives from forward to backward, for one more exchange of q, k, v and o (on the fused
+  // kernel, whose backward takes the saved log-sum-exp and o; elsewhere the kernel's forward
+  // runs again too). Backward reads the output: keep it unchanged until then.
   bool recompute_chunks = false;
 };
 

@@ -153,10 +153,14 @@ class DistributedAttention(nn.Module):
             Hkv < 2P), the least peak memory measured (docs/long_sequences.md); with
             ``recompute_chunks``, the most the heads allow, up to 8.
         recompute_chunks: each chunk (the whole call with ``head_chunks=1``) keeps only its
-            inputs for backward and runs again there, its exchange and local attention with
-            autograd (Note [Recomputed chunks], partition.h): nothing by heads lives from forward
-            to backward, for one more forward of the attention. The same result. Eager (under
-            torch.compile the chunks keep what they save, as without it).
+            inputs for backward and exchanges them again there (Note [Recomputed chunks],
+            partition.h): nothing by heads lives from forward to backward. On the fused kernel
+            (CPU, fp32/bf16/fp16) backward sends the chunk's heads of o back to heads with o's
+            gradient and runs the kernel's backward on the saved log-sum-exp, so the kernel's
+            forward does not run again and the gradients are the kept chunks' bit for bit;
+            elsewhere the chunk's whole call runs again. Backward reads o: keep it unchanged
+            until then. Eager (under torch.compile the chunks keep what they save, as without
+            it).
     """
 
     def __init__(self, group: G.GroupLike = None, *, q_heads: int | None = None, kv_heads: int | None = None,
@@ -336,17 +340,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     Python runs the local attention (a callable; FlexAttention where the kernel rule names it)
     the orchestration's first half (``attention_heads``), the local attention on this rank's
     heads, then the exchange back. ``seq_lens`` [] learns the split in the call's agreement.
-    ``head_chunks`` > 1: one such call per chunk of heads (Note [Head chunks], partition.h)."""
-    if head_chunks > 1 or recompute_chunks:
+    ``head_chunks`` > 1: one such call per chunk of heads (Note [Head chunks], partition.h), in
+    C++ where it runs the local attention in eager mode, else here (``_attend_in_head_chunks``)."""
+    chunked = head_chunks > 1 or recompute_chunks
+    python_local = _python_local(q, mask, positions, causal, local, ring, window, softcap, sinks)
+    if chunked and (python_local or mask_rebuilt or torch.compiler.is_compiling()):
         return _attend_in_head_chunks(q, k, v, mask, positions, q_heads, kv_heads, seq_lens, layout, causal,
                                       scale, local, group, options, head_chunks, ring=ring, step=step,
                                       window=window, softcap=softcap, sinks=sinks, mask_rebuilt=mask_rebuilt,
                                       recompute=recompute_chunks)
     scale_arg = 0.0 if scale is None else float(scale)
-    if not _python_local(q, mask, positions, causal, local, ring, window, softcap, sinks):
+    if not python_local:
         return torch.ops.ulysses.attention(q, k, v, mask, positions, q_heads, kv_heads, list(seq_lens), layout,
                                            causal, scale_arg, local, group, options, ring, _handle(step),
-                                           mask_rebuilt, window=window, softcap=softcap, sinks=sinks)
+                                           mask_rebuilt, window=window, softcap=softcap, sinks=sinks,
+                                           head_chunks=head_chunks, recompute_chunks=recompute_chunks)
     timeout_ms = options[0]
     seq_dim, from_bhsd, kv_map = _call_facts(layout, q_heads, kv_heads, group)
     if not seq_lens:
@@ -468,8 +476,9 @@ class _Recomputed(torch.autograd.Function):
 
 def _attend_in_head_chunks(q, k, v, mask, positions, q_heads, kv_heads, seq_lens, layout, causal, scale, local,
                            group, options, count, **call) -> torch.Tensor:
-    """``attend`` on each chunk of heads in turn (as the C++ ``DistributedAttention`` with
-    ``head_chunks``): slices of q, k, v (and of a per-head mask and the sinks) in, each output
+    """``attend`` on each chunk of heads in turn, where Python runs the local attention or a call
+    is traced (elsewhere the C++ ``attend_in_head_chunks`` runs them, as for the C++
+    ``DistributedAttention``): slices of q, k, v (and of a per-head mask and the sinks) in, each output
     put into o as it comes (``_PutHeads``); in backward each chunk's input gradients go into one
     buffer per input (``_HeadsOf``). So one chunk's exchange buffers, whole-sequence tensors and
     gradients by heads exist at a time beyond what the call keeps; with ``recompute`` each chunk

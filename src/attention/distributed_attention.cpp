@@ -15,11 +15,13 @@
 #include "attention/orchestration.h"
 #include "dispatch/autograd.h"
 #include "dispatch/op_util.h"
+#include "kernels/ops.h"
 #include "transport/agreement.h"
 #include "transport/group_runtime.h"
 #include "transport/head_parts.h"
 #include "transport/ops.h"
 #include "ulysses/attention.h"
+#include "ulysses/flash_attention.h"
 #include "ulysses/mask.h"
 #include "ulysses/mask_decision.h"
 
@@ -497,20 +499,66 @@ at::Tensor heads_of(const at::Tensor& x, int64_t dim, Range r,
   return out[0];
 }
 
-// Note [Recomputed chunks] (partition.h): `run(inputs)` without autograd, its backward running
-// it again with autograd on the same inputs (undefined ones: none) and backpropagating through
-// that, the recomputed output's bytes freed first. The node keeps the inputs (detached: they
-// are views of the caller's tensors) and `run`. `sources` are the caller's tensors the inputs
-// are slices of (the slices, cut below autograd, keep no version of their own): one changed
-// in place since forward is refused, as autograd refuses a saved tensor changed so, on every
-// rank of `group` alike (the others are in the recomputation's agreement by then).
-at::Tensor recomputed(std::function<at::Tensor(const std::vector<at::Tensor>&)> run,
+// A recomputed chunk's forward results that its backward reads (Note [Recomputed chunks]):
+// its heads of the call's o (a detached slice, set once every chunk has landed, with o's
+// version then) and, where the fused kernel ran, its row log-sum-exp by heads. Held by the
+// chunk's backward function, so freed with it (FunctionNode::release_variables).
+struct ChunkResult {
+  at::Tensor o, lse;
+  uint32_t o_version = 0;
+};
+
+// Whether the library runs a call's local attention on the fused kernel (the kernel rule's
+// choice for these arguments; not a ring, not the caller's callable).
+bool runs_fused_kernel(const AttentionCall& call, const AttentionHeads& h) {
+  return !h.ring && !call.local && call.local_by == LocalBy::kLibrary &&
+         h.args.q.scalar_type() != at::kDouble &&
+         kernel_run_by_cpp(choose_local_kernel(h.args, call.kernel), KernelCase::of(h.args)) ==
+             LocalKernel::kFused;
+}
+
+// Note [Recomputed chunks] (partition.h): the chunk's call (`c` on `inputs`: q, k, v, the mask
+// and the sinks, undefined: none) without autograd; its backward runs the call's first half
+// again with autograd (agreement, exchange, mask) and backpropagates through that. Where the
+// fused kernel ran, backward does not run the kernel's forward again: the chunk's heads of o
+// (the call's output, which the next layer keeps anyway) go back to heads in one exchange with
+// o's gradient, and the kernel's backward takes them with the saved log-sum-exp, as after an
+// unchunked forward: the same gradients, bit for bit. Elsewhere (SDPA, math, a callable, a
+// ring) the whole call runs again (`run`) and backward goes through it. The node keeps the
+// inputs (detached: they are views of the caller's tensors). `sources` are the caller's tensors
+// the inputs are slices of (the slices, cut below autograd, keep no version of their own): one
+// changed in place since forward is refused, as autograd refuses a saved tensor changed so, on
+// every rank of the group alike (the others are in the recomputation's agreement by then).
+at::Tensor recomputed(const AttentionCall& c, const c10::optional<at::Tensor>& positions,
+                      std::function<at::Tensor(const std::vector<at::Tensor>&)> run,
                       const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& sources,
-                      const Group& group) {
+                      const std::shared_ptr<ChunkResult>& result) {
+  auto call_on = [c](const std::vector<at::Tensor>& x) {
+    AttentionCall with = c;
+    if (x[4].defined()) with.sinks = x[4];
+    return with;
+  };
+  auto mask_of = [](const std::vector<at::Tensor>& x) {
+    return x[3].defined() ? c10::make_optional(x[3]) : c10::nullopt;
+  };
   std::vector<at::Tensor> outs;
+  bool from_output = false;
   {
     at::NoGradGuard no_grad;
-    outs.push_back(run(inputs));
+    const AttentionCall with = call_on(inputs);
+    AttentionHeads h = attend_heads(with, {{inputs[0]}, {inputs[1]}, {inputs[2]}}, HeadForm::kWhole,
+                                    mask_of(inputs), positions);
+    at::Tensor o;
+    if (h.ring) {
+      o = ring_attention(h.args, *h.ring, h.ring_documents, with.ring);
+    } else if (runs_fused_kernel(with, h)) {
+      from_output = true;
+      std::tie(o, result->lse) = detail::call_flash_attention(h.args, FlashOptions{});
+    } else {
+      o = with.local ? (*with.local)(h.args) : local_attention(h.args, with.kernel);
+    }
+    outs.push_back(
+        gather_heads(o.permute(from_bhsd(with.layout)), Heads::kQuery, h.sharding, with.group));
   }
   std::vector<at::Tensor> differentiable, kept, watched;
   std::vector<bool> learns;
@@ -527,8 +575,9 @@ at::Tensor recomputed(std::function<at::Tensor(const std::vector<at::Tensor>&)> 
   }
   detail::attach_backward(
       differentiable, outs, "RecomputedChunkBackward",
-      [run = std::move(run), kept = std::move(kept), learns, watched = std::move(watched),
-       versions = std::move(versions), group](std::vector<at::Tensor>&& g) {
+      [call_on, mask_of, positions, from_output, result, run = std::move(run),
+       kept = std::move(kept), learns, watched = std::move(watched), versions = std::move(versions),
+       group = c.group](std::vector<at::Tensor>&& g) {
         fail_attention_together_on_error(group, [&] {
           for (size_t i = 0; i < watched.size(); ++i) {
             TORCH_CHECK(watched[i]._version() == versions[i],
@@ -536,23 +585,56 @@ at::Tensor recomputed(std::function<at::Tensor(const std::vector<at::Tensor>&)> 
                         "modified in place after its forward; backward recomputes the chunks "
                         "from the inputs, so keep them unchanged until backward has run");
           }
+          TORCH_CHECK(!from_output || result->o._version() == result->o_version,
+                      "DistributedAttention (recompute_chunks): the attention's output was "
+                      "modified in place after its forward; backward reads it, so keep it "
+                      "unchanged until backward has run");
         });
         std::vector<at::Tensor> again, leaves;
         for (size_t i = 0; i < kept.size(); ++i) {
           again.push_back(learns[i] ? kept[i].detach().requires_grad_() : kept[i]);
           if (learns[i]) leaves.push_back(again.back());
         }
-        at::Tensor o;
-        {
+        std::vector<at::Tensor> ends, grads;
+        if (from_output) {
+          const AttentionCall with = call_on(again);
+          const AttentionHeads h = [&] {
+            at::AutoGradMode with_grad(true);
+            return attend_heads(with, {{again[0]}, {again[1]}, {again[2]}}, HeadForm::kWhole,
+                                mask_of(again), positions);
+          }();
+          at::NoGradGuard no_grad;
+          // (The kernel reads BHSD views of the exchange's outputs: no copies.)
+          const std::vector<int64_t> perm = to_bhsd(with.layout);
+          const std::vector<at::Tensor> moved = scatter_heads(
+              {result->o, g[0]}, {Heads::kQuery, Heads::kQuery}, h.sharding, with.group);
+          const at::Tensor o = moved[0].permute(perm), grad_o = moved[1].permute(perm);
+          const at::Tensor& lse = result->lse;
+          LocalAttentionArgs a = h.args;  // The kernel's inputs, without their graph.
+          a.q = a.q.detach(), a.k = a.k.detach(), a.v = a.v.detach();
+          if (a.mask) a.mask = a.mask->detach();
+          const bool mask_grad = h.args.mask && h.args.mask->requires_grad();
+          std::vector<at::Tensor> d = flash_attention_backward(grad_o, a, o, lse, mask_grad);
+          ends = {h.args.q, h.args.k, h.args.v};
+          grads = {d[0], d[1], d[2]};
+          if (mask_grad) ends.push_back(*h.args.mask), grads.push_back(d[3]);
+          if (h.args.sinks && h.args.sinks->requires_grad()) {
+            ends.push_back(*h.args.sinks);
+            grads.push_back(detail::sinks_grad(grad_o, o, lse, h.args.sinks->detach()));
+          }
+        } else {
           at::AutoGradMode with_grad(true);
-          o = run(again);
+          at::Tensor o = run(again);
+          detail::free_if_unshared(o);  // Its graph is all backward reads.
+          ends = {o}, grads = {g[0]};
         }
-        detail::free_if_unshared(o);  // Its graph is all backward reads.
-        return torch::autograd::grad({o}, leaves, {g[0]}, /*retain_graph=*/false,
+        return torch::autograd::grad(ends, leaves, grads, /*retain_graph=*/false,
                                      /*create_graph=*/false, /*allow_unused=*/true);
       });
   return outs[0];
 }
+
+}  // namespace
 
 // Note [Head chunks] (partition.h): each chunk is a call of its own on the chunk's heads (a
 // per-head mask and the sinks keep the chunk's rows). Each chunk's output is copied into o as it
@@ -591,6 +673,7 @@ at::Tensor attend_in_head_chunks(AttentionCall call, const at::Tensor& q, const 
     call.local = local.get();
     call.step = nullptr;  // A step's shared masks would carry forward's graph (none) into backward.
   }
+  std::vector<std::shared_ptr<ChunkResult>> results;  // Each recomputed chunk's.
   at::Tensor o;
   std::vector<torch::autograd::Edge> edges;
   for (const HeadChunk& chunk : chunks) {
@@ -611,10 +694,11 @@ at::Tensor attend_in_head_chunks(AttentionCall call, const at::Tensor& q, const 
         heads_of(q, dim, chunk.q, q_buffer), heads_of(k, dim, chunk.kv, k_buffer),
         heads_of(v, dim, chunk.kv, v_buffer), mask.value_or(at::Tensor()),
         call.sinks ? call.sinks->narrow(0, chunk.q.begin, chunk.q.size()) : at::Tensor()};
-    const at::Tensor part = recompute ? recomputed(run, inputs,
+    if (recompute) results.push_back(std::make_shared<ChunkResult>());
+    const at::Tensor part = recompute ? recomputed(c, in.positions, run, inputs,
                                                    {q, k, v, in.mask.value_or(at::Tensor()),
                                                     call.sinks.value_or(at::Tensor())},
-                                                   call.group)
+                                                   results.back())
                                       : run(inputs);
     if (!o.defined()) {
       std::vector<int64_t> shape = part.sizes().vec();
@@ -626,6 +710,10 @@ at::Tensor attend_in_head_chunks(AttentionCall call, const at::Tensor& q, const 
       o.narrow(dim, chunk.q.begin, chunk.q.size()).copy_(part);
     }
     if (part.requires_grad()) edges.push_back(torch::autograd::impl::gradient_edge(part));
+  }
+  for (size_t i = 0; i < results.size(); ++i) {  // Backward reads its heads of o (all landed).
+    results[i]->o = o.detach().narrow(dim, chunks[i].q.begin, chunks[i].q.size());
+    results[i]->o_version = o._version();
   }
   if (!edges.empty()) {
     TORCH_INTERNAL_ASSERT(edges.size() == chunks.size());
@@ -643,8 +731,6 @@ at::Tensor attend_in_head_chunks(AttentionCall call, const at::Tensor& q, const 
   }
   return o;
 }
-
-}  // namespace
 
 at::Tensor DistributedAttention::forward(const at::Tensor& q, const at::Tensor& k,
                                          const at::Tensor& v, const AttentionInputs& in) {

@@ -187,10 +187,16 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         bool causal, double scale, const std::string& local,
                         const std::string& group_name, c10::IntArrayRef group_options,
                         const c10::optional<std::string>& ring_group, const StepHandle& step,
-                        bool mask_rebuilt, int64_t window, double softcap, const OptTensor& sinks) {
+                        bool mask_rebuilt, int64_t window, double softcap, const OptTensor& sinks,
+                        int64_t head_chunks, bool recompute_chunks) {
   const AttentionCall call =
       attention_call(q_heads, kv_heads, seq_lens, layout, causal, scale, local, group_name,
                      group_options, ring_group, step, mask_rebuilt, window, softcap, sinks);
+  if (head_chunks > 1 || recompute_chunks) {
+    AttentionInputs in;
+    in.mask = mask, in.positions = positions;
+    return attend_in_head_chunks(call, q, k, v, in, head_chunks, recompute_chunks);
+  }
   return attend(call, {{q}, {k}, {v}}, HeadForm::kWhole, mask, positions)[0];
 }
 
@@ -289,12 +295,15 @@ TORCH_LIBRARY_FRAGMENT(ulysses, m) {
       "Tensor? mask, Tensor? positions, int q_heads, int kv_heads, int[] seq_lens, str layout, "
       "bool causal, float scale, str local, str group, int[] group_options, "
       "str? ring_group=None, __torch__.torch.classes.ulysses.StepContext? step=None, "
-      "bool mask_rebuilt=False, int window=0, float softcap=0., Tensor? sinks=None)";
+      "bool mask_rebuilt=False, int window=0, float softcap=0., Tensor? sinks=None";
+  // head_chunks > 1 or recompute_chunks: attend_in_head_chunks (eager; Python chunks a traced
+  // call itself).
   static const std::string attention =
-      std::string("attention(Tensor q, Tensor k, Tensor v, ") + call_args + " -> Tensor";
+      std::string("attention(Tensor q, Tensor k, Tensor v, ") + call_args +
+      ", int head_chunks=1, bool recompute_chunks=False) -> Tensor";
   static const std::string attention_parts =
       std::string("attention_parts(Tensor[] q, Tensor[] k, Tensor[] v, ") + call_args +
-      " -> Tensor[]";
+      ") -> Tensor[]";
   m.def(attention.c_str());
   m.def(attention_parts.c_str());
   m.def(

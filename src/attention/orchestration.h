@@ -71,6 +71,13 @@ auto fail_attention_together_on_error(const Group& group, Fn&& prepare) {
     fail_attention_together(group, std::current_exception());
   }
 }
+// attend on `count` chunks of heads in turn (Note [Head chunks], partition.h), each with
+// `recompute` keeping only its inputs for backward (Note [Recomputed chunks]); `in`'s mask and
+// positions are the call's (the sinks are call.sinks). A count this rank cannot make fails every
+// rank alike. Returns o.
+at::Tensor attend_in_head_chunks(AttentionCall call, const at::Tensor& q, const at::Tensor& k,
+                                 const at::Tensor& v, const AttentionInputs& in, int64_t count,
+                                 bool recompute);
 // attend's first half, for a local attention of the caller's.
 AttentionHeads attend_heads(const AttentionCall& call,
                             const std::vector<std::vector<at::Tensor>>& qkv, HeadForm form,

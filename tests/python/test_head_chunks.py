@@ -56,18 +56,22 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("world,S,hq,hkv,chunks,mask_kind,packed,causal,window,softcap,use_sinks", CASES)
 def test_chunked_attention_is_the_whole_call(world, S, hq, hkv, chunks, mask_kind, packed, causal, window,
-                                             softcap, use_sinks):
+                                             softcap, use_sinks, dtype):
     # The same thread ranks run the call whole, in chunks, and in chunks run again in backward
     # (recompute_chunks): o and the gradients of q, k, v, a learnable mask and the sinks agree
-    # to rounding (float64), and all match the reference.
+    # to rounding, and all match the reference. float64 runs the math kernel (recomputed: the
+    # whole call again); float32 the fused one (recomputed: the kernel's backward from the saved
+    # log-sum-exp and o sent to heads again), whose gradients are the kept chunks' bit for bit.
     B, D = 2, 8
+    close, to_ref = (1e-13, 1e-10) if dtype == torch.float64 else (1e-5, 1e-4)
     gen = torch.Generator().manual_seed(world * 100 + S + chunks)
-    Q, K, V = (torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
+    Q, K, V = (torch.randn(B, S, h, D, generator=gen, dtype=dtype) for h in (hq, hkv, hkv))
     M = make_mask(mask_kind, B, hq, S, gen)
-    M = M.double() if M is not None and M.is_floating_point() else M
-    sinks = torch.randn(hq, generator=gen, dtype=torch.float64) if use_sinks else None
+    M = M.to(dtype) if M is not None and M.is_floating_point() else M
+    sinks = torch.randn(hq, generator=gen, dtype=dtype) if use_sinks else None
     pos = positions_for(S) if packed else None
     lens = seq_lens(S, world)
     ref = reference_attention(Q, K, V, M, pos, causal=causal, window=window, softcap=softcap, sinks=sinks)
@@ -97,16 +101,19 @@ def test_chunked_attention_is_the_whole_call(world, S, hq, hkv, chunks, mask_kin
         return run(rank, group, 1), run(rank, group, chunks), run(rank, group, chunks, recompute=True)
 
     results = run_ranks(world, body)
-    for whole, *chunked_runs in results:
-        for chunked in chunked_runs:
-            assert rel(chunked[0], whole[0]) < 1e-13
+    for whole, kept, recomputed in results:
+        for chunked in (kept, recomputed):
+            assert rel(chunked[0], whole[0]) < close
             for got, want in zip(chunked[1], whole[1], strict=True):
-                assert rel(got, want) < 1e-13
+                assert rel(got, want) < close
+        if dtype == torch.float32:
+            for got, want in zip(recomputed[1] + recomputed[2], kept[1] + kept[2], strict=True):
+                assert torch.equal(got, want)
     for i in range(len(results[0][0][2])):
         for c in (1, 2):
-            assert rel(sum(r[c][2][i] for r in results), sum(r[0][2][i] for r in results)) < 1e-13
+            assert rel(sum(r[c][2][i] for r in results), sum(r[0][2][i] for r in results)) < close
     for c in (1, 2):
-        assert rel(torch.cat([r[c][0] for r in results], 1), ref) < 1e-10
+        assert rel(torch.cat([r[c][0] for r in results], 1), ref.to(dtype)) < to_ref
 
 
 def chunks_seen(hq: int, hkv: int, counts: tuple, seed: int, recompute: bool = False) -> list:
@@ -303,12 +310,18 @@ def arm(group, rank, lens, Q, K):
     return ulysses.DistributedAttention(group)(q * 1.0, k, k, step=ulysses.StepContext())
 
 
+def math_local(q, k, v, kv_map, mask, positions, causal, scale):
+    return ulysses.local_attention(q, k, v, kv_map, mask, positions, causal, scale, kernel="math")
+
+
 @pytest.mark.parametrize("armed", [False, True])
-def test_recomputed_chunks_refuse_an_input_changed_in_place_on_one_rank_alike(armed):
+@pytest.mark.parametrize("local", ["auto", math_local])
+def test_recomputed_chunks_refuse_an_input_changed_in_place_on_one_rank_alike(armed, local):
     # Backward recomputes from the inputs: one changed in place since forward (here on rank 0
-    # only) is refused (autograd's checks on the chunk's slices of it) on every rank alike,
-    # never recomputed into wrong gradients nor left to the others' timeout, also where the
-    # group is armed by a later call (the others' recomputation starts in the armed exchange).
+    # only) is refused on every rank alike, never recomputed into wrong gradients nor left to
+    # the others' timeout, also where the group is armed by a later call (the others'
+    # recomputation starts in the armed exchange). The library's kernel: C++ checks the
+    # versions; a callable: Python's chunks, where autograd checks the chunk's slices.
     S = 8
     gen = torch.Generator().manual_seed(13)
     Q, K = torch.randn(1, S, 4, 8, generator=gen), torch.randn(1, S, 2, 8, generator=gen)
@@ -317,7 +330,7 @@ def test_recomputed_chunks_refuse_an_input_changed_in_place_on_one_rank_alike(ar
     def body(rank, group):
         leaf = shard(Q, 1, rank, lens).clone().requires_grad_()
         q, k = leaf * 1.0, shard(K, 1, rank, lens)
-        o = ulysses.DistributedAttention(group, head_chunks=2, recompute_chunks=True)(q, k, k)
+        o = ulysses.DistributedAttention(group, head_chunks=2, recompute_chunks=True, local=local)(q, k, k)
         if armed:
             o = o + arm(group, rank, lens, Q, K)
         if rank == 0:
@@ -327,8 +340,50 @@ def test_recomputed_chunks_refuse_an_input_changed_in_place_on_one_rank_alike(ar
 
     errors = run_ranks_errors(2, body)
     assert len(set(errors)) == 1, errors
-    assert "(recompute_chunks): backward recomputes" in errors[0] and "[raised on rank 0 of 2]" in errors[0]
-    assert re.search("modified (by an )?inplace", errors[0]), errors[0]
+    assert "(recompute_chunks): " in errors[0] and "[raised on rank 0 of 2]" in errors[0]
+    assert re.search("modified (by an )?in ?place", errors[0]), errors[0]
+
+
+def test_recomputed_chunks_refuse_an_output_changed_in_place_on_one_rank_alike():
+    # On the fused kernel backward reads the chunks' heads of o: o changed in place since
+    # forward (on rank 0 only) is refused on every rank alike, not turned into wrong gradients.
+    S = 8
+    gen = torch.Generator().manual_seed(14)
+    Q, K = torch.randn(1, S, 4, 8, generator=gen), torch.randn(1, S, 2, 8, generator=gen)
+    lens = seq_lens(S, 2)
+
+    def body(rank, group):
+        q, k = shard(Q, 1, rank, lens).requires_grad_(), shard(K, 1, rank, lens)
+        o = ulysses.DistributedAttention(group, head_chunks=2, recompute_chunks=True)(q, k, k)
+        if rank == 0:
+            with torch.no_grad():
+                o.mul_(2.0)
+        o.sum().backward()
+
+    errors = run_ranks_errors(2, body)
+    assert len(set(errors)) == 1, errors
+    assert "the attention's output was modified in place" in errors[0] and "[raised on rank 0 of 2]" in errors[0]
+
+
+@pytest.mark.parametrize("local", ["auto", math_local])
+def test_recomputed_chunks_backward_twice_with_a_retained_graph(local):
+    # retain_graph keeps what each chunk's backward reads (its inputs, and on the fused kernel
+    # its log-sum-exp and its heads of o): a second backward gives the same gradients.
+    S = 8
+    gen = torch.Generator().manual_seed(15)
+    Q, K = torch.randn(1, S, 4, 8, generator=gen), torch.randn(1, S, 2, 8, generator=gen)
+    lens = seq_lens(S, 2)
+
+    def body(rank, group):
+        q, k = shard(Q, 1, rank, lens).requires_grad_(), shard(K, 1, rank, lens)
+        o = ulysses.DistributedAttention(group, head_chunks=2, recompute_chunks=True, local=local)(q, k, k)
+        o.square().sum().backward(retain_graph=True)
+        first, q.grad = q.grad, None
+        o.square().sum().backward()
+        return first, q.grad
+
+    for first, second in run_ranks(2, body):
+        assert first.abs().sum() > 0 and torch.equal(first, second)
 
 
 def test_a_chunk_count_one_rank_cannot_make_fails_alike_on_an_armed_group():

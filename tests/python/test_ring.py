@@ -111,6 +111,33 @@ def test_hybrid_matches_single_rank_reference(U, R, hq, hkv, S, causal, packed, 
     del keep
 
 
+def test_hybrid_attention_in_head_chunks_is_the_whole_call():
+    # Head chunks over the Ulysses group with a ring beside it, kept and recomputed (the ring's
+    # chunks run their whole call again in backward): o and the gradients are the whole call's.
+    U, R, hq, hkv, S, B, D = 2, 2, 4, 2, 13, 2, 8
+    gen = torch.Generator().manual_seed(3)
+    Q, K, V = (torch.randn(B, S, h, D, generator=gen) for h in (hq, hkv, hkv))
+    names, keep = hybrid_group_names(U, R)
+
+    def body(p, _world):
+        uly, ring = names[p]
+        outs = []
+        for chunks, recompute in ((1, False), (2, False), (2, True)):
+            attn = ulysses.DistributedAttention(uly, ring_group=ring, causal=True, head_chunks=chunks,
+                                                recompute_chunks=recompute)
+            ql, kl, vl = (ulysses.shard_sequence(t, 1, p, U * R, ring=R).clone().requires_grad_() for t in (Q, K, V))
+            o = attn(ql, kl, vl)
+            o.square().sum().backward()
+            outs.append((o.detach(), ql.grad, kl.grad, vl.grad))
+        return outs
+
+    for whole, *chunked_runs in run_ranks(U * R, body):
+        for chunked in chunked_runs:
+            for got, want in zip(chunked, whole, strict=True):
+                assert rel(got, want) < 1e-5
+    del keep
+
+
 def test_layers_sharing_a_step_rebuild_the_mask_and_documents_once():
     names, keep = hybrid_group_names(2, 2)
     S = 12
