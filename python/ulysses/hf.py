@@ -72,8 +72,11 @@ def _attention_of(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     if attention is None:
         group = module.__dict__["_ulysses_group"]  # set by sequence_parallel()
         timeout = module.__dict__.get("_ulysses_timeout")
+        # BSHD on transposed views: o comes back [B, S_r, Hq, D] contiguous, so the model's
+        # reshape for o_proj is a view of it (a recomputed chunk's backward reads o; no copy
+        # beside it lives until then).
         attention = DistributedAttention(group, q_heads=query.shape[1], kv_heads=key.shape[1],
-                                         layout="BHSD", causal=not dense_mask and getattr(module, "is_causal", True),
+                                         layout="BSHD", causal=not dense_mask and getattr(module, "is_causal", True),
                                          timeout=timeout, local=module.__dict__.get("_ulysses_local", "auto"),
                                          head_chunks=module.__dict__.get("_ulysses_head_chunks", 1),
                                          recompute_chunks=module.__dict__.get("_ulysses_recompute_chunks", False))
@@ -121,9 +124,10 @@ def ulysses_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     # rule), the kernels' window. Set per call: a layer's kind (sliding or full) is fixed.
     attention.window = 0 if dense else int(kwargs.get("sliding_window") or 0)  # (a dense mask holds it)
     attention.softcap = float(kwargs.get("softcap") or 0.0)  # Gemma2's attn_logit_softcapping
-    out = attention(query, key, value, mask=mask, position_ids=kwargs.get("position_ids"),
-                    seq_lens=seq_lens, sinks=kwargs.get("s_aux"), step=step)  # s_aux: gpt-oss's sinks
-    return out.transpose(1, 2), None
+    out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mask=mask,
+                    position_ids=kwargs.get("position_ids"), seq_lens=seq_lens, sinks=kwargs.get("s_aux"),
+                    step=step)  # s_aux: gpt-oss's sinks
+    return out, None
 
 
 AttentionInterface.register(IMPLEMENTATION, ulysses_attention_forward)
