@@ -25,6 +25,7 @@ import argparse
 import functools
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -324,6 +325,9 @@ def main() -> None:
         # Ends the backend's threads while the interpreter is whole: torn down at exit instead, a
         # Gloo worker thread can abort the process ("terminate called without an active exception").
         dist.barrier()
+        # The barrier's work is released on a Gloo thread that needs the GIL: let it go before
+        # the group's teardown joins that thread while holding the GIL (a deadlock seen once).
+        time.sleep(0.5)
         dist.destroy_process_group()
 
 

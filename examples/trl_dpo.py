@@ -17,6 +17,7 @@ import argparse
 import copy
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -93,6 +94,9 @@ def main() -> None:
             torch.save({k: v.detach().clone() for k, v in params.items()}, a.report + ".pt")
     if dist.is_initialized():
         dist.barrier()
+        # The barrier's work is released on a Gloo thread that needs the GIL: let it go before
+        # the group's teardown joins that thread while holding the GIL (a deadlock seen once).
+        time.sleep(0.5)
         # Ends the backend's threads while the interpreter is whole: torn down at exit instead, a
         # Gloo worker thread can abort the process ("terminate called without an active exception").
         dist.destroy_process_group()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -114,6 +115,9 @@ def main() -> None:
             torch.save({k: v.detach().clone() for k, v in params.items()}, a.report + ".pt")
     if dist.is_initialized():
         dist.barrier()
+        # The barrier's work is released on a Gloo thread that needs the GIL: let it go before
+        # the group's teardown joins that thread while holding the GIL (a deadlock seen once).
+        time.sleep(0.5)
         # Ends the backend's threads while the interpreter is whole: torn down at exit instead, a
         # Gloo worker thread can abort the process ("terminate called without an active exception").
         dist.destroy_process_group()
