@@ -399,18 +399,23 @@ AttentionHeads attend_heads(const AttentionCall& call,
   return out;
 }
 
+namespace {
+
+// attend's second half up to the exchange back: the ring, the caller's callable or the library's
+// kernel on this rank's heads (BHSD).
+at::Tensor attention_by_heads(const AttentionCall& call, const AttentionHeads& h) {
+  if (h.ring) return ring_attention(h.args, *h.ring, h.ring_documents, call.ring);
+  return call.local ? (*call.local)(h.args) : local_attention(h.args, call.kernel);
+}
+
+}  // namespace
+
 std::vector<at::Tensor> attend(const AttentionCall& call,
                                const std::vector<std::vector<at::Tensor>>& qkv, HeadForm form,
                                const c10::optional<at::Tensor>& mask,
                                const c10::optional<at::Tensor>& positions) {
   AttentionHeads h = attend_heads(call, qkv, form, mask, positions);
-  at::Tensor o;
-  if (h.ring) {
-    o = ring_attention(h.args, *h.ring, h.ring_documents, call.ring);
-  } else {
-    o = call.local ? (*call.local)(h.args) : local_attention(h.args, call.kernel);
-  }
-  o = o.permute(from_bhsd(call.layout));
+  at::Tensor o = attention_by_heads(call, h).permute(from_bhsd(call.layout));
   if (form == HeadForm::kParts) return gather_head_parts(o, Heads::kQuery, h.sharding, call.group);
   return {gather_heads(o, Heads::kQuery, h.sharding, call.group)};
 }
@@ -549,13 +554,11 @@ at::Tensor recomputed(const AttentionCall& c, const c10::optional<at::Tensor>& p
     AttentionHeads h = attend_heads(with, {{inputs[0]}, {inputs[1]}, {inputs[2]}}, HeadForm::kWhole,
                                     mask_of(inputs), positions);
     at::Tensor o;
-    if (h.ring) {
-      o = ring_attention(h.args, *h.ring, h.ring_documents, with.ring);
-    } else if (runs_fused_kernel(with, h)) {
+    if (runs_fused_kernel(with, h)) {
       from_output = true;
       std::tie(o, result->lse) = detail::call_flash_attention(h.args, FlashOptions{});
     } else {
-      o = with.local ? (*with.local)(h.args) : local_attention(h.args, with.kernel);
+      o = attention_by_heads(with, h);
     }
     outs.push_back(
         gather_heads(o.permute(from_bhsd(with.layout)), Heads::kQuery, h.sharding, with.group));
