@@ -117,12 +117,14 @@ std::ostream& operator<<(std::ostream& os, const HeadPartition& p);
 // inputs (slices of q, k, v, the mask and the sinks, which the caller holds anyway); its
 // backward runs the chunk's first half again with autograd (agreement, exchange, mask) and
 // backpropagates through that. On the fused kernel the chunk also keeps its row log-sum-exp by
-// heads (S floats a head) and reads its heads of the call's o (held by the layer after it), which
-// goes back to heads in one exchange with o's gradient: the kernel's backward then runs as after
-// an unchunked forward, so the gradients are the kept chunks' bit for bit and the kernel's
-// forward does not run again. Elsewhere (SDPA, math, a callable, a ring) the whole chunk runs
-// again (kernel and exchange back too). So one chunk's tensors by heads exist at a time in
-// backward too, for one more exchange of q, k, v and o (and the kernel's forward elsewhere).
+// heads (S floats a head) and reads its heads of the call's o (held by the layer after it): the
+// kernel's backward reads o only as delta = rowsum(do * o), which is made by sequence and goes
+// to heads in one exchange with o's gradient (S floats a head). The kernel's backward then runs
+// as after an unchunked forward, so the gradients are the kept chunks' bit for bit and the
+// kernel's forward does not run again; q, k and v by heads are freed before the gradients go
+// back. Elsewhere (SDPA, math, a callable, a ring) the whole chunk runs again (kernel and
+// exchange back too). So one chunk's tensors by heads exist at a time in backward too, for one
+// more exchange of q, k and v (and the kernel's forward elsewhere).
 struct HeadChunk {
   Range q;
   Range kv;

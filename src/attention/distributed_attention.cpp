@@ -525,15 +525,16 @@ bool runs_fused_kernel(const AttentionCall& call, const AttentionHeads& h) {
 // Note [Recomputed chunks] (partition.h): the chunk's call (`c` on `inputs`: q, k, v, the mask
 // and the sinks, undefined: none) without autograd; its backward runs the call's first half
 // again with autograd (agreement, exchange, mask) and backpropagates through that. Where the
-// fused kernel ran, backward does not run the kernel's forward again: the chunk's heads of o
-// (the call's output, which the next layer keeps anyway) go back to heads in one exchange with
-// o's gradient, and the kernel's backward takes them with the saved log-sum-exp, as after an
-// unchunked forward: the same gradients, bit for bit. Elsewhere (SDPA, math, a callable, a
-// ring) the whole call runs again (`run`) and backward goes through it. The node keeps the
-// inputs (detached: they are views of the caller's tensors). `sources` are the caller's tensors
-// the inputs are slices of (the slices, cut below autograd, keep no version of their own): one
-// changed in place since forward is refused, as autograd refuses a saved tensor changed so, on
-// every rank of the group alike (the others are in the recomputation's agreement by then).
+// fused kernel ran, backward does not run the kernel's forward again: delta = rowsum(do * o) of
+// the chunk's heads of o (the call's output, which the next layer keeps anyway) goes to heads in
+// one exchange with o's gradient, and the kernel's backward takes it with the saved
+// log-sum-exp, as after an unchunked forward: the same gradients, bit for bit. Elsewhere (SDPA,
+// math, a callable, a ring) the whole call runs again (`run`) and backward goes through it. The
+// node keeps the inputs (detached: they are views of the caller's tensors). `sources` are the
+// caller's tensors the inputs are slices of (the slices, cut below autograd, keep no version of
+// their own): one changed in place since forward is refused, as autograd refuses a saved tensor
+// changed so, on every rank of the group alike (the others are in the recomputation's agreement by
+// then).
 at::Tensor recomputed(const AttentionCall& c, const c10::optional<at::Tensor>& positions,
                       std::function<at::Tensor(const std::vector<at::Tensor>&)> run,
                       const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& sources,
@@ -607,24 +608,40 @@ at::Tensor recomputed(const AttentionCall& c, const c10::optional<at::Tensor>& p
                                 mask_of(again), positions);
           }();
           at::NoGradGuard no_grad;
-          // (The kernel reads BHSD views of the exchange's outputs: no copies.)
-          const std::vector<int64_t> perm = to_bhsd(with.layout);
-          const std::vector<at::Tensor> moved = scatter_heads(
-              {result->o, g[0]}, {Heads::kQuery, Heads::kQuery}, h.sharding, with.group);
-          const at::Tensor o = moved[0].permute(perm), grad_o = moved[1].permute(perm);
-          const at::Tensor& lse = result->lse;
-          LocalAttentionArgs a = h.args;  // The kernel's inputs, without their graph.
-          a.q = a.q.detach(), a.k = a.k.detach(), a.v = a.v.detach();
-          if (a.mask) a.mask = a.mask->detach();
           const bool mask_grad = h.args.mask && h.args.mask->requires_grad();
-          std::vector<at::Tensor> d = flash_attention_backward(grad_o, a, o, lse, mask_grad);
-          ends = {h.args.q, h.args.k, h.args.v};
-          grads = {d[0], d[1], d[2]};
-          if (mask_grad) ends.push_back(*h.args.mask), grads.push_back(d[3]);
-          if (h.args.sinks && h.args.sinks->requires_grad()) {
-            ends.push_back(*h.args.sinks);
-            grads.push_back(detail::sinks_grad(grad_o, o, lse, h.args.sinks->detach()));
+          const bool sinks_grad = h.args.sinks && h.args.sinks->requires_grad();
+          std::vector<at::Tensor> d;
+          {
+            // The kernel's backward reads o only as delta = rowsum(do * o), one fp32 value per
+            // head and row: made here by sequence, it goes to heads with o's gradient in one
+            // exchange (as two 16-bit halves beside a 16-bit gradient), and o's heads never move.
+            // (The kernel reads BHSD views of the exchange's outputs: no copies.)
+            const std::vector<int64_t> perm = to_bhsd(with.layout);
+            const at::ScalarType dtype = g[0].scalar_type();
+            at::Tensor delta = detail::attention_delta(g[0], result->o).unsqueeze(-1);
+            if (dtype != at::kFloat) delta = delta.view(dtype);
+            const std::vector<at::Tensor> moved = scatter_heads(
+                {delta, g[0]}, {Heads::kQuery, Heads::kQuery}, h.sharding, with.group);
+            delta = moved[0].view(at::kFloat).permute(perm).squeeze(-1);
+            const at::Tensor grad_o = moved[1].permute(perm);
+            LocalAttentionArgs a = h.args;  // The kernel's inputs, without their graph.
+            a.q = a.q.detach(), a.k = a.k.detach(), a.v = a.v.detach();
+            if (a.mask) a.mask = a.mask->detach();
+            d = detail::flash_backward_from_delta(grad_o, a, delta, result->lse, mask_grad);
+            if (sinks_grad) {
+              d.push_back(detail::sinks_grad(delta, result->lse, h.args.sinks->detach()));
+            }
           }
+          // Only the graph of q, k and v by heads is wanted from here: their bytes go before
+          // the gradients' exchange back (the kernel's were its only reads).
+          const std::vector<at::Tensor> by_heads{h.args.q, h.args.k, h.args.v};
+          for (size_t i = 0; i < by_heads.size(); ++i) {
+            if (!by_heads[i].requires_grad()) continue;
+            ends.push_back(by_heads[i]), grads.push_back(d[i]);
+            detail::free_if_unshared(by_heads[i]);
+          }
+          if (mask_grad) ends.push_back(*h.args.mask), grads.push_back(d[3]);
+          if (sinks_grad) ends.push_back(*h.args.sinks), grads.push_back(d.back());
         } else {
           at::AutoGradMode with_grad(true);
           at::Tensor o = run(again);

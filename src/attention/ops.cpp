@@ -144,7 +144,7 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_autograd(
                           ring_group, options, mask_grad, window, softcap);
         std::vector<at::Tensor> grads{dq, dk, dv};
         if (mask_grad) grads.push_back(dmask);
-        if (sink_grad) grads.push_back(sinks_grad(g[0], o, lse, *sinks));
+        if (sink_grad) grads.push_back(sinks_grad(attention_delta(g[0], o), lse, *sinks));
         return grads;
       });
   return {outs[0], lse};

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "attention/ops.h"
+#include "kernels/ops.h"
 #include "transport/message_tags.h"
 #include "transport/transfers.h"
 #include "ulysses/flash_attention.h"
@@ -168,6 +169,7 @@ std::vector<at::Tensor> ring_backward(const Ring& ring, const at::Tensor& grad_o
   at::Tensor dmask;
   if (ring.mask_grad) dmask = at::zeros(a.mask->sizes(), a.q.options().dtype(at::kFloat));
   at::Tensor grads;  // The accumulator of the previous step's block, sent on at this step.
+  const at::Tensor delta = detail::attention_delta(grad_out, out);  // Once for every block.
   for (int t = 0; t < R; ++t) {
     const int src = ring.source(t);
     std::optional<Transfers> step;
@@ -187,7 +189,7 @@ std::vector<at::Tensor> ring_backward(const Ring& ring, const at::Tensor& grad_o
     if (step) step->post();
     auto [k, v] = ring.unpack(block, src);
     const LocalAttentionArgs block_args = ring.block_args(k, v, src);
-    auto g = flash_attention_backward(grad_out, block_args, out, lse, ring.mask_grad);
+    auto g = detail::flash_backward_from_delta(grad_out, block_args, delta, lse, ring.mask_grad);
     dq.add_(g[0]);
     if (ring.mask_grad) {
       at::Tensor dm = g[3].to(at::kFloat);

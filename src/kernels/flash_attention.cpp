@@ -196,12 +196,22 @@ std::vector<at::Tensor> flash_attention_backward(const at::Tensor& grad_out,
                                                  const LocalAttentionArgs& a, const at::Tensor& out,
                                                  const at::Tensor& lse, bool mask_grad,
                                                  const FlashOptions& options) {
+  at::NoGradGuard no_grad;
+  return detail::flash_backward_from_delta(grad_out, a, detail::attention_delta(grad_out, out), lse,
+                                           mask_grad, options);
+}
+
+std::vector<at::Tensor> detail::flash_backward_from_delta(const at::Tensor& grad_out,
+                                                          const LocalAttentionArgs& a,
+                                                          const at::Tensor& delta,
+                                                          const at::Tensor& lse, bool mask_grad,
+                                                          const FlashOptions& options) {
   TORCH_CHECK_VALUE(!mask_grad || (a.mask && a.mask->is_floating_point()),
                     "flash_attention_backward: a mask gradient needs a floating-point mask");
   const Problem p = make_problem(a, options);
   at::NoGradGuard no_grad;
   FlashGrads g = passes().backward(p, as_kernel_input(grad_out, p.q.scalar_type()),
-                                   out.to(at::kFloat), lse, mask_grad);
+                                   delta.contiguous(), lse, mask_grad);
   std::vector<at::Tensor> result{g.dq.to(a.q.scalar_type()), g.dk.to(a.k.scalar_type()),
                                  g.dv.to(a.v.scalar_type()), at::Tensor()};
   if (mask_grad) result[3] = g.dbias.sum_to_size(a.mask->sizes()).to(a.mask->scalar_type());

@@ -263,7 +263,7 @@ std::pair<at::Tensor, at::Tensor> forward(const FlashProblem& p) {
 // Tasks own (batch, kv head, key blocks kb = c mod C): dk and dv of their key blocks and, when
 // C == 1, dq of the kv head's query heads, so no two tasks write the same memory.
 template <typename T>
-FlashGrads backward(const FlashProblem& p, const at::Tensor& d_out, const at::Tensor& out,
+FlashGrads backward(const FlashProblem& p, const at::Tensor& d_out, const at::Tensor& delta,
                     const at::Tensor& lse, bool want_dbias) {
   const auto q = strided<T>(p.q), k = strided<T>(p.k), v = strided<T>(p.v);
   const auto f32 = p.q.options().dtype(at::kFloat);
@@ -271,7 +271,6 @@ FlashGrads backward(const FlashProblem& p, const at::Tensor& d_out, const at::Te
   const int64_t threads = at::get_num_threads();
   const int64_t chunks =
       std::max<int64_t>(1, std::min(n_kb, (threads + p.B * p.Hkv - 1) / (p.B * p.Hkv)));
-  at::Tensor delta = (d_out * out).sum(-1);  // [B, Hq, Sq]
   at::Tensor dq_parts = at::zeros({chunks, p.B, p.Hq, p.Sq, p.D}, f32);
   FlashGrads g;
   g.dk = at::empty({p.B, p.Hkv, p.Sk, p.D}, f32);
@@ -349,10 +348,10 @@ std::pair<at::Tensor, at::Tensor> forward_any(const FlashProblem& p) {
   return p.bf16 ? forward<c10::BFloat16>(p) : forward<float>(p);
 }
 
-FlashGrads backward_any(const FlashProblem& p, const at::Tensor& d_out, const at::Tensor& out,
+FlashGrads backward_any(const FlashProblem& p, const at::Tensor& d_out, const at::Tensor& delta,
                         const at::Tensor& lse, bool want_dbias) {
-  return p.bf16 ? backward<c10::BFloat16>(p, d_out, out, lse, want_dbias)
-                : backward<float>(p, d_out, out, lse, want_dbias);
+  return p.bf16 ? backward<c10::BFloat16>(p, d_out, delta, lse, want_dbias)
+                : backward<float>(p, d_out, delta, lse, want_dbias);
 }
 
 FlashPasses flash_passes() { return {forward_any, backward_any, C10_STRINGIZE(CPU_CAPABILITY)}; }

@@ -53,10 +53,11 @@ struct FlashGrads {
 
 // One instruction set's passes. forward: out [B, Hq, Sq, Dv] and lse [B, Hq, Sq] (fp32,
 // contiguous). backward: from d_out [B, Hq, Sq, Dv] (q's kernel dtype, last dim contiguous, any
-// other strides) and the forward's out and lse.
+// other strides), the forward's lse and delta = rowsum(d_out * out) [B, Hq, Sq] (fp32,
+// contiguous; detail::attention_delta), the only use of the forward's out.
 struct FlashPasses {
   std::pair<at::Tensor, at::Tensor> (*forward)(const FlashProblem&);
-  FlashGrads (*backward)(const FlashProblem&, const at::Tensor& d_out, const at::Tensor& out,
+  FlashGrads (*backward)(const FlashProblem&, const at::Tensor& d_out, const at::Tensor& delta,
                          const at::Tensor& lse, bool want_dbias);
   const char* isa;
 };

@@ -46,10 +46,12 @@ std::tuple<at::Tensor, at::Tensor> with_sinks(const at::Tensor& out, const at::T
   return {merged.to(out.scalar_type()).contiguous(), merged_lse.contiguous()};
 }
 
-at::Tensor sinks_grad(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
-                      const at::Tensor& sinks) {
+at::Tensor attention_delta(const at::Tensor& grad_out, const at::Tensor& out) {
+  return (grad_out.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
+}
+
+at::Tensor sinks_grad(const at::Tensor& delta, const at::Tensor& lse, const at::Tensor& sinks) {
   at::Tensor p_sink = (sinks.to(at::kFloat).view({1, -1, 1}) - lse).exp();
-  at::Tensor delta = (grad_out.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
   return (p_sink * delta).sum(at::IntArrayRef{0, 2}).neg().to(sinks.scalar_type());
 }
 
@@ -150,7 +152,9 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_autograd(
                                 mask_grad, rows, block_q, block_k, window, softcap);
                             std::vector<at::Tensor> grads{dq, dk, dv};
                             if (mask_grad) grads.push_back(dmask);
-                            if (sink_grad) grads.push_back(sinks_grad(g[0], o, lse, *sinks));
+                            if (sink_grad) {
+                              grads.push_back(sinks_grad(attention_delta(g[0], o), lse, *sinks));
+                            }
                             return grads;
                           });
   return {outs[0], lse};

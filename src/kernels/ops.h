@@ -29,10 +29,19 @@ LocalAttentionArgs local_args(const at::Tensor& q, const at::Tensor& k, const at
 // the probabilities with the sink, and ds = p * (dp - rowsum(do * o)) holds as it is.
 std::tuple<at::Tensor, at::Tensor> with_sinks(const at::Tensor& out, const at::Tensor& lse,
                                               const c10::optional<at::Tensor>& sinks);
-// d/dsinks[h] = -sum over h's rows of p_sink * rowsum(do * o), p_sink = exp(sinks[h] - lse),
-// from the merged out and lse.
-at::Tensor sinks_grad(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
-                      const at::Tensor& sinks);
+// delta = rowsum(grad_out * out) over the last dim, in fp32: the row term of attention's
+// backward (ds = p * (dp - delta)) and its only use of the forward's output, [.., S] for
+// [.., S, Dv] in any layout whose last dim is Dv.
+at::Tensor attention_delta(const at::Tensor& grad_out, const at::Tensor& out);
+// flash_attention_backward given delta [B, Hq, Sq] (attention_delta of its grad_out and out)
+// in place of the output: a caller that has delta sooner need not keep out by heads.
+std::vector<at::Tensor> flash_backward_from_delta(const at::Tensor& grad_out,
+                                                  const LocalAttentionArgs& args,
+                                                  const at::Tensor& delta, const at::Tensor& lse,
+                                                  bool mask_grad, const FlashOptions& options = {});
+// d/dsinks[h] = -sum over h's rows of p_sink * delta, p_sink = exp(sinks[h] - lse), from the
+// merged out's delta and lse.
+at::Tensor sinks_grad(const at::Tensor& delta, const at::Tensor& lse, const at::Tensor& sinks);
 bool learns_sinks(const c10::optional<at::Tensor>& sinks);
 // The inputs a local attention is differentiable in: q, k, v and a learnable float mask.
 std::vector<at::Tensor> attention_inputs(const at::Tensor& q, const at::Tensor& k,

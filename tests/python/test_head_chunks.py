@@ -292,6 +292,36 @@ def test_recomputed_chunks_keep_nothing_by_heads_and_run_again_in_backward():
             assert rel(got, want) < 1e-14
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["BSHD", "SBHD", "BHSD"])
+def test_recomputed_chunks_in_16_bits_are_the_kept_chunks_bit_for_bit(dtype, layout):
+    # On the fused kernel a recomputed chunk's backward sends delta = rowsum(do * o) (fp32) to
+    # heads with o's gradient in one exchange, as two 16-bit halves beside a 16-bit gradient: it
+    # must arrive intact in every layout, as the kept chunks' gradients (sinks' included) show.
+    S, hq, hkv, D = 12, 8, 4, 8
+    gen = torch.Generator().manual_seed(5)
+    shape = {"BSHD": lambda h: (2, S, h, D), "SBHD": lambda h: (S, 2, h, D), "BHSD": lambda h: (2, h, S, D)}[layout]
+    seq_dim = layout.index("S")
+    Q, K, V = (torch.randn(*shape(h), generator=gen).to(dtype) for h in (hq, hkv, hkv))
+    sinks = torch.randn(hq, generator=gen).to(dtype)
+    lens = seq_lens(S, 2)
+
+    def body(rank, group):
+        results = []
+        for recompute in (False, True):
+            q, k, v = (shard(t, seq_dim, rank, lens).clone().requires_grad_() for t in (Q, K, V))
+            s = sinks.clone().requires_grad_()
+            o = ulysses.DistributedAttention(group, causal=True, layout=layout, head_chunks=2, local="fused",
+                                             recompute_chunks=recompute)(q, k, v, sinks=s)
+            o.float().square().sum().backward()
+            results.append([o.detach(), q.grad, k.grad, v.grad, s.grad])
+        return results
+
+    for kept, recomputed in run_ranks(2, body):
+        for got, want in zip(recomputed, kept, strict=True):
+            assert got.dtype == dtype and torch.equal(got, want)
+
+
 def test_a_recomputed_output_is_freed_only_where_nothing_else_holds_its_bytes():
     # _C.free_if_unshared (what a recomputed chunk does to its output before backward): a
     # tensor alone with its storage loses its bytes and keeps its shape; one whose storage a
