@@ -3,6 +3,7 @@
 
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include <sstream>
 
@@ -218,6 +219,37 @@ TEST(FlashAttention, SavedTensorsAreFreedOnceBackwardRan) {
   at::Tensor kept = flash_attention(args, {8, 8});
   kept.sum().backward({}, /*retain_graph=*/true);
   EXPECT_NO_THROW(kept.sum().backward());
+}
+
+TEST(FlashAttention, BackwardDropsTheOutputBeforeItsKernelUnlessRetained) {
+  // Backward reads the forward's output only as rowsum(do * o): o's bytes go before the kernel
+  // runs (seen from a hook after the node ran, before the engine releases the node), unless
+  // the graph is retained, where a second backward needs o and gets the same gradients.
+  const at::Tensor k = seeded_randn({1, 1, 24, 16}, 2), w = seeded_randn({1, 2, 24, 16}, 3);
+  std::vector<at::Tensor> grads;
+  for (const bool retain : {false, true}) {
+    SCOPED_TRACE(retain ? "retained" : "not retained");
+    at::Tensor q = seeded_randn({1, 2, 24, 16}, 1).requires_grad_();
+    at::Tensor out = flash_attention({q, k, k, {0, 0}, c10::nullopt, c10::nullopt, true}, {8, 8});
+    const auto bytes = out.storage().getWeakStorageImpl();
+    bool freed_when_it_ran = false;
+    out.grad_fn()->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [&](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+          freed_when_it_ran = bytes.expired();
+          return outputs;
+        }));
+    const at::Tensor loss = (out * w).sum();  // (Keeps w, not out.)
+    out = at::Tensor();
+    EXPECT_FALSE(bytes.expired());
+    loss.backward({}, retain);
+    EXPECT_EQ(freed_when_it_ran, !retain);
+    grads.push_back(q.grad().clone());
+    if (!retain) continue;
+    q.mutable_grad() = at::Tensor();
+    loss.backward();
+    EXPECT_TRUE(q.grad().equal(grads.back()));
+  }
+  EXPECT_TRUE(grads[0].equal(grads[1]));
 }
 
 TEST(FlashAttention, AWindowNeedsCausalAttention) {

@@ -145,7 +145,7 @@ def _(q, k, v, kv_map, mask, positions, causal, scale, rows, block_q=0, block_k=
 
 
 @torch.library.register_fake("ulysses::flash_attention_backward")
-def _(grad_out, q, k, v, out, lse, kv_map, mask, positions, causal, scale, mask_grad, rows,
+def _(grad_out, q, k, v, delta, lse, kv_map, mask, positions, causal, scale, mask_grad, rows,
       block_q=0, block_k=0, window=0, softcap=0.0):
     dmask = mask.new_empty(mask.shape) if mask_grad else q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask

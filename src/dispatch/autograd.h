@@ -17,6 +17,11 @@ namespace ulysses::detail {
 
 using BackwardFn = std::function<std::vector<at::Tensor>(std::vector<at::Tensor>&&)>;
 
+// True inside a FunctionNode's backward that the engine frees once it returns (the graph is not
+// retained): the backward may then drop what it captured as soon as it has read it (a saved
+// output it needs only to begin with), as no second run will look for it.
+inline thread_local bool backward_runs_once = false;
+
 // What torch's autograd graph holds a node by: std::shared_ptr up to torch 2.11,
 // c10::intrusive_ptr later. Edge::function names it on every version.
 using NodePtr = decltype(torch::autograd::Edge::function);
@@ -43,8 +48,16 @@ class FunctionNode : public torch::autograd::Node {
     for (size_t i = 0; i < grads.size(); ++i) {
       if (!grads[i].defined()) grads[i] = at::zeros(shapes_[i], options_[i]);
     }
+    const bool outer = backward_runs_once;  // (A backward may run other nodes' inside it.)
+    backward_runs_once = released_next_;
+    struct Restore {
+      bool value;
+      ~Restore() { backward_runs_once = value; }
+    } restore{outer};
     return fn_(std::move(grads));
   }
+  // Called by the engine before apply when release_variables follows it.
+  void will_release_variables() override { released_next_ = true; }
   // Called by the engine once this node ran, unless the graph is retained: `fn` holds the
   // tensors backward needs (the forward's inputs and outputs), freed here as torch frees a
   // node's saved variables, not when the graph itself dies (after the whole backward).
@@ -56,7 +69,8 @@ class FunctionNode : public torch::autograd::Node {
 
  private:
   std::string name_;
-  BackwardFn fn_;  // Maps output grads to input grads; null once released.
+  BackwardFn fn_;               // Maps output grads to input grads; null once released.
+  bool released_next_ = false;  // This apply is the last: release_variables follows it.
   std::vector<std::vector<int64_t>> shapes_;  // Output shapes, for undefined grads.
   std::vector<at::TensorOptions> options_;    // Output options, likewise.
 };

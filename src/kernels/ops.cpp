@@ -112,14 +112,14 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_op(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attention_backward_op(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, c10::IntArrayRef kv_map, const OptTensor& mask,
+    const at::Tensor& delta, const at::Tensor& lse, c10::IntArrayRef kv_map, const OptTensor& mask,
     const OptTensor& positions, bool causal, double scale, bool mask_grad, at::TensorList rows,
     int64_t block_q, int64_t block_k, int64_t window, double softcap) {
   LocalAttentionArgs a =
       local_args(q, k, v, kv_map, mask, positions, op_rules(causal, scale, window, softcap));
   a.rows = rows_of(rows);
   auto g =
-      flash_attention_backward(grad_out, a, out, lse, mask_grad, FlashOptions{block_q, block_k});
+      flash_backward_from_delta(grad_out, a, delta, lse, mask_grad, FlashOptions{block_q, block_k});
   // No mask gradient: an empty tensor (a dispatcher op cannot return an undefined one).
   if (!g[3].defined()) g[3] = at::empty({0}, q.options());
   return {g[0].contiguous(), g[1].contiguous(), g[2].contiguous(), g[3].contiguous()};
@@ -142,21 +142,24 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_autograd(
   if (sink_grad) inputs.push_back(*sinks);
   if (!needs_grad(inputs)) return {out, lse};
   std::vector<at::Tensor> outs{out};
-  detail::attach_backward(inputs, outs, "FlashAttentionBackward",
-                          [q = q.detach(), k = k.detach(), v = v.detach(), o = out.detach(), lse,
-                           map = kv_map.vec(), mask = detached(mask), positions, causal, scale,
-                           mask_grad, block_q, block_k, window, softcap, rows = rows.vec(),
-                           sinks = detached(sinks), sink_grad](std::vector<at::Tensor>&& g) {
-                            auto [dq, dk, dv, dmask] = backward.call(
-                                g[0], q, k, v, o, lse, map, mask, positions, causal, scale,
-                                mask_grad, rows, block_q, block_k, window, softcap);
-                            std::vector<at::Tensor> grads{dq, dk, dv};
-                            if (mask_grad) grads.push_back(dmask);
-                            if (sink_grad) {
-                              grads.push_back(sinks_grad(attention_delta(g[0], o), lse, *sinks));
-                            }
-                            return grads;
-                          });
+  detail::attach_backward(
+      inputs, outs, "FlashAttentionBackward",
+      [q = q.detach(), k = k.detach(), v = v.detach(), o = out.detach(), lse, map = kv_map.vec(),
+       mask = detached(mask), positions, causal, scale, mask_grad, block_q, block_k, window,
+       softcap, rows = rows.vec(), sinks = detached(sinks),
+       sink_grad](std::vector<at::Tensor>&& g) mutable {
+        // o is read only as delta, so it goes before the kernel runs (o by heads is as large
+        // as q), unless the graph is retained for another backward.
+        const at::Tensor delta = attention_delta(g[0], o);
+        if (backward_runs_once) o = at::Tensor();
+        auto [dq, dk, dv, dmask] =
+            backward.call(g[0], q, k, v, delta, lse, map, mask, positions, causal, scale, mask_grad,
+                          rows, block_q, block_k, window, softcap);
+        std::vector<at::Tensor> grads{dq, dk, dv};
+        if (mask_grad) grads.push_back(dmask);
+        if (sink_grad) grads.push_back(sinks_grad(delta, lse, *sinks));
+        return grads;
+      });
   return {outs[0], lse};
 }
 
@@ -191,7 +194,7 @@ TORCH_LIBRARY_FRAGMENT(ulysses, m) {
       "int block_k=0, int window=0, float softcap=0., Tensor? sinks=None) -> (Tensor, Tensor)",
       pt2);
   m.def(
-      "flash_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "flash_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor delta, "
       "Tensor lse, int[] kv_map, Tensor? mask, Tensor? positions, bool causal, float scale, "
       "bool mask_grad, Tensor[] rows, int block_q=0, int block_k=0, int window=0, float "
       "softcap=0.) -> "

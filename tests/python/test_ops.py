@@ -140,8 +140,9 @@ def test_opcheck_flash_attention(with_mask):
     torch.library.opcheck(ops.flash_attention.default, (q, k, v, [0, 0, 1, 1], mask, pos, True, 0.0, []))
     out, lse = ops.flash_attention(q, k, v, [0, 0, 1, 1], mask, pos, True, 0.0, [])
     g = torch.randn_like(out)
+    delta = (g * out.detach()).sum(-1)  # What the kernel's backward reads of out.
     torch.library.opcheck(ops.flash_attention_backward.default,
-                          (g, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
+                          (g, q.detach(), k.detach(), v.detach(), delta, lse.detach(),
                            [0, 0, 1, 1], None if mask is None else mask.detach(), pos, True, 0.0,
                            with_mask, []))
 
