@@ -336,7 +336,9 @@ def compare_chunks(a: argparse.Namespace, rows: list[dict]) -> int:
                 for key in ("peak", "transient", "held", "step"):
                     unit = "s" if key == "step" else "mib"
                     row[f"{key}_over_k1"] = row[f"{key}_{unit}"] / first[f"{key}_{unit}"]
-                rows.append(row)
+                # A rerun replaces its row in --json's file (as the model rows do), not adds to it.
+                same = ("seq_len", "sp", "head_chunks", "attention")
+                rows[:] = [r for r in rows if any(r.get(k) != row[k] for k in same)] + [row]
                 print(f"{seq_len:>6} {sp:>2} {chunks:>6} {row['peak_mib']:>9.1f} {row['outputs_mib']:>11.1f} "
                       f"{row['saved_mib']:>9.1f} {row['transient_mib']:>13.1f} {row['held_mib']:>8.1f} "
                       f"{row['step_s']:>7.2f} {row['peak_over_k1']:>12.3f} {row['transient_over_k1']:>17.3f} "

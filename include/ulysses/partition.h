@@ -139,8 +139,8 @@ std::vector<HeadChunk> head_chunks(int64_t q_heads, int64_t kv_heads, int64_t sp
 // transient falls by at most another eighth of the unchunked call's while each chunk adds a
 // round and two exchanges. Recomputed chunks (`recompute`): the most the heads allow (each
 // chunk >= P query heads), at most 8. What backward holds then falls as 1/count while the cost is
-// the recomputation's, nearly flat in the count: on that layer at P = 2, 4 -> 8 chunks held 0.39
-// -> 0.25 of the unchunked call's, step 1.28 -> 1.30x (P = 4: 0.49 -> 0.34, 1.28 -> 1.27x).
+// the recomputation's, nearly flat in the count: on that layer at P = 2, 4 -> 8 chunks held 0.41
+// -> 0.28 of the unchunked call's, step 0.79 -> 0.61x (P = 4: 0.52 -> 0.39, 0.91 -> 0.92x).
 int64_t auto_head_chunks(int64_t q_heads, int64_t kv_heads, int64_t sp_size,
                          bool recompute = false);
 

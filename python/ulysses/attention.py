@@ -155,8 +155,8 @@ class DistributedAttention(nn.Module):
         recompute_chunks: each chunk (the whole call with ``head_chunks=1``) keeps only its
             inputs for backward and exchanges them again there (Note [Recomputed chunks],
             partition.h): nothing by heads lives from forward to backward. On the fused kernel
-            (CPU, fp32/bf16/fp16) backward sends the chunk's heads of o back to heads with o's
-            gradient and runs the kernel's backward on the saved log-sum-exp, so the kernel's
+            (CPU, fp32/bf16/fp16) backward sends rowsum(do * o) of the chunk's heads to heads with
+            o's gradient and runs the kernel's backward on the saved log-sum-exp, so the kernel's
             forward does not run again and the gradients are the kept chunks' bit for bit;
             elsewhere the chunk's whole call runs again. Backward reads o: keep it unchanged
             until then. Eager (under torch.compile the chunks keep what they save, as without
