@@ -4,6 +4,7 @@
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include <sstream>
 
@@ -318,6 +319,42 @@ TEST(RingAttention, Bf16MatchesTheReferenceAtBf16Precision) {
     EXPECT_LT(rel_error(o.to(at::kDouble), shard(O)), 1e-2) << "output";
     EXPECT_LT(rel_error(k.grad().to(at::kDouble), shard(Kr.grad())), 2e-2) << "dk";
     EXPECT_LT(rel_error(q.grad().to(at::kDouble), shard(Qr.grad())), 2e-2) << "dq";
+  });
+}
+
+// The ring's backward reads the forward's output only as delta = rowsum(do * o), as the fused
+// kernel's does: o's bytes go before the ring's steps run (seen from a hook after the node ran,
+// before the engine releases it), unless the graph is retained for a second backward.
+TEST(RingAttention, BackwardDropsTheOutputBeforeTheRingRunsUnlessRetained) {
+  expect_ranks_succeed(2, [](Group& world) {
+    const RingLayout layout = RingLayout::make(16, 1, 2);
+    const at::Tensor kv = seeded_randn({1, 1, 8, 8}, 3 + world.rank());
+    const at::Tensor w = seeded_randn({1, 2, 8, 8}, 5 + world.rank());
+    std::vector<at::Tensor> grads;
+    for (const bool retain : {false, true}) {
+      at::Tensor q = seeded_randn({1, 2, 8, 8}, 1 + world.rank()).requires_grad_();
+      LocalAttentionArgs args;
+      args.q = q, args.k = kv, args.v = kv, args.kv_map = {0, 0}, args.causal = true;
+      at::Tensor out = ring_attention(args, layout, at::Tensor(), world);
+      const auto bytes = out.storage().getWeakStorageImpl();
+      bool freed_when_it_ran = false;
+      out.grad_fn()->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+          [&](const torch::autograd::variable_list& outputs,
+              const torch::autograd::variable_list&) {
+            freed_when_it_ran = bytes.expired();
+            return outputs;
+          }));
+      const at::Tensor loss = (out * w).sum();  // (Keeps w, not out.)
+      out = at::Tensor();
+      loss.backward({}, retain);
+      EXPECT_EQ(freed_when_it_ran, !retain) << where(world, q);
+      grads.push_back(q.grad().clone());
+      if (!retain) continue;
+      q.mutable_grad() = at::Tensor();
+      loss.backward();
+      EXPECT_TRUE(q.grad().equal(grads.back())) << where(world, q);
+    }
+    EXPECT_TRUE(grads[0].equal(grads[1])) << where(world, grads[0]);
   });
 }
 

@@ -103,15 +103,15 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_op(const at::Tensor& q, const 
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ring_attention_backward_op(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, c10::IntArrayRef kv_map, const OptTensor& mask,
+    const at::Tensor& delta, const at::Tensor& lse, c10::IntArrayRef kv_map, const OptTensor& mask,
     const OptTensor& docs, bool causal, double scale, int64_t seq_len, int64_t ulysses,
     const std::string& ring_group, c10::IntArrayRef group_options, bool mask_grad, int64_t window,
     double softcap) {
   const Group ring = group_of_op(ring_group, group_options);
   const RingLayout layout = RingLayout::make(seq_len, ulysses, ring.size());
-  auto g = ring_attention_backward(
+  auto g = ring_backward_from_delta(
       grad_out, local_args(q, k, v, kv_map, mask, {}, op_rules(causal, scale, window, softcap)),
-      layout, docs.value_or(at::Tensor()), ring, out, lse, mask_grad);
+      layout, docs.value_or(at::Tensor()), ring, delta, lse, mask_grad);
   if (!g[3].defined()) g[3] = at::empty({0}, q.options());
   return {g[0].contiguous(), g[1].contiguous(), g[2].contiguous(), g[3].contiguous()};
 }
@@ -138,13 +138,16 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_autograd(
       [q = q.detach(), k = k.detach(), v = v.detach(), o = out.detach(), lse, map = kv_map.vec(),
        mask = detached(mask), docs, causal, scale, seq_len, ulysses, ring_group,
        options = group_options.vec(), mask_grad, window, softcap, sinks = detached(sinks),
-       sink_grad](std::vector<at::Tensor>&& g) {
+       sink_grad](std::vector<at::Tensor>&& g) mutable {
+        // o is read only as delta (as in FlashAttentionBackward): it goes before the ring runs.
+        const at::Tensor delta = attention_delta(g[0], o);
+        if (backward_runs_once) o = at::Tensor();
         auto [dq, dk, dv, dmask] =
-            backward.call(g[0], q, k, v, o, lse, map, mask, docs, causal, scale, seq_len, ulysses,
-                          ring_group, options, mask_grad, window, softcap);
+            backward.call(g[0], q, k, v, delta, lse, map, mask, docs, causal, scale, seq_len,
+                          ulysses, ring_group, options, mask_grad, window, softcap);
         std::vector<at::Tensor> grads{dq, dk, dv};
         if (mask_grad) grads.push_back(dmask);
-        if (sink_grad) grads.push_back(sinks_grad(attention_delta(g[0], o), lse, *sinks));
+        if (sink_grad) grads.push_back(sinks_grad(delta, lse, *sinks));
         return grads;
       });
   return {outs[0], lse};
@@ -280,7 +283,7 @@ TORCH_LIBRARY_FRAGMENT(ulysses, m) {
       "bool causal, float scale, int seq_len, int ulysses, str ring_group, int[] group_options, "
       "int window=0, float softcap=0., Tensor? sinks=None) -> (Tensor, Tensor)");
   m.def(
-      "ring_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "ring_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor delta, "
       "Tensor lse, int[] kv_map, Tensor? mask, Tensor? docs, bool causal, float scale, "
       "int seq_len, int ulysses, str ring_group, int[] group_options, bool mask_grad, "
       "int window=0, float softcap=0.) -> "

@@ -156,12 +156,12 @@ std::pair<at::Tensor, at::Tensor> ring_forward(const Ring& ring) {
   return {out, lse};
 }
 
-// Backward: {dq, dk, dv, dmask (if ring.mask_grad)} for grad_out, given the forward's merged
-// out and lse. Each step's transfers go as one batch: the next key/value block, then the
-// gradient accumulator of the previous step's block, in that order on every rank (NCCL matches
-// a pair's transfers by order).
+// Backward: {dq, dk, dv, dmask (if ring.mask_grad)} for grad_out, given delta = rowsum(grad_out
+// * out) of the forward's merged out (each block's kernel backward reads it) and lse. Each step's
+// transfers go as one batch: the next key/value block, then the gradient accumulator of the
+// previous step's block, in that order on every rank (NCCL matches a pair's transfers by order).
 std::vector<at::Tensor> ring_backward(const Ring& ring, const at::Tensor& grad_out,
-                                      const at::Tensor& out, const at::Tensor& lse) {
+                                      const at::Tensor& delta, const at::Tensor& lse) {
   const int R = ring.group.size();
   const auto& a = ring.args;
   at::Tensor block = ring.pack(a.k, a.v, ring.rank(), a.k.scalar_type());
@@ -169,7 +169,6 @@ std::vector<at::Tensor> ring_backward(const Ring& ring, const at::Tensor& grad_o
   at::Tensor dmask;
   if (ring.mask_grad) dmask = at::zeros(a.mask->sizes(), a.q.options().dtype(at::kFloat));
   at::Tensor grads;  // The accumulator of the previous step's block, sent on at this step.
-  const at::Tensor delta = detail::attention_delta(grad_out, out);  // Once for every block.
   for (int t = 0; t < R; ++t) {
     const int src = ring.source(t);
     std::optional<Transfers> step;
@@ -288,9 +287,20 @@ std::vector<at::Tensor> ring_attention_backward(const at::Tensor& grad_out,
                                                 const RingLayout& layout, const at::Tensor& docs,
                                                 const Group& group, const at::Tensor& out,
                                                 const at::Tensor& lse, bool mask_grad) {
+  at::NoGradGuard no_grad;
+  return detail::ring_backward_from_delta(grad_out, args, layout, docs, group,
+                                          detail::attention_delta(grad_out, out), lse, mask_grad);
+}
+
+std::vector<at::Tensor> detail::ring_backward_from_delta(const at::Tensor& grad_out,
+                                                         const LocalAttentionArgs& args,
+                                                         const RingLayout& layout,
+                                                         const at::Tensor& docs, const Group& group,
+                                                         const at::Tensor& delta,
+                                                         const at::Tensor& lse, bool mask_grad) {
   const Ring ring = make_ring(args, layout, docs, group, mask_grad);
   at::NoGradGuard no_grad;
-  return ring_backward(ring, grad_out.to(at::kFloat).contiguous(), out.to(at::kFloat), lse);
+  return ring_backward(ring, grad_out.to(at::kFloat).contiguous(), delta.contiguous(), lse);
 }
 
 at::Tensor ring_attention(const LocalAttentionArgs& args, const RingLayout& layout,
