@@ -3,7 +3,6 @@
 
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include <sstream>
 
@@ -231,18 +230,11 @@ TEST(FlashAttention, BackwardDropsTheOutputBeforeItsKernelUnlessRetained) {
     SCOPED_TRACE(retain ? "retained" : "not retained");
     at::Tensor q = seeded_randn({1, 2, 24, 16}, 1).requires_grad_();
     at::Tensor out = flash_attention({q, k, k, {0, 0}, c10::nullopt, c10::nullopt, true}, {8, 8});
-    const auto bytes = out.storage().getWeakStorageImpl();
-    bool freed_when_it_ran = false;
-    out.grad_fn()->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [&](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
-          freed_when_it_ran = bytes.expired();
-          return outputs;
-        }));
+    const auto freed = testing::freed_when_its_node_ran(out);
     const at::Tensor loss = (out * w).sum();  // (Keeps w, not out.)
     out = at::Tensor();
-    EXPECT_FALSE(bytes.expired());
     loss.backward({}, retain);
-    EXPECT_EQ(freed_when_it_ran, !retain);
+    EXPECT_EQ(*freed, !retain);
     grads.push_back(q.grad().clone());
     if (!retain) continue;
     q.mutable_grad() = at::Tensor();

@@ -4,7 +4,6 @@
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include <sstream>
 
@@ -336,18 +335,11 @@ TEST(RingAttention, BackwardDropsTheOutputBeforeTheRingRunsUnlessRetained) {
       LocalAttentionArgs args;
       args.q = q, args.k = kv, args.v = kv, args.kv_map = {0, 0}, args.causal = true;
       at::Tensor out = ring_attention(args, layout, at::Tensor(), world);
-      const auto bytes = out.storage().getWeakStorageImpl();
-      bool freed_when_it_ran = false;
-      out.grad_fn()->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-          [&](const torch::autograd::variable_list& outputs,
-              const torch::autograd::variable_list&) {
-            freed_when_it_ran = bytes.expired();
-            return outputs;
-          }));
+      const auto freed = testing::freed_when_its_node_ran(out);
       const at::Tensor loss = (out * w).sum();  // (Keeps w, not out.)
       out = at::Tensor();
       loss.backward({}, retain);
-      EXPECT_EQ(freed_when_it_ran, !retain) << where(world, q);
+      EXPECT_EQ(*freed, !retain) << where(world, q);
       grads.push_back(q.grad().clone());
       if (!retain) continue;
       q.mutable_grad() = at::Tensor();

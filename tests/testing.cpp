@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 #include <pybind11/embed.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include <map>
 #include <mutex>
@@ -180,6 +181,17 @@ std::string where(const Group& g, const at::Tensor& t) {
   os << "rank " << g.rank() << " of " << g.size() << ", dtype " << t.scalar_type() << ", shape "
      << t.sizes();
   return os.str();
+}
+
+std::shared_ptr<bool> freed_when_its_node_ran(const at::Tensor& out) {
+  auto freed = std::make_shared<bool>(false);
+  out.grad_fn()->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+      [freed, bytes = out.storage().getWeakStorageImpl()](
+          const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+        *freed = bytes.expired();
+        return outputs;
+      }));
+  return freed;
 }
 
 }  // namespace ulysses::testing

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -57,5 +58,10 @@ std::vector<int64_t> full_shape(Layout layout, int64_t B, int64_t S, int64_t H, 
 
 // Context for failure messages: rank, world, dtype and shape.
 std::string where(const Group& g, const at::Tensor& t);
+
+// Watches `out`'s bytes from a hook on its node that runs right after the node's backward,
+// before the engine releases the node: the flag says whether they were gone by then (a node
+// that freed them as it ran, not with its saved state afterwards).
+std::shared_ptr<bool> freed_when_its_node_ran(const at::Tensor& out);
 
 }  // namespace ulysses::testing
