@@ -609,7 +609,7 @@ at::Tensor recomputed(const AttentionCall& c, const c10::optional<at::Tensor>& p
           }();
           at::NoGradGuard no_grad;
           const bool mask_grad = h.args.mask && h.args.mask->requires_grad();
-          const bool sinks_grad = h.args.sinks && h.args.sinks->requires_grad();
+          const bool sink_grad = detail::learns_sinks(h.args.sinks);
           std::vector<at::Tensor> d;
           {
             // The kernel's backward reads o only as delta = rowsum(do * o), one fp32 value per
@@ -628,7 +628,7 @@ at::Tensor recomputed(const AttentionCall& c, const c10::optional<at::Tensor>& p
             a.q = a.q.detach(), a.k = a.k.detach(), a.v = a.v.detach();
             if (a.mask) a.mask = a.mask->detach();
             d = detail::flash_backward_from_delta(grad_o, a, delta, result->lse, mask_grad);
-            if (sinks_grad) {
+            if (sink_grad) {
               d.push_back(detail::sinks_grad(delta, result->lse, h.args.sinks->detach()));
             }
           }
@@ -641,7 +641,7 @@ at::Tensor recomputed(const AttentionCall& c, const c10::optional<at::Tensor>& p
             detail::free_if_unshared(by_heads[i]);
           }
           if (mask_grad) ends.push_back(*h.args.mask), grads.push_back(d[3]);
-          if (sinks_grad) ends.push_back(*h.args.sinks), grads.push_back(d.back());
+          if (sink_grad) ends.push_back(*h.args.sinks), grads.push_back(d.back());
         } else {
           at::AutoGradMode with_grad(true);
           at::Tensor o = run(again);

@@ -139,9 +139,8 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_autograd(
        mask = detached(mask), docs, causal, scale, seq_len, ulysses, ring_group,
        options = group_options.vec(), mask_grad, window, softcap, sinks = detached(sinks),
        sink_grad](std::vector<at::Tensor>&& g) mutable {
-        // o is read only as delta (as in FlashAttentionBackward): it goes before the ring runs.
-        const at::Tensor delta = attention_delta(g[0], o);
-        if (backward_runs_once) o = at::Tensor();
+        // o is read only as delta: it goes before the ring runs.
+        const at::Tensor delta = take_delta(g[0], o);
         auto [dq, dk, dv, dmask] =
             backward.call(g[0], q, k, v, delta, lse, map, mask, docs, causal, scale, seq_len,
                           ulysses, ring_group, options, mask_grad, window, softcap);

@@ -50,6 +50,12 @@ at::Tensor attention_delta(const at::Tensor& grad_out, const at::Tensor& out) {
   return (grad_out.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
 }
 
+at::Tensor take_delta(const at::Tensor& grad_out, at::Tensor& out) {
+  at::Tensor delta = attention_delta(grad_out, out);
+  if (backward_runs_once) out = at::Tensor();
+  return delta;
+}
+
 at::Tensor sinks_grad(const at::Tensor& delta, const at::Tensor& lse, const at::Tensor& sinks) {
   at::Tensor p_sink = (sinks.to(at::kFloat).view({1, -1, 1}) - lse).exp();
   return (p_sink * delta).sum(at::IntArrayRef{0, 2}).neg().to(sinks.scalar_type());
@@ -148,10 +154,8 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_autograd(
        mask = detached(mask), positions, causal, scale, mask_grad, block_q, block_k, window,
        softcap, rows = rows.vec(), sinks = detached(sinks),
        sink_grad](std::vector<at::Tensor>&& g) mutable {
-        // o is read only as delta, so it goes before the kernel runs (o by heads is as large
-        // as q), unless the graph is retained for another backward.
-        const at::Tensor delta = attention_delta(g[0], o);
-        if (backward_runs_once) o = at::Tensor();
+        // o is read only as delta: it goes before the kernel runs (o by heads is as large as q).
+        const at::Tensor delta = take_delta(g[0], o);
         auto [dq, dk, dv, dmask] =
             backward.call(g[0], q, k, v, delta, lse, map, mask, positions, causal, scale, mask_grad,
                           rows, block_q, block_k, window, softcap);

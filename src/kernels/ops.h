@@ -33,6 +33,10 @@ std::tuple<at::Tensor, at::Tensor> with_sinks(const at::Tensor& out, const at::T
 // backward (ds = p * (dp - delta)) and its only use of the forward's output, [.., S] for
 // [.., S, Dv] in any layout whose last dim is Dv.
 at::Tensor attention_delta(const at::Tensor& grad_out, const at::Tensor& out);
+// attention_delta for a backward node that keeps the forward's output `out` only for it: `out`
+// is dropped once read where the node runs once (backward_runs_once, dispatch/autograd.h), so
+// the kernel that follows runs without it.
+at::Tensor take_delta(const at::Tensor& grad_out, at::Tensor& out);
 // flash_attention_backward given delta [B, Hq, Sq] (attention_delta of its grad_out and out)
 // in place of the output: a caller that has delta sooner need not keep out by heads.
 std::vector<at::Tensor> flash_backward_from_delta(const at::Tensor& grad_out,
