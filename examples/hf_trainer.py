@@ -205,6 +205,19 @@ def pack_with_images(rows: list[dict], rope_index=None) -> dict:
     return batch
 
 
+def end_process_group() -> None:
+    """Ends the default group after a Trainer's run, while the interpreter is whole: torn down at
+    exit instead, a Gloo worker thread can abort the process ("terminate called without an active
+    exception")."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    # The barrier's work is released on a Gloo thread that needs the GIL: let it go before the
+    # group's teardown joins that thread while holding the GIL (a deadlock seen once).
+    time.sleep(0.5)
+    dist.destroy_process_group()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sp", type=int, default=2, help="sequence-parallel ranks per data-parallel group")
@@ -321,14 +334,7 @@ def main() -> None:
                            "held_share": held_share, "wrapped": type(trainer.model_wrapped).__name__,
                            "verified": None if verification is None else verification.worst}, f)
             torch.save({k: v.detach().clone() for k, v in params.items()}, a.report + ".pt")
-    if dist.is_initialized():
-        # Ends the backend's threads while the interpreter is whole: torn down at exit instead, a
-        # Gloo worker thread can abort the process ("terminate called without an active exception").
-        dist.barrier()
-        # The barrier's work is released on a Gloo thread that needs the GIL: let it go before
-        # the group's teardown joins that thread while holding the GIL (a deadlock seen once).
-        time.sleep(0.5)
-        dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -21,17 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import torch
-import torch.distributed as dist
 from datasets import Dataset
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM, LlamaConfig
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 import ulysses.hf  # noqa: F401  (registers attn_implementation="ulysses")
-from hf_trainer import word_tokenizer
+from hf_trainer import end_process_group, word_tokenizer
 from ulysses.trainer import WholeSequenceLogProbs
 
 
@@ -113,14 +111,7 @@ def main() -> None:
             with open(a.report + ".json", "w") as f:
                 json.dump({"losses": losses, "rewards": rewards}, f)
             torch.save({k: v.detach().clone() for k, v in params.items()}, a.report + ".pt")
-    if dist.is_initialized():
-        dist.barrier()
-        # The barrier's work is released on a Gloo thread that needs the GIL: let it go before
-        # the group's teardown joins that thread while holding the GIL (a deadlock seen once).
-        time.sleep(0.5)
-        # Ends the backend's threads while the interpreter is whole: torn down at exit instead, a
-        # Gloo worker thread can abort the process ("terminate called without an active exception").
-        dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":
