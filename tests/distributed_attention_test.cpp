@@ -4,9 +4,12 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include <array>
+#include <cstdlib>
 #include <sstream>
 
 #include "testing.h"
+#include "transport/group_runtime.h"
 #include "ulysses/collective_recorder.h"
 #include "ulysses/mask.h"
 
@@ -318,6 +321,94 @@ TEST(DistributedAttention, RecomputedChunksRunTheirCallAgainInBackward) {
       }
     }
   });
+}
+
+// ULYSSES_OVERLAP_CHUNKS for one test (set before the rank threads start: setenv is not
+// thread-safe), unset again after it.
+struct OverlapChunksWord {
+  explicit OverlapChunksWord(const char* word) {
+    if (word) setenv("ULYSSES_OVERLAP_CHUNKS", word, 1);
+  }
+  ~OverlapChunksWord() { unsetenv("ULYSSES_OVERLAP_CHUNKS"); }
+};
+
+// Note [Overlapped chunks]: a recomputed chunk's kernel runs on another thread while the next
+// chunk's exchange runs, where exchanges wait on links (auto: here once the group stops handing
+// over through shared memory, as between hosts) or where the word says 1; never on one host's
+// shared memory (auto) or with 0. Either way the collectives run in the same order and the
+// results are the chunks' in turn, bit for bit, forward and backward, on the fused kernel (fp32,
+// with sinks) and on math (fp64); a group whose ranks overlap differently still agrees.
+TEST(DistributedAttention, OverlappedChunksAreTheChunksInTurnBitForBit) {
+  struct Mode {
+    const char* word;  // ULYSSES_OVERLAP_CHUNKS; null: unset (auto).
+    bool linked;       // The group hands over through shared memory (one host).
+    const char* name;
+  };
+  const std::vector<Mode> modes{{"0", true, "0"},
+                                {"1", true, "1"},
+                                {nullptr, true, "auto, one host"},
+                                {nullptr, false, "auto, messages"}};
+  using Results = std::vector<std::pair<std::vector<at::Tensor>, int64_t>>;
+  std::vector<std::array<Results, 2>> by_mode;  // [mode][rank]: per kernel, results and overlaps.
+  for (const Mode& mode : modes) {
+    SCOPED_TRACE(mode.name);
+    const OverlapChunksWord word(mode.word);
+    std::array<Results, 2> ranks;
+    expect_ranks_succeed(2, [&](Group& g) {
+      set_up_links(g);
+      if (!mode.linked) g.runtime().links(g).stop_flag_exchanges();
+      for (LocalKernel kernel : {LocalKernel::kFused, LocalKernel::kMath}) {
+        AttentionOptions options;
+        options.causal = true;
+        options.head_chunks = 4;
+        options.recompute_chunks = true;
+        options.kernel = kernel;
+        const auto dtype = kernel == LocalKernel::kMath ? at::kDouble : at::kFloat;
+        at::Tensor q = seeded_randn({1, 6, 8, 8}, 1 + g.rank()).to(dtype).requires_grad_(),
+                   k = seeded_randn({1, 6, 4, 8}, 3 + g.rank()).to(dtype).requires_grad_(),
+                   v = seeded_randn({1, 6, 4, 8}, 5 + g.rank()).to(dtype).requires_grad_(),
+                   sinks = seeded_randn({8}, 7).to(dtype).requires_grad_();
+        const int64_t before = g.recorder().overlapped_kernels();
+        AttentionInputs in;
+        if (kernel == LocalKernel::kFused) in.sinks = sinks;
+        const at::Tensor o = DistributedAttention(g, options)(q, k, v, in);
+        o.square().sum().backward();
+        std::vector<at::Tensor> got{o.detach(), q.grad(), k.grad(), v.grad()};
+        if (sinks.grad().defined()) got.push_back(sinks.grad());
+        ranks[g.rank()].emplace_back(got, g.recorder().overlapped_kernels() - before);
+      }
+    });
+    by_mode.push_back(ranks);
+  }
+  for (size_t m = 0; m < modes.size(); ++m) {
+    const bool overlaps = modes[m].word ? std::string(modes[m].word) == "1" : !modes[m].linked;
+    for (int rank = 0; rank < 2; ++rank) {
+      for (size_t kernel = 0; kernel < 2; ++kernel) {
+        const auto& [got, overlapped] = by_mode[m][rank][kernel];
+        const auto& want = by_mode[0][rank][kernel].first;
+        EXPECT_EQ(overlapped, overlaps ? 3 : 0) << modes[m].name << " rank " << rank;
+        ASSERT_EQ(got.size(), want.size());
+        for (size_t i = 0; i < got.size(); ++i) {
+          // (fp64 GEMMs on another thread: equal up to MKL's order, which may vary.)
+          EXPECT_TRUE(kernel == 0 ? got[i].equal(want[i]) : rel_error(got[i], want[i]) < 1e-12)
+              << modes[m].name << " rank " << rank << " tensor " << i;
+        }
+      }
+    }
+  }
+}
+
+// A word for ULYSSES_OVERLAP_CHUNKS that is none of 1, 0 and auto fails every rank alike.
+TEST(DistributedAttention, AnOverlapWordNotKnownFailsAlike) {
+  const OverlapChunksWord word("yes");
+  auto errors = run_ranks(2, [](Group& g) {
+    AttentionOptions options;
+    options.head_chunks = 2;
+    options.recompute_chunks = true;
+    const at::Tensor q = seeded_randn({1, 4, 4, 8}, 1 + g.rank()).requires_grad_();
+    DistributedAttention(g, options)(q, q, q);
+  });
+  expect_ranks_fail_alike(errors, "ULYSSES_OVERLAP_CHUNKS: expected 1, 0 or auto; got 'yes'");
 }
 
 // Backward recomputes from the inputs, so one changed in place since forward (here on rank 0

@@ -31,6 +31,10 @@ class CollectiveRecorder {
   // between ranks of one host: Note [Flag handshake], src/transport/shared_exchange.cpp).
   int64_t flag_exchanges() const { return flag_exchanges_.load(); }
   void flag_exchange() { flag_exchanges_ += 1; }
+  // Kernels of recomputed head chunks that ran on another thread while this group's next
+  // exchange ran (Note [Overlapped chunks], partition.h).
+  int64_t overlapped_kernels() const { return overlapped_kernels_.load(); }
+  void overlapped_kernel() { overlapped_kernels_ += 1; }
 
   // From now on, keeps when each collective begins and ends, dropping what was kept (Note
   // [Waiting for the last rank] in src/transport/collective_recorder.cpp).
@@ -78,6 +82,7 @@ class CollectiveRecorder {
   std::atomic<int64_t> nanoseconds_{0};
   std::atomic<int64_t> p2p_messages_{0};
   std::atomic<int64_t> p2p_bytes_{0};
+  std::atomic<int64_t> overlapped_kernels_{0};
   std::atomic<int64_t> flag_exchanges_{0};
   std::atomic<bool> keep_times_{false};
   std::mutex times_mu_;

@@ -125,6 +125,19 @@ std::ostream& operator<<(std::ostream& os, const HeadPartition& p);
 // back. Elsewhere (SDPA, math, a callable, a ring) the whole chunk runs again (kernel and
 // exchange back too). So one chunk's tensors by heads exist at a time in backward too, for one
 // more exchange of q, k and v (and the kernel's forward elsewhere).
+//
+// Note [Overlapped chunks]: recomputed chunks run their forward as exchange to heads, kernel,
+// exchange back, chunk after chunk; chunk i + 1's exchange to heads runs before chunk i's
+// exchange back, on every rank alike. Where the group's CPU exchanges wait on links between
+// hosts (Gloo's threads and the network carry them, and this thread only waits), chunk i's
+// kernel runs on another thread meanwhile, so the link and the cores work at once; on one host
+// the exchange is copies on the same cores as the kernel, and both run on this thread, one after
+// the other (ULYSSES_OVERLAP_CHUNKS=1 or 0 overrides: the order of the collectives is the same
+// either way, so ranks may differ). The forward builds no graph, so the other thread makes no
+// autograd node (a node's sequence number, which orders backward, is its thread's). Kept chunks
+// build their graph as they run, and backward runs one node at a time: both stay in turn. Only
+// library kernels on CPU tensors overlap (a callable may run collectives; CUDA would need
+// streams, not threads).
 struct HeadChunk {
   Range q;
   Range kv;

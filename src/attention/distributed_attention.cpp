@@ -1,13 +1,18 @@
 #include "ulysses/distributed_attention.h"
 
 #include <ATen/FunctionalTensorWrapper.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
 #include <exception>
 #include <functional>
+#include <future>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -17,6 +22,8 @@
 #include "dispatch/op_util.h"
 #include "kernels/ops.h"
 #include "transport/agreement.h"
+#include "transport/environment.h"
+#include "transport/exchange.h"
 #include "transport/group_runtime.h"
 #include "transport/head_parts.h"
 #include "transport/ops.h"
@@ -522,48 +529,80 @@ bool runs_fused_kernel(const AttentionCall& call, const AttentionHeads& h) {
              LocalKernel::kFused;
 }
 
-// Note [Recomputed chunks] (partition.h): the chunk's call (`c` on `inputs`: q, k, v, the mask
-// and the sinks, undefined: none) without autograd; its backward runs the call's first half
-// again with autograd (agreement, exchange, mask) and backpropagates through that. Where the
-// fused kernel ran, backward does not run the kernel's forward again: delta = rowsum(do * o) of
-// the chunk's heads of o (the call's output, which the next layer keeps anyway) goes to heads in
-// one exchange with o's gradient, and the kernel's backward takes it with the saved
-// log-sum-exp, as after an unchunked forward: the same gradients, bit for bit. Elsewhere (SDPA,
-// math, a callable, a ring) the whole call runs again (`run`) and backward goes through it. The
-// node keeps the inputs (detached: they are views of the caller's tensors). `sources` are the
-// caller's tensors the inputs are slices of (the slices, cut below autograd, keep no version of
-// their own): one changed in place since forward is refused, as autograd refuses a saved tensor
-// changed so, on every rank of the group alike (the others are in the recomputation's agreement by
-// then).
+// A chunk's call on `x` (q, k, v, the mask and the sinks; undefined: none): with x's sinks.
+AttentionCall call_on(const AttentionCall& c, const std::vector<at::Tensor>& x) {
+  AttentionCall with = c;
+  if (x[4].defined()) with.sinks = x[4];
+  return with;
+}
+c10::optional<at::Tensor> mask_of(const std::vector<at::Tensor>& x) {
+  return x[3].defined() ? c10::make_optional(x[3]) : c10::nullopt;
+}
+
+// A recomputed chunk's forward (Note [Recomputed chunks]) in its three steps, without autograd,
+// apart so that the next chunk's exchange can run between them (Note [Overlapped chunks]): the
+// exchange to heads (exchange_chunk), the kernel (chunk_kernel), the exchange back (gather_chunk).
+struct ChunkForward {
+  AttentionCall call;    // The chunk's, with its sinks.
+  AttentionHeads heads;  // Its inputs by heads (args emptied once the kernel has read them).
+};
+
+ChunkForward exchange_chunk(const AttentionCall& c, const std::vector<at::Tensor>& inputs,
+                            const c10::optional<at::Tensor>& positions) {
+  at::NoGradGuard no_grad;
+  AttentionCall with = call_on(c, inputs);
+  AttentionHeads h = attend_heads(with, {{inputs[0]}, {inputs[1]}, {inputs[2]}}, HeadForm::kWhole,
+                                  mask_of(inputs), positions);
+  return {std::move(with), std::move(h)};
+}
+
+// The chunk's local attention by heads (BHSD); on the fused kernel, its row log-sum-exp goes to
+// `result` (backward then reads the chunk's o instead of running the kernel's forward again).
+at::Tensor chunk_kernel(const ChunkForward& f, ChunkResult& result) {
+  at::NoGradGuard no_grad;
+  if (!runs_fused_kernel(f.call, f.heads)) return attention_by_heads(f.call, f.heads);
+  at::Tensor o;
+  std::tie(o, result.lse) = detail::call_flash_attention(f.heads.args, FlashOptions{});
+  return o;
+}
+
+at::Tensor gather_chunk(const ChunkForward& f, const at::Tensor& o) {
+  at::NoGradGuard no_grad;
+  return gather_heads(o.permute(from_bhsd(f.call.layout)), Heads::kQuery, f.heads.sharding,
+                      f.call.group);
+}
+
+// Whether this rank runs its chunks' kernels on another thread while the next chunk's exchange
+// runs on this one (Note [Overlapped chunks]); `wanted`: ULYSSES_OVERLAP_CHUNKS's word.
+bool overlaps_kernels(const ChunkForward& f, std::optional<bool> wanted) {
+  const at::Tensor& q = f.heads.args.q;
+  if (f.heads.ring || f.call.local || f.call.local_by != LocalBy::kLibrary ||
+      !q.device().is_cpu() || c10::impl::dispatch_mode_enabled() ||
+      q.key_set().has(c10::DispatchKey::Python)) {
+    return false;  // (A callable may run collectives, and Python needs the GIL.)
+  }
+  return wanted ? *wanted : cpu_exchanges_wait_on_links(f.call.group);
+}
+
+// Note [Recomputed chunks] (partition.h): `out` is the chunk's call (`c` on `inputs`: q, k, v,
+// the mask and the sinks, undefined: none) run without autograd; its backward runs the call's
+// first half again with autograd (agreement, exchange, mask) and backpropagates through that.
+// Where the fused kernel ran (`result` holds its log-sum-exp), backward does not run the
+// kernel's forward again: delta = rowsum(do * o) of the chunk's heads of o (the call's output,
+// which the next layer keeps anyway) goes to heads in one exchange with o's gradient, and the
+// kernel's backward takes it with the saved log-sum-exp, as after an unchunked forward: the
+// same gradients, bit for bit. Elsewhere (SDPA, math, a callable, a ring) the whole call runs
+// again (`run`) and backward goes through it. The node keeps the inputs (detached: they are
+// views of the caller's tensors). `sources` are the caller's tensors the inputs are slices of
+// (the slices, cut below autograd, keep no version of their own): one changed in place since
+// forward is refused, as autograd refuses a saved tensor changed so, on every rank of the group
+// alike (the others are in the recomputation's agreement by then).
 at::Tensor recomputed(const AttentionCall& c, const c10::optional<at::Tensor>& positions,
                       std::function<at::Tensor(const std::vector<at::Tensor>&)> run,
                       const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& sources,
-                      const std::shared_ptr<ChunkResult>& result) {
-  auto call_on = [c](const std::vector<at::Tensor>& x) {
-    AttentionCall with = c;
-    if (x[4].defined()) with.sinks = x[4];
-    return with;
-  };
-  auto mask_of = [](const std::vector<at::Tensor>& x) {
-    return x[3].defined() ? c10::make_optional(x[3]) : c10::nullopt;
-  };
-  std::vector<at::Tensor> outs;
-  bool from_output = false;
-  {
-    at::NoGradGuard no_grad;
-    const AttentionCall with = call_on(inputs);
-    AttentionHeads h = attend_heads(with, {{inputs[0]}, {inputs[1]}, {inputs[2]}}, HeadForm::kWhole,
-                                    mask_of(inputs), positions);
-    at::Tensor o;
-    if (runs_fused_kernel(with, h)) {
-      from_output = true;
-      std::tie(o, result->lse) = detail::call_flash_attention(h.args, FlashOptions{});
-    } else {
-      o = attention_by_heads(with, h);
-    }
-    outs.push_back(
-        gather_heads(o.permute(from_bhsd(with.layout)), Heads::kQuery, h.sharding, with.group));
-  }
+                      const std::shared_ptr<ChunkResult>& result, const at::Tensor& out) {
+  std::vector<at::Tensor> outs{out};
+  const bool from_output = result->lse.defined();
   std::vector<at::Tensor> differentiable, kept, watched;
   std::vector<bool> learns;
   std::vector<uint32_t> versions;
@@ -579,8 +618,8 @@ at::Tensor recomputed(const AttentionCall& c, const c10::optional<at::Tensor>& p
   }
   detail::attach_backward(
       differentiable, outs, "RecomputedChunkBackward",
-      [call_on, mask_of, positions, from_output, result, run = std::move(run),
-       kept = std::move(kept), learns, watched = std::move(watched), versions = std::move(versions),
+      [c, positions, from_output, result, run = std::move(run), kept = std::move(kept), learns,
+       watched = std::move(watched), versions = std::move(versions),
        group = c.group](std::vector<at::Tensor>&& g) {
         fail_attention_together_on_error(group, [&] {
           for (size_t i = 0; i < watched.size(); ++i) {
@@ -601,7 +640,7 @@ at::Tensor recomputed(const AttentionCall& c, const c10::optional<at::Tensor>& p
         }
         std::vector<at::Tensor> ends, grads;
         if (from_output) {
-          const AttentionCall with = call_on(again);
+          const AttentionCall with = call_on(c, again);
           const AttentionHeads h = [&] {
             at::AutoGradMode with_grad(true);
             return attend_heads(with, {{again[0]}, {again[1]}, {again[2]}}, HeadForm::kWhole,
@@ -667,8 +706,11 @@ at::Tensor attend_in_head_chunks(AttentionCall call, const at::Tensor& q, const 
                                  const at::Tensor& v, const AttentionInputs& in, int64_t count,
                                  bool recompute) {
   const int64_t hq = call.q_heads, dim = head_dim(call.layout);
-  const std::vector<HeadChunk> chunks = fail_attention_together_on_error(
-      call.group, [&] { return head_chunks(hq, call.kv_heads, call.group.size(), count); });
+  std::optional<bool> overlap_wanted;  // ULYSSES_OVERLAP_CHUNKS's word (a bad one fails all).
+  const std::vector<HeadChunk> chunks = fail_attention_together_on_error(call.group, [&] {
+    if (recompute) overlap_wanted = overlap_chunks_from_environment();
+    return head_chunks(hq, call.kv_heads, call.group.size(), count);
+  });
   const bool per_head_mask = in.mask && in.mask->dim() == 4 && in.mask->size(1) == hq && hq > 1;
   // One gradient buffer per input that needs one (k and v may be one tensor: two slices a chunk).
   const bool grads = at::GradMode::is_enabled();
@@ -693,33 +735,78 @@ at::Tensor attend_in_head_chunks(AttentionCall call, const at::Tensor& q, const 
     call.local = local.get();
     call.step = nullptr;  // A step's shared masks would carry forward's graph (none) into backward.
   }
-  std::vector<std::shared_ptr<ChunkResult>> results;  // Each recomputed chunk's.
-  at::Tensor o;
-  std::vector<torch::autograd::Edge> edges;
-  for (const HeadChunk& chunk : chunks) {
+  const std::vector<at::Tensor> sources{q, k, v, in.mask.value_or(at::Tensor()),
+                                        call.sinks.value_or(at::Tensor())};
+  // A chunk's call, and its inputs: q, k, v, the mask and the sinks (undefined: none), with
+  // `graph` differentiable into the gradient buffers, else plain slices (no autograd).
+  auto call_for = [&](const HeadChunk& chunk) {
     AttentionCall c = call;
     c.q_heads = chunk.q.size();
     c.kv_heads = chunk.kv.size();
     c.sinks.reset();
+    return c;
+  };
+  auto inputs_of = [&](const HeadChunk& chunk, bool graph) {
+    c10::optional<at::NoGradGuard> plain;
+    if (!graph) plain.emplace();
+    auto into = [&](const std::shared_ptr<GradientBuffer>& b) { return graph ? b : nullptr; };
     c10::optional<at::Tensor> mask = in.mask;
     if (per_head_mask) mask = mask->narrow(1, chunk.q.begin, chunk.q.size());
-    // The chunk's call on its inputs: q, k, v, the mask and the sinks (undefined: none).
-    auto run = [c, positions = in.positions, local](const std::vector<at::Tensor>& x) {
-      AttentionCall with = c;
-      if (x[4].defined()) with.sinks = x[4];
-      const c10::optional<at::Tensor> m = x[3].defined() ? c10::make_optional(x[3]) : c10::nullopt;
-      return attend(with, {{x[0]}, {x[1]}, {x[2]}}, HeadForm::kWhole, m, positions)[0];
-    };
-    const std::vector<at::Tensor> inputs{
-        heads_of(q, dim, chunk.q, q_buffer), heads_of(k, dim, chunk.kv, k_buffer),
-        heads_of(v, dim, chunk.kv, v_buffer), mask.value_or(at::Tensor()),
+    return std::vector<at::Tensor>{
+        heads_of(q, dim, chunk.q, into(q_buffer)), heads_of(k, dim, chunk.kv, into(k_buffer)),
+        heads_of(v, dim, chunk.kv, into(v_buffer)), mask.value_or(at::Tensor()),
         call.sinks ? call.sinks->narrow(0, chunk.q.begin, chunk.q.size()) : at::Tensor()};
-    if (recompute) results.push_back(std::make_shared<ChunkResult>());
-    const at::Tensor part = recompute ? recomputed(c, in.positions, run, inputs,
-                                                   {q, k, v, in.mask.value_or(at::Tensor()),
-                                                    call.sinks.value_or(at::Tensor())},
-                                                   results.back())
-                                      : run(inputs);
+  };
+  std::vector<std::shared_ptr<ChunkResult>> results;  // Each recomputed chunk's.
+  c10::optional<ChunkForward> next;  // Recomputed: the next chunk's, exchanged to heads.
+  bool overlap = false;              // Note [Overlapped chunks].
+  at::Tensor o;
+  std::vector<torch::autograd::Edge> edges;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const HeadChunk& chunk = chunks[i];
+    const AttentionCall c = call_for(chunk);
+    auto run = [c, positions = in.positions, local](const std::vector<at::Tensor>& x) {
+      return attend(call_on(c, x), {{x[0]}, {x[1]}, {x[2]}}, HeadForm::kWhole, mask_of(x),
+                    positions)[0];
+    };
+    at::Tensor part;
+    if (!recompute) {
+      part = run(inputs_of(chunk, true));
+    } else {
+      results.push_back(std::make_shared<ChunkResult>());
+      ChunkResult& result = *results.back();
+      // Chunk i + 1's exchange to heads runs before chunk i's exchange back, overlapped or not.
+      const bool last = i + 1 == chunks.size();
+      auto exchange_next = [&] {
+        if (!last)
+          next = exchange_chunk(call_for(chunks[i + 1]), inputs_of(chunks[i + 1], false),
+                                in.positions);
+      };
+      ChunkForward now =
+          next ? std::move(*next) : exchange_chunk(c, inputs_of(chunk, false), in.positions);
+      next.reset();
+      if (i == 0) overlap = !last && overlaps_kernels(now, overlap_wanted);
+      at::Tensor by_heads;
+      if (overlap && !last) {
+        // The kernel on another thread, with this one's thread-local state (grad mode, dispatch
+        // keys) and intra-op threads; the future's destructor waits for it if the exchange throws.
+        const at::ThreadLocalState state;
+        auto kernel = std::async(std::launch::async, [&now, &result, state] {
+          at::ThreadLocalStateGuard guard(state);
+          at::init_num_threads();
+          return chunk_kernel(now, result);
+        });
+        exchange_next();
+        by_heads = kernel.get();
+        c.group.recorder().overlapped_kernel();
+      } else {
+        by_heads = chunk_kernel(now, result);
+      }
+      now.heads.args = LocalAttentionArgs{};  // q, k and v by heads: read.
+      if (!overlap) exchange_next();
+      part = recomputed(c, in.positions, run, inputs_of(chunk, true), sources, results.back(),
+                        gather_chunk(now, by_heads));
+    }
     if (!o.defined()) {
       std::vector<int64_t> shape = part.sizes().vec();
       shape[dim] = hq;

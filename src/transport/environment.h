@@ -3,6 +3,9 @@
 //   ULYSSES_SHARED_MEMORY  "0": pipelined exchanges skip shared memory (GroupOptions::
 //                          shared_memory when unset); anything else, or unset: on.
 //   ULYSSES_TRANSPORT      auto | messages | batched: GroupOptions::Transport::kAuto's choice.
+//   ULYSSES_OVERLAP_CHUNKS 1 | 0 | auto: whether recomputed head chunks run a chunk's kernel
+//                          while the next chunk's exchange runs (Note [Overlapped chunks],
+//                          partition.h); auto (or unset): where CPU exchanges wait on links.
 // The CLI's one, in test builds only (tools/train_checkpoint.cpp):
 //   ULYSSES_TEST_CRASH_BEFORE_COMMIT  set: `ulysses train --save` dies before its commit point.
 #pragma once
@@ -23,5 +26,8 @@ inline bool uses_shared_memory(const GroupOptions& options) {
 // ULYSSES_TRANSPORT's transport, or nullopt when unset or empty; raises c10::ValueError for any
 // other text.
 std::optional<GroupOptions::Transport> transport_from_environment();
+// ULYSSES_OVERLAP_CHUNKS's word: true for "1", false for "0", nullopt when unset, empty or
+// "auto"; raises c10::ValueError for any other text.
+std::optional<bool> overlap_chunks_from_environment();
 
 }  // namespace ulysses

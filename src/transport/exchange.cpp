@@ -5,8 +5,10 @@
 
 #include "transport/environment.h"
 #include "transport/exchange_blocks.h"
+#include "transport/group_runtime.h"
 #include "transport/message_tags.h"
 #include "transport/shared_exchange.h"
+#include "transport/shared_memory.h"
 #include "transport/shared_transfer.h"
 #include "transport/transfers.h"
 #include "transport/wire.h"
@@ -138,6 +140,12 @@ std::vector<at::Tensor> exchange(const std::vector<at::Tensor>& xs, HeadForm fro
     exchange_collective(in, out, plan, group);
   }
   return std::move(out.tensors);
+}
+
+bool cpu_exchanges_wait_on_links(const Group& group) {
+  if (group.size() == 1) return false;
+  if (batches(group, c10::DeviceType::CPU) || !uses_shared_memory(group.options())) return true;
+  return !group.runtime().links(group).all_linked();
 }
 
 }  // namespace ulysses

@@ -21,4 +21,10 @@ std::vector<at::Tensor> exchange(const std::vector<at::Tensor>& xs, HeadForm fro
                                  const ExchangePlan& plan, Layout layout, HeadForm to,
                                  const Group& group);
 
+// Whether `group`'s CPU exchanges wait on links between hosts (messages or collectives, which
+// Gloo's threads and the network carry) rather than run as copies through shared memory on this
+// host's cores: while one waits, the cores are free for a kernel (Note [Overlapped chunks],
+// partition.h). Read after the group's first CPU exchange; alike on every rank.
+bool cpu_exchanges_wait_on_links(const Group& group);
+
 }  // namespace ulysses

@@ -116,6 +116,46 @@ def test_chunked_attention_is_the_whole_call(world, S, hq, hkv, chunks, mask_kin
         assert rel(torch.cat([r[c][0] for r in results], 1), ref.to(dtype)) < to_ref
 
 
+@pytest.mark.parametrize("world,S,hq,hkv,chunks,mask_kind,packed,causal,window,softcap,use_sinks", CASES[-3:])
+def test_overlapped_chunks_are_the_chunks_in_turn(monkeypatch, world, S, hq, hkv, chunks, mask_kind, packed,
+                                                  causal, window, softcap, use_sinks):
+    # Note [Overlapped chunks]: with ULYSSES_OVERLAP_CHUNKS=1 each recomputed chunk's kernel runs
+    # on another thread while the next chunk's exchange (its mask and document ids too) runs on
+    # the caller's; o and the gradients of q, k, v, the mask and the sinks are those of the
+    # chunks in turn (0), bit for bit on the fused kernel, and match the reference.
+    B, D = 2, 8
+    gen = torch.Generator().manual_seed(world * 10 + S)
+    Q, K, V = (torch.randn(B, S, h, D, generator=gen) for h in (hq, hkv, hkv))
+    M = make_mask(mask_kind, B, hq, S, gen)
+    sinks = torch.randn(hq, generator=gen) if use_sinks else None
+    pos = positions_for(S) if packed else None
+    lens = seq_lens(S, world)
+    ref = reference_attention(Q.double(), K.double(), V.double(), None if M is None else
+                              (M.double() if M.is_floating_point() else M), pos, causal=causal, window=window,
+                              softcap=softcap, sinks=None if sinks is None else sinks.double())
+
+    def body(rank, group):
+        q, k, v = (shard(t, 1, rank, lens).clone().requires_grad_() for t in (Q, K, V))
+        m = None if M is None else (M if M.shape[2] == 1 else shard(M, 2, rank, lens)).clone()
+        m = m.requires_grad_() if m is not None and m.is_floating_point() else m
+        s = None if sinks is None else sinks.clone().requires_grad_()
+        attention = ulysses.DistributedAttention(group, causal=causal, window=window or None, softcap=softcap or None,
+                                                 head_chunks=chunks, recompute_chunks=True, local="fused")
+        o = attention(q, k, v, mask=m, position_ids=None if pos is None else shard(pos, 1, rank, lens), sinks=s)
+        o.square().sum().backward()
+        return [o.detach()] + [t.grad for t in (q, k, v, m, s) if t is not None and t.requires_grad]
+
+    runs = {}
+    for word in ("0", "1"):
+        monkeypatch.setenv("ULYSSES_OVERLAP_CHUNKS", word)
+        runs[word] = run_ranks(world, body)
+    for in_turn, overlapped in zip(runs["0"], runs["1"], strict=True):
+        assert len(overlapped) == len(in_turn) >= 4
+        for got, want in zip(overlapped, in_turn, strict=True):
+            assert torch.equal(got, want)
+    assert rel(torch.cat([r[0] for r in runs["1"]], 1).double(), ref) < 1e-4
+
+
 def chunks_seen(hq: int, hkv: int, counts: tuple, seed: int, recompute: bool = False) -> list:
     """On 2 ranks, one DistributedAttention per head_chunks value in ``counts`` with a callable
     local attention that records its (query heads, kv heads) per call (forward only). Per rank:
