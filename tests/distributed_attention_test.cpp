@@ -5,11 +5,14 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <atomic>
 #include <cstdlib>
 #include <sstream>
 
 #include "testing.h"
+#include "transport/environment.h"
 #include "transport/group_runtime.h"
+#include "transport/transfers.h"
 #include "ulysses/collective_recorder.h"
 #include "ulysses/mask.h"
 
@@ -334,10 +337,11 @@ struct OverlapChunksWord {
 
 // Note [Overlapped chunks]: a recomputed chunk's kernel runs on another thread while the next
 // chunk's exchange runs, where exchanges wait on links (auto: here once the group stops handing
-// over through shared memory, as between hosts) or where the word says 1; never on one host's
-// shared memory (auto) or with 0. Either way the collectives run in the same order and the
-// results are the chunks' in turn, bit for bit, forward and backward, on the fused kernel (fp32,
-// with sinks) and on math (fp64); a group whose ranks overlap differently still agrees.
+// over through shared memory, as between hosts, or where it never does: the batched transport,
+// ULYSSES_SHARED_MEMORY=0) or where the word says 1; never on one host's shared memory (auto) or
+// with 0. Either way the collectives run in the same order and the results are the chunks' in turn,
+// bit for bit, forward and backward, on the fused kernel (fp32, with sinks) and on math (fp64); a
+// group whose ranks overlap differently still agrees.
 TEST(DistributedAttention, OverlappedChunksAreTheChunksInTurnBitForBit) {
   struct Mode {
     const char* word;  // ULYSSES_OVERLAP_CHUNKS; null: unset (auto).
@@ -350,6 +354,8 @@ TEST(DistributedAttention, OverlappedChunksAreTheChunksInTurnBitForBit) {
                                 {nullptr, false, "auto, messages"}};
   using Results = std::vector<std::pair<std::vector<at::Tensor>, int64_t>>;
   std::vector<std::array<Results, 2>> by_mode;  // [mode][rank]: per kernel, results and overlaps.
+  // ULYSSES_TRANSPORT=batched or ULYSSES_SHARED_MEMORY=0: no exchange through shared memory.
+  std::atomic<bool> no_shared_memory{false};
   for (const Mode& mode : modes) {
     SCOPED_TRACE(mode.name);
     const OverlapChunksWord word(mode.word);
@@ -357,6 +363,8 @@ TEST(DistributedAttention, OverlappedChunksAreTheChunksInTurnBitForBit) {
     expect_ranks_succeed(2, [&](Group& g) {
       set_up_links(g);
       if (!mode.linked) g.runtime().links(g).stop_flag_exchanges();
+      if (batches(g, c10::DeviceType::CPU) || !uses_shared_memory(g.options()))
+        no_shared_memory = true;
       for (LocalKernel kernel : {LocalKernel::kFused, LocalKernel::kMath}) {
         AttentionOptions options;
         options.causal = true;
@@ -381,7 +389,8 @@ TEST(DistributedAttention, OverlappedChunksAreTheChunksInTurnBitForBit) {
     by_mode.push_back(ranks);
   }
   for (size_t m = 0; m < modes.size(); ++m) {
-    const bool overlaps = modes[m].word ? std::string(modes[m].word) == "1" : !modes[m].linked;
+    const bool overlaps =
+        modes[m].word ? std::string(modes[m].word) == "1" : !modes[m].linked || no_shared_memory;
     for (int rank = 0; rank < 2; ++rank) {
       for (size_t kernel = 0; kernel < 2; ++kernel) {
         const auto& [got, overlapped] = by_mode[m][rank][kernel];
