@@ -24,10 +24,11 @@ std::optional<GroupOptions::Transport> transport_from_environment() {
 
 std::optional<bool> overlap_chunks_from_environment() {
   const char* v = std::getenv("ULYSSES_OVERLAP_CHUNKS");
-  if (v == nullptr || *v == 0 || std::string(v) == "auto") return std::nullopt;
-  TORCH_CHECK_VALUE(std::string(v) == "0" || std::string(v) == "1",
-                    "ULYSSES_OVERLAP_CHUNKS: expected 1, 0 or auto; got '", v, "'");
-  return std::string(v) == "1";
+  const std::string word = v == nullptr ? "" : v;
+  if (word.empty() || word == "auto") return std::nullopt;
+  TORCH_CHECK_VALUE(word == "0" || word == "1",
+                    "ULYSSES_OVERLAP_CHUNKS: expected 1, 0 or auto; got '", word, "'");
+  return word == "1";
 }
 
 }  // namespace ulysses
