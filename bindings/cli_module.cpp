@@ -28,7 +28,7 @@ int run_cli(const std::vector<std::string>& argv, const std::vector<std::string>
     std::string name;
     {
       py::gil_scoped_acquire gil;
-      name = join_world(options.timeout.count());
+      name = join_world(options.timeout ? options.timeout->count() : -1);
     }
     return name.empty() ? Group::solo(options) : Group::resolve(name, options);
   };

@@ -20,6 +20,7 @@
 #include "dispatch/autograd.h"
 #include "plan/fnv1a.h"
 #include "training/offloaded_bytes.h"
+#include "transport/op_options.h"
 #include "ulysses/collective_recorder.h"
 #include "ulysses/distributed_attention.h"
 #include "ulysses/flash_attention.h"
@@ -203,8 +204,7 @@ void bind_groups_and_hooks(py::module_& m) {
       "fail_together",
       [](const std::string& message, const std::string& group, int64_t timeout_ms,
          bool before_attention) {
-        GroupOptions options;
-        options.timeout = std::chrono::milliseconds(timeout_ms);
+        const GroupOptions options = options_from_ints({timeout_ms});
         const Group g = Group::resolve(group, options);
         py::gil_scoped_release release;
         try {
@@ -223,8 +223,7 @@ void bind_groups_and_hooks(py::module_& m) {
   m.def(
       "gradients_of",
       [](const std::vector<at::Tensor>& params, const std::string& group, int64_t timeout_ms) {
-        GroupOptions options;
-        options.timeout = std::chrono::milliseconds(timeout_ms);
+        const GroupOptions options = options_from_ints({timeout_ms});
         const Group g = Group::resolve(group, options);
         py::gil_scoped_release release;
         return gradients_of(params, g);
@@ -236,8 +235,7 @@ void bind_groups_and_hooks(py::module_& m) {
       "check_together",
       [](const std::string& error, const std::string& group, int64_t timeout_ms,
          const std::string& purpose) {
-        GroupOptions options;
-        options.timeout = std::chrono::milliseconds(timeout_ms);
+        const GroupOptions options = options_from_ints({timeout_ms});
         const Group g = Group::resolve(group, options);
         py::gil_scoped_release release;
         g.agree(
@@ -256,8 +254,7 @@ void bind_groups_and_hooks(py::module_& m) {
       [](const std::vector<int64_t>& values, const std::vector<std::string>& names,
          const std::string& group, int64_t timeout_ms, const std::string& who) {
         TORCH_CHECK_VALUE(names.size() == values.size(), who, ": one name per value");
-        GroupOptions options;
-        options.timeout = std::chrono::milliseconds(timeout_ms);
+        const GroupOptions options = options_from_ints({timeout_ms});
         const Group g = Group::resolve(group, options);
         std::vector<std::vector<int64_t>> all;
         {
@@ -295,8 +292,7 @@ void bind_groups_and_hooks(py::module_& m) {
          const std::string& layout, bool causal, double scale, const std::string& local,
          int64_t window, double softcap) {
         py::gil_scoped_release release;  // Rank threads run collectives meanwhile.
-        GroupOptions options;
-        options.timeout = std::chrono::milliseconds(timeout_ms);
+        const GroupOptions options = options_from_ints({timeout_ms});
         AttentionOptions a;
         a.q_heads = q_heads;
         a.kv_heads = kv_heads;
@@ -395,7 +391,7 @@ void bind_rules(py::module_& m) {
       },
       py::arg("local"),
       "Hybrid ring attention runs the fused kernel (local \"\": a callable; raises ValueError).");
-  m.attr("DEFAULT_TIMEOUT_MS") = GroupOptions{}.timeout.count();
+  m.attr("DEFAULT_TIMEOUT_MS") = kDefaultTimeout.count();
   m.attr("IGNORE_INDEX") = kIgnoreIndex;
   m.attr("LOSS_TILE_BYTES") = kLossTileBytes;
 }

@@ -332,5 +332,39 @@ TEST(Group, AbsentPeerIsAnErrorNotAHangAndTheWaitIsLogged) {
   EXPECT_NE(run.log.find("for ranks 1\n"), std::string::npos) << run.log;
 }
 
+// Note [Waits]: a handle given no timeout waits as long as its process group's backends allow
+// (run_ranks makes them with the timeout it is given), not a fixed 120 s: a rank late by less
+// than that is no error, and an absent one fails at that bound.
+TEST(Group, WithoutATimeoutAWaitIsTheProcessGroupsOwn) {
+  using std::chrono::milliseconds;
+  auto errors = run_ranks(
+      2,
+      [](Group& world) {
+        const Group own = Group::from_process_group(world.process_group());
+        EXPECT_EQ(own.timeout(), milliseconds(2500));
+        GroupOptions nine;
+        nine.timeout = std::chrono::seconds(9);
+        EXPECT_EQ(Group::from_process_group(world.process_group(), nine).timeout(),
+                  milliseconds(9000));
+        EXPECT_EQ(own.with_options(nine).timeout(), milliseconds(9000));
+        EXPECT_EQ(Group::solo().timeout(), kDefaultTimeout);
+        if (own.rank() == 1) std::this_thread::sleep_for(milliseconds(1200));
+        at::Tensor t = at::ones({4});
+        own.all_reduce_sum(t);
+        EXPECT_TRUE(t.eq(2).all().item<bool>()) << t;
+      },
+      milliseconds(2500));
+  EXPECT_EQ(errors, std::vector<std::string>(2, ""));
+  const auto run =
+      run_with_absent_peer([](Group& g) { return Group::from_process_group(g.process_group()); },
+                           [](const Group& g) {
+                             at::Tensor t = at::ones({8});
+                             g.all_reduce_sum(t);
+                           });
+  EXPECT_NE(run.error.find("collective all_reduce #1 failed on rank 0 of 2 (timeout 2500 ms"),
+            std::string::npos)
+      << run.error;
+}
+
 }  // namespace
 }  // namespace ulysses

@@ -93,7 +93,7 @@ Mesh::Split thread_split(const Group& world) {
   const std::string name = world.name();
   const std::string run = name.substr(0, name.rfind('/'));
   const int rank = world.rank();
-  const auto timeout = world.options().timeout;
+  const auto timeout = world.timeout();
   return [run, rank, timeout](const std::vector<std::vector<int>>& partition) {
     static std::mutex mu;
     static std::map<std::pair<std::string, std::vector<std::vector<int>>>, std::vector<Group>>

@@ -36,8 +36,10 @@ namespace ulysses {
 // Options of a Group handle. The environment (ULYSSES_SHARED_MEMORY, ULYSSES_TRANSPORT) fills in
 // what is left unset, read where a call uses it.
 struct GroupOptions {
-  // Longest wait for any collective, in milliseconds; > 0. A peer silent this long is an error.
-  std::chrono::milliseconds timeout{std::chrono::seconds(120)};
+  // Longest wait for any collective, in milliseconds; > 0 when set. A peer silent this long is
+  // an error. Unset: the process group's own (Group::timeout), so a rank late by less than the
+  // job allows (a checkpoint, an evaluation, a first compile) never ends it here.
+  std::optional<std::chrono::milliseconds> timeout;
   // Most bytes of freed CPU buffers (see Group::new_buffer) kept for reuse, least recently
   // freed evicted first; >= 0. A step's transient buffers must fit, or every large exchange
   // maps fresh pages (docs/benchmarks.md, "Buffer cache").
@@ -81,6 +83,9 @@ struct GroupOptions {
   Transport transport = Transport::kAuto;
 };
 
+// The wait of a group whose backends show none (a solo group, a backend without options).
+constexpr std::chrono::milliseconds kDefaultTimeout{std::chrono::seconds(120)};
+
 // "auto", "messages" or "batched"; parse_transport raises c10::ValueError on any other text.
 std::string to_string(GroupOptions::Transport transport);
 GroupOptions::Transport parse_transport(const std::string& text);
@@ -105,6 +110,11 @@ class Group {
   int rank() const { return rank_; }
   int size() const { return size_; }
   const GroupOptions& options() const { return options_; }
+  // The longest wait of this handle's collectives: options().timeout when set, else the process
+  // group's own, the longest timeout among its backends' options (what init_process_group or
+  // new_group was given: Gloo's 30 minutes, NCCL's 10, unless the job set one), else
+  // kDefaultTimeout.
+  std::chrono::milliseconds timeout() const { return timeout_; }
   // The same group with other options (same connection and runtime).
   Group with_options(const GroupOptions& options) const;
   // The c10d group name ("" for solo()).
@@ -164,6 +174,7 @@ class Group {
   int rank_ = 0;                               // In [0, size_).
   int size_ = 1;                               // >= 1.
   GroupOptions options_;
+  std::chrono::milliseconds timeout_;  // options_.timeout, else the process group's own; > 0.
 };
 
 // Runs `prepare` (work that can fail on this rank alone, e.g. parsing its arguments) and

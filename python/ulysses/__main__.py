@@ -19,10 +19,12 @@ from . import _cli
 
 
 def _join_world(timeout_ms: int) -> str:
+    """Joins torchrun's world; ``timeout_ms``: the --timeout in milliseconds (-1: torch's default)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return ""  # A world of one rank: no process group needed.
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(milliseconds=timeout_ms))
+        timeout = datetime.timedelta(milliseconds=timeout_ms) if timeout_ms > 0 else None
+        dist.init_process_group("gloo", timeout=timeout)
     assert dist.group.WORLD is not None
     return dist.group.WORLD.group_name
 

@@ -125,7 +125,9 @@ class DistributedAttention(nn.Module):
         softcap: a logit softcap: scores s become ``softcap * tanh(s / softcap)`` before the mask
             (Gemma2's ``attn_logit_softcapping``). None or 0: none. Agreed like ``window``; not
             with ``local="sdpa"`` or a callable.
-        timeout: longest wait for any collective (timedelta or seconds; default 120 s).
+        timeout: longest wait for any collective: a timedelta or a number of seconds (int or
+            float); None: the group's own (the timeout its backends were made with).
+            Note [One wait] in ulysses/groups.py.
         ring_group: for hybrid Ulysses x ring attention, the ring group (same forms as
             ``group``, which is then the Ulysses group): key/value blocks circulate over its R
             ranks. Inputs follow the zigzag layout (``ulysses.shard_sequence`` with
@@ -199,8 +201,8 @@ class DistributedAttention(nn.Module):
         self.window = window
         self.softcap = softcap
         self.local = local
-        self.timeout_ms = G.timeout_ms(timeout)
-        self._options = G.group_options(self.timeout_ms)  # The ops' group_options.
+        self.wait = G.wait(timeout)
+        self._options = self.wait.options()  # The ops' group_options.
         self.q_heads, self.kv_heads = q_heads, kv_heads
         check_head_chunks(head_chunks, "DistributedAttention")
         self.head_chunks = head_chunks
@@ -260,7 +262,7 @@ class DistributedAttention(nn.Module):
         if self.q_heads is None or self.kv_heads is None:
             _C.fail_together("DistributedAttention.forward_parts: give q_heads and kv_heads at "
                              "construction (parts do not show the totals)", self.group_name,
-                             self.timeout_ms, before_attention=True)
+                             self.wait.code(), before_attention=True)
         kv_heads = self.kv_heads or 1  # (given: fail_together raised otherwise)
         if (callable(self.local) or self.local == "flex" or self.recompute_chunks
                 or chunk_count(self.head_chunks, self.q_heads or 1, kv_heads, self.sp_size) > 1):
@@ -355,18 +357,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
                                            causal, scale_arg, local, group, options, ring, _handle(step),
                                            mask_rebuilt, window=window, softcap=softcap, sinks=sinks,
                                            head_chunks=head_chunks, recompute_chunks=recompute_chunks)
-    timeout_ms = options[0]
+    wait = G.Wait.of_code(options[0])
     seq_dim, from_bhsd, kv_map = _call_facts(layout, q_heads, kv_heads, group)
     if not seq_lens:
-        seq_lens = O.sequence_lengths(q, seq_dim, group, timeout_ms / 1000)
+        seq_lens = O.sequence_lengths(q, seq_dim, group, wait)
     # Sinks given on some ranks only: a local raise would hang the others (in attention_heads).
     if callable(local) and sinks is not None:
         _C.fail_together("DistributedAttention: a callable local attention takes no sinks; use a kernel name "
-                         "(\"auto\", \"fused\", \"math\", \"flex\")", group, timeout_ms, before_attention=True)
+                         "(\"auto\", \"fused\", \"math\", \"flex\")", group, wait.code(), before_attention=True)
     if local == "flex" and not q.is_cuda and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         _C.fail_together("DistributedAttention: local=\"flex\" runs forward only off CUDA (torch has no CPU "
                          "backward for FlexAttention); train with local=\"auto\" there, or run under "
-                         "torch.no_grad()", group, timeout_ms, before_attention=True)
+                         "torch.no_grad()", group, wait.code(), before_attention=True)
     heads = torch.ops.ulysses.attention_heads(q, k, v, mask, positions, q_heads, kv_heads, list(seq_lens), layout,
                                               causal, scale_arg, group, options, _handle(step), mask_rebuilt,
                                               window=window, softcap=softcap, sinks=sinks)
@@ -451,8 +453,8 @@ class _Recomputed(torch.autograd.Function):
     nothing by heads lives from forward to backward."""
 
     @staticmethod
-    def forward(ctx, run, group, timeout_ms, *inputs):  # type: ignore[override]
-        ctx.run, ctx.group, ctx.timeout_ms = run, group, timeout_ms
+    def forward(ctx, run, group, wait_code, *inputs):  # type: ignore[override]
+        ctx.run, ctx.group, ctx.wait_code = run, group, wait_code
         ctx.save_for_backward(*inputs)
         with torch.no_grad():
             return run(*inputs)
@@ -463,7 +465,7 @@ class _Recomputed(torch.autograd.Function):
             saved = ctx.saved_tensors
         except RuntimeError as e:  # (an input changed in place, a second backward): on every rank alike
             _C.fail_together(f"DistributedAttention (recompute_chunks): backward recomputes each chunk from its "
-                             f"saved inputs: {e}", ctx.group, ctx.timeout_ms, before_attention=True)
+                             f"saved inputs: {e}", ctx.group, ctx.wait_code, before_attention=True)
         inputs = [None if t is None else t.detach().requires_grad_(needs)
                   for t, needs in zip(saved, ctx.needs_input_grad[3:], strict=True)]
         with torch.enable_grad():

@@ -64,7 +64,8 @@ def autosp(group: G.GroupLike = None, *, inner: str | Callable | None = None, de
 
     ``inner``: the backend that compiles the rewritten graph (None: run it eagerly; e.g.
     ``"aot_eager"``, ``"inductor"``). ``debug``: log each graph before and after, with every
-    inserted op, at INFO on the ``ulysses.autosp`` logger (configure logging to see it)."""
+    inserted op, at INFO on the ``ulysses.autosp`` logger (configure logging to see it).
+    ``timeout``: a timedelta or a number of seconds; None: the group's own (Note [One wait])."""
     return AutoSP(group, inner=inner, debug=debug, timeout=timeout)
 
 
@@ -75,9 +76,9 @@ class AutoSP:
                  timeout: G.Timeout = None) -> None:
         self.group = G.group_name(group)
         self.rank, self.size = G.rank_and_size(self.group)
-        self.timeout_ms = G.timeout_ms(timeout)
-        self.options = G.group_options(self.timeout_ms)  # The ops' group_options.
-        G.with_cpu_backend(self.group, timeout)  # The agreement's integers stay on the host.
+        self.wait = G.wait(timeout)
+        self.options = self.wait.options()  # The ops' group_options.
+        G.with_cpu_backend(self.group, self.wait)  # The agreement's integers stay on the host.
         self.inner, self.debug = inner, debug
         self.graphs: list[fx.GraphModule] = []
 
@@ -95,7 +96,7 @@ class AutoSP:
             message = (f"ulysses.autosp: the forward graph-breaks ({broken}): the next graph would take this "
                        "rank's sharded tensors as whole ones. Remove the break (compile with fullgraph=True "
                        "to have Dynamo point at it)")
-            _C.fail_together(message, self.group, self.timeout_ms)
+            _C.fail_together(message, self.group, self.wait.code())
             raise AutoSPError(message)
         compiled: dict[tuple, Callable] = {}
 
@@ -123,7 +124,7 @@ class AutoSP:
                 names.append(f"the given sequence split (marked input {k}'s sequence dim {d})" if sequence
                              else f"dim {d} of marked input {k}")
         # The digest goes last: a marked input's shape, when that is what differs, is named first.
-        _C.agree_values(values[1:] + values[:1], names[1:] + names[:1], self.group, self.timeout_ms,
+        _C.agree_values(values[1:] + values[:1], names[1:] + names[:1], self.group, self.wait.code(),
                         "ulysses.autosp")
 
     def _compile(self, gm, args):
@@ -142,7 +143,7 @@ class AutoSP:
         except AutoSPError as e:
             # Deterministic on every rank, but one rank's inputs may differ: the agreement
             # round the other ranks' first collective runs makes them fail with this text too.
-            _C.fail_together(f"ulysses.autosp: {e}", self.group, self.timeout_ms)
+            _C.fail_together(f"ulysses.autosp: {e}", self.group, self.wait.code())
             raise
         if self.debug:
             _log.info("ulysses.autosp: graph before\n%s\nulysses.autosp: graph after (inserted nodes are "

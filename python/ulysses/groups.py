@@ -1,11 +1,19 @@
 """Process groups as the library's ops take them: a group's c10d name (as torch's functional
 collectives do), its options as the ops' integer list, and the CPU backend an accelerator-only
 group gets for each call's agreement. Every Python module reaches the group plumbing here.
+
+Note [One wait]: every public ``timeout=`` takes a ``datetime.timedelta`` or a number of seconds
+(an int or a float alike) and is read once, where it enters, by :func:`wait`; from there only a
+:class:`Wait` travels (whole milliseconds, or the group's own), so no function takes a bare
+number whose unit would depend on its Python type (``30`` was once 30 ms on some paths).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import math
+import numbers
 import weakref
 
 import torch
@@ -18,9 +26,55 @@ from . import _C
 # A process group, its c10d name, a 1-D DeviceMesh (``mesh["sp"]``), a mesh dimension
 # ``(mesh, "sp")``, or None for the default group.
 GroupLike = str | dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int | str] | None
-# A collective's longest wait: a timedelta or seconds (None: DEFAULT_TIMEOUT).
-Timeout = datetime.timedelta | float | None
-DEFAULT_TIMEOUT = datetime.timedelta(milliseconds=_C.DEFAULT_TIMEOUT_MS)  # GroupOptions::timeout.
+# A collective's longest wait as users give it: a timedelta or a number of seconds (int or
+# float); None: the group's own (the timeout its backends were made with: init_process_group's,
+# new_group's, NCCL's). Note [One wait].
+Timeout = datetime.timedelta | int | float | None
+# The wait of a group whose backends show none (kDefaultTimeout).
+DEFAULT_TIMEOUT = datetime.timedelta(milliseconds=_C.DEFAULT_TIMEOUT_MS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait:
+    """A collective's longest wait once read (:func:`wait`): whole milliseconds (> 0), or None
+    for the group's own. The one form a wait travels in inside the library (Note [One wait])."""
+
+    ms: int | None = None
+
+    def code(self) -> int:
+        """The ops' encoding (``group_options[0]``, the ``timeout_ms`` of ``_C``'s helpers):
+        milliseconds, or -1 for the group's own."""
+        return -1 if self.ms is None else self.ms
+
+    @staticmethod
+    def of_code(code: int) -> Wait:
+        """The Wait :meth:`code` encoded."""
+        return Wait(None if code < 0 else code)
+
+    def options(self) -> list[int]:
+        """The ops' ``int[] group_options``: its prefix ``[timeout]``, the rest left at the C++
+        defaults (the codec's home is src/transport/op_options.h)."""
+        return [self.code()]
+
+
+def wait(timeout: Timeout | Wait) -> Wait:
+    """Reads a public ``timeout=``: a timedelta or a number of seconds (int or float), None for
+    the group's own; a Wait passes through. Anything else is refused (TypeError), and so is a
+    wait that is not a finite number of seconds > 0 (ValueError)."""
+    if isinstance(timeout, Wait):
+        return timeout
+    if timeout is None:
+        return Wait()
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"ulysses: timeout must be a datetime.timedelta or a number of seconds (int or float), "
+                        f"or None for the group's own; got {timeout!r} ({type(timeout).__name__})")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"ulysses: timeout must be a finite number of seconds > 0; got {seconds}")
+    return Wait(max(1, round(seconds * 1000)))
 
 
 def group_name(group: GroupLike) -> str:
@@ -61,7 +115,7 @@ def _backend_timeout(pg: dist.ProcessGroup) -> datetime.timedelta | None:
     return max(found, default=None)
 
 
-def with_cpu_backend(name: str, timeout: Timeout = None) -> None:
+def with_cpu_backend(name: str, timeout: Timeout | Wait = None) -> None:
     """Gives the group ``name`` a Gloo backend for CPU tensors when it has none (a group made
     NCCL-only), so that each call's agreement moves its few integers host to host instead of
     through the GPU with a device-to-host copy (Note [Metadata device] in group.cpp). The Gloo
@@ -70,7 +124,7 @@ def with_cpu_backend(name: str, timeout: Timeout = None) -> None:
     DistributedAttention constructor does). A group made with ``"cpu:gloo,cuda:nccl"`` (and
     DeviceMesh groups under such a world) already has one.
 
-    Its timeout is the longer of ``timeout`` (the caller's; None: DEFAULT_TIMEOUT) and the
+    Its timeout is the longer of ``timeout`` (the caller's; None: the group's own) and the
     group's own backends' (NCCL's default is 10 minutes), raised by a later caller's longer one:
     a rank late by less than the job allows (a checkpoint, an evaluation, a first compile) must
     not end the job here. The group keeps its name and description: registering a backend
@@ -79,17 +133,16 @@ def with_cpu_backend(name: str, timeout: Timeout = None) -> None:
     if not name:
         return
     pg = process_group(name)
-    wait = datetime.timedelta(milliseconds=timeout_ms(timeout))
-    if (own := _backend_timeout(pg)) is not None:
-        wait = max(wait, own)
+    asked, own = wait(timeout).ms, _backend_timeout(pg)
+    longest = max(datetime.timedelta(milliseconds=asked or 0), own or DEFAULT_TIMEOUT)
     if (ours := _side_backends.get(pg)) is not None:
-        if ours.options._timeout < wait:
-            ours.set_timeout(wait)
+        if ours.options._timeout < longest:
+            ours.set_timeout(longest)
         return
     if any(d.type == "cpu" for d in pg._device_types):
         return
     store = dist.distributed_c10d._world.pg_map[pg][1]
-    gloo = dist.ProcessGroupGloo(dist.PrefixStore("ulysses/cpu/", store), pg.rank(), pg.size(), wait)
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("ulysses/cpu/", store), pg.rank(), pg.size(), longest)
     description = pg.group_desc
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
     pg._set_group_name(GroupName(name))
@@ -97,26 +150,14 @@ def with_cpu_backend(name: str, timeout: Timeout = None) -> None:
     _side_backends[pg] = gloo
 
 
-def timeout_ms(timeout: Timeout) -> int:
-    """Milliseconds of a timedelta or of seconds (None: the default, 120 s)."""
-    if timeout is None:  # Without timedelta arithmetic, which torch.compile cannot trace.
-        return _C.DEFAULT_TIMEOUT_MS
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
-    if not seconds > 0:
-        raise ValueError(f"ulysses: timeout must be > 0 seconds; got {seconds}")
-    return max(1, int(round(seconds * 1000)))
-
-
 def process_group(name: str) -> dist.ProcessGroup:
     """The live c10d process group registered under ``name``."""
     return torch._C._distributed_c10d._resolve_process_group(GroupName(name))
 
 
-def group_options(timeout: Timeout | int) -> list[int]:
-    """The ops' ``int[] group_options`` for a timeout (a timedelta, seconds, or None; an int is
-    milliseconds already): its prefix ``[timeout ms]``, the rest left at the C++ defaults. The
-    codec's home is src/transport/op_options.h; this is its one writer in Python."""
-    return [timeout if isinstance(timeout, int) else timeout_ms(timeout)]
+def group_options(timeout: Timeout | Wait) -> list[int]:
+    """The ops' ``int[] group_options`` for a public timeout or a Wait (:meth:`Wait.options`)."""
+    return wait(timeout).options()
 
 
 def rank_and_size(name: str) -> tuple[int, int]:
@@ -127,5 +168,5 @@ def rank_and_size(name: str) -> tuple[int, int]:
     return pg.rank(), pg.size()
 
 
-__all__ = ["DEFAULT_TIMEOUT", "GroupLike", "Timeout", "group_name", "group_options", "process_group",
-           "rank_and_size", "timeout_ms", "with_cpu_backend"]
+__all__ = ["DEFAULT_TIMEOUT", "GroupLike", "Timeout", "Wait", "group_name", "group_options", "process_group",
+           "rank_and_size", "wait", "with_cpu_backend"]

@@ -105,7 +105,7 @@ def ulysses_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     if is_causal is not None and bool(is_causal) != attention.causal:
         raise ValueError(f"ulysses attention: is_causal={is_causal} but the module's attention "
                          f"was built with causal={attention.causal}")
-    group, timeout = attention.group_name, attention.timeout_ms / 1000
+    group, timeout = attention.group_name, attention.wait
     seq_lens = kwargs.get("ulysses_seq_lens") or O.sequence_lengths(query, 2, group, timeout)
     step = None if torch.compiler.is_compiling() else kwargs.get("ulysses_step")
     mask = attention_mask
@@ -324,6 +324,7 @@ def sequence_parallel(model: PreTrainedModel, group: G.GroupLike = None, *,
         raise ValueError("ulysses.hf: mlp_tile_tokens and loss_tile_bytes must be >= 1")
     _check_backend(model)
     name = G.group_name(group)
+    wait = G.wait(timeout)  # Read once here (Note [One wait]); a G.Wait travels on.
     if model.config._attn_implementation != IMPLEMENTATION:  # What verify's unsharded copy runs.
         object.__setattr__(model, "_ulysses_unsharded_attention", model.config._attn_implementation or "eager")
     sharded = _sharded_implementation(model)
@@ -338,7 +339,7 @@ def sequence_parallel(model: PreTrainedModel, group: G.GroupLike = None, *,
     model.config.use_cache = False
     for module in model.modules():
         object.__setattr__(module, "_ulysses_group", name)
-        object.__setattr__(module, "_ulysses_timeout", timeout)
+        object.__setattr__(module, "_ulysses_timeout", wait)
         object.__setattr__(module, "_ulysses_local", local)
         object.__setattr__(module, "_ulysses_head_chunks", head_chunks)
         object.__setattr__(module, "_ulysses_recompute_chunks", bool(recompute_chunks))
@@ -447,7 +448,7 @@ def _tokens(kwargs: dict) -> torch.Tensor:
     return x
 
 
-def _sequence_rows(kwargs: dict, group: str, timeout) -> list[int]:
+def _sequence_rows(kwargs: dict, group: str, timeout: G.Wait) -> list[int]:
     given = kwargs.get("ulysses_seq_lens")
     if given:
         return list(given)
@@ -511,7 +512,7 @@ def unsharded(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
 
 
 def _check_same_batch(input_ids: torch.Tensor, group: str, images: list[float] | None = None,
-                      timeout: G.Timeout = None) -> None:
+                      timeout: G.Timeout | G.Wait = None) -> None:
     """Every rank of an SP group scores the same whole sequences: their shapes and a digest of
     their tokens (and of a VLM's ``images``: :func:`ulysses.vision.images_digest`) agree, or every
     rank raises the same error naming each rank's (one small collective, before any exchange; a
@@ -644,7 +645,7 @@ def _tiled_loss(model: PreTrainedModel, kwargs: dict, seq_lens: list[int], shift
     group = model.__dict__["_ulysses_group"]
     problem = tiled.label_problem(hidden, head.weight.shape[0], shift_labels, ignore_index)
     _C.check_together(f"ulysses.hf: {problem}" if problem else "", G.group_name(group),
-                      G.timeout_ms(model.__dict__["_ulysses_timeout"]), "ulysses.hf tiled loss labels")
+                      model.__dict__["_ulysses_timeout"].code(), "ulysses.hf tiled loss labels")
     scale, softcap = _logit_rules(model.config)  # (the head's own: a VLM's config, not its text config's)
     tiles = _C.loss_tile_count(hidden.shape[0] * max(seq_lens), head.weight.shape[0],
                                model.__dict__["_ulysses_long"].loss_tile_bytes)

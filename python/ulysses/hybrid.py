@@ -50,7 +50,7 @@ class _Shard:
 
     seq_lens: list[int]
     group: str
-    timeout: G.Timeout
+    timeout: G.Wait
     code: types.ModuleType
 
 
@@ -212,7 +212,7 @@ def mamba2_forward(mixer: Any, hidden_states: torch.Tensor, attention_mask: torc
 
 
 def _with_tokens_before(x: torch.Tensor, count: int, seq_lens: list[int], group: str,
-                        timeout: G.Timeout) -> torch.Tensor:
+                        timeout: G.Wait) -> torch.Tensor:
     """``x [.., S_r]`` (sequence last) with the ``count`` tokens before this rank's shard put in
     front (zeros before the sequence's start): one all-gather of every rank's last ``count``
     tokens, whose backward returns each rank its tokens' gradients."""
@@ -273,7 +273,7 @@ def install(model: torch.nn.Module) -> list[str]:
 
 
 def refuse_documents(model_class: type, positions: torch.Tensor | None, attention_mask: torch.Tensor | None,
-                     seq_lens: list[int], group: str, timeout: G.Timeout = None) -> None:
+                     seq_lens: list[int], group: str, timeout: G.Timeout | G.Wait = None) -> None:
     """Raises on every rank alike when a row's position ids restart (packed documents): the
     mixers' own code (its torch path) runs across documents, so such rows are refused. One
     small collective: each rank's range of position minus global index per row, padding

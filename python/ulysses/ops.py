@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from . import _C
-from .groups import GroupLike, Timeout, group_name, group_options
+from .groups import GroupLike, Timeout, Wait, group_name, group_options
 
 _ops = torch.ops.ulysses
 #: The local attention kernels by name, "auto" first (C++ LocalKernel, attention.h).
@@ -23,7 +23,7 @@ LOCAL_KERNELS: tuple[str, ...] = tuple(_C.local_kernels())
 # ---- sequence_lengths ---------------------------------------------------------------------
 
 
-def sequence_lengths(x: torch.Tensor, dim: int, group: GroupLike = None, timeout: Timeout = None) -> list[int]:
+def sequence_lengths(x: torch.Tensor, dim: int, group: GroupLike = None, timeout: Timeout | Wait = None) -> list[int]:
     """Every rank's length of ``x`` along ``dim`` (one small collective; eager only)."""
     return _ops.sequence_lengths(x, dim, group_name(group), group_options(timeout)).tolist()
 
@@ -33,7 +33,7 @@ def sequence_lengths(x: torch.Tensor, dim: int, group: GroupLike = None, timeout
 
 def scatter_heads(xs: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int, kv_heads: int,
                   seq_lens: Sequence[int], layout: str = "BSHD", group: GroupLike = None,
-                  timeout: Timeout = None) -> list[torch.Tensor]:
+                  timeout: Timeout | Wait = None) -> list[torch.Tensor]:
     """Sequence-sharded ``[B, S_r, H, D]`` tensors to head-sharded ``[B, S, H_r, D]`` (BSHD shown).
 
     ``heads[i]`` is ``"q"`` (Hq heads) or ``"kv"`` (Hkv heads) for ``xs[i]``; all tensors move in
@@ -47,7 +47,7 @@ def scatter_heads(xs: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int
 
 def gather_heads(ys: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int, kv_heads: int,
                  seq_lens: Sequence[int], layout: str = "BSHD", group: GroupLike = None,
-                 timeout: Timeout = None) -> list[torch.Tensor]:
+                 timeout: Timeout | Wait = None) -> list[torch.Tensor]:
     """The inverse of ``scatter_heads``: ``[B, S, H_r, D]`` back to ``[B, S_r, H, D]``.
 
     Replicated kv heads (Hkv < P) are summed over the ranks that hold them, which makes it the
@@ -62,7 +62,7 @@ def gather_heads(ys: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int,
 
 def scatter_head_parts(parts: Sequence[Sequence[torch.Tensor]], heads: Sequence[str], q_heads: int,
                        kv_heads: int, seq_lens: Sequence[int], layout: str = "BSHD",
-                       group: GroupLike = None, timeout: Timeout = None) -> list[torch.Tensor]:
+                       group: GroupLike = None, timeout: Timeout | Wait = None) -> list[torch.Tensor]:
     """``scatter_heads`` from head parts: ``parts[i][j]`` holds the heads rank ``j`` gets of
     tensor ``i`` (``[B, S_r, H_j, D]`` in BSHD, as ``project_head_parts`` makes them), so nothing
     is packed: each part is the message to its rank. Returns what ``scatter_heads`` returns for
@@ -74,7 +74,7 @@ def scatter_head_parts(parts: Sequence[Sequence[torch.Tensor]], heads: Sequence[
 
 def gather_head_parts(ys: Sequence[torch.Tensor], heads: Sequence[str], q_heads: int, kv_heads: int,
                       seq_lens: Sequence[int], layout: str = "BSHD", group: GroupLike = None,
-                      timeout: Timeout = None) -> list[list[torch.Tensor]]:
+                      timeout: Timeout | Wait = None) -> list[list[torch.Tensor]]:
     """``gather_heads`` into head parts: ``out[i][j]`` is rank ``j``'s heads of tensor ``i`` on
     this rank's tokens (``project_from_head_parts`` takes them), so nothing is unpacked.
     Replicated kv heads stay in their own parts. Differentiable."""
@@ -89,7 +89,7 @@ def gather_head_parts(ys: Sequence[torch.Tensor], heads: Sequence[str], q_heads:
 
 def scatter_projected(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
                       heads: Sequence[str], q_heads: int, kv_heads: int, seq_lens: Sequence[int],
-                      group: GroupLike = None, timeout: Timeout = None) -> list[torch.Tensor]:
+                      group: GroupLike = None, timeout: Timeout | Wait = None) -> list[torch.Tensor]:
     """Input projections overlapped with the sequence -> heads exchange (BSHD): for ``x
     [B, S_r, E]`` and each ``weights[i] [H_i * D_i, E]`` (head-major rows, an ``nn.Linear``'s;
     ``biases[i]`` or None; ``heads[i]`` "q" or "kv"), returns ``scatter_heads`` of
@@ -102,7 +102,7 @@ def scatter_projected(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: 
 
 
 def gather_projected(y: torch.Tensor, weight: torch.Tensor, q_heads: int, kv_heads: int,
-                     seq_lens: Sequence[int], group: GroupLike = None, timeout: Timeout = None) -> torch.Tensor:
+                     seq_lens: Sequence[int], group: GroupLike = None, timeout: Timeout | Wait = None) -> torch.Tensor:
     """The output projection overlapped with the heads -> sequence exchange (BSHD): for ``y
     [B, S, H_r, D]`` (this rank's query heads) and ``weight [E, Hq * D]``, returns
     ``F.linear(gather_heads(y).flatten(-2), weight)``: ``[B, S_r, E]``. Each peer's block is
@@ -137,7 +137,7 @@ def project_from_head_parts(parts: Sequence[torch.Tensor], weight: torch.Tensor,
 
 
 def all_gather_sequence(x: torch.Tensor, dim: int, seq_lens: Sequence[int], group: GroupLike = None,
-                        timeout: Timeout = None) -> torch.Tensor:
+                        timeout: Timeout | Wait = None) -> torch.Tensor:
     """``[.., S_r, ..]`` shards along ``dim`` gathered into ``[.., S, ..]`` in rank order.
 
     Backward: ``reduce_scatter_sequence`` (sum over the group, keep this rank's rows).
@@ -146,7 +146,7 @@ def all_gather_sequence(x: torch.Tensor, dim: int, seq_lens: Sequence[int], grou
 
 
 def reduce_scatter_sequence(x: torch.Tensor, dim: int, seq_lens: Sequence[int],
-                            group: GroupLike = None, timeout: Timeout = None) -> torch.Tensor:
+                            group: GroupLike = None, timeout: Timeout | Wait = None) -> torch.Tensor:
     """Sum of ``x`` ``[.., S, ..]`` over the group, this rank's rows ``[.., S_r, ..]`` kept."""
     return _ops.reduce_scatter_sequence(x, dim, list(seq_lens), group_name(group),
                                         group_options(timeout))
@@ -156,7 +156,7 @@ def reduce_scatter_sequence(x: torch.Tensor, dim: int, seq_lens: Sequence[int],
 
 
 def rebuild_mask(mask: torch.Tensor, q_heads: int, kv_heads: int, seq_lens: Sequence[int],
-                 group: GroupLike = None, timeout: Timeout = None) -> torch.Tensor:
+                 group: GroupLike = None, timeout: Timeout | Wait = None) -> torch.Tensor:
     """``mask`` rebuilt for attention on this rank's query heads over the full sequence.
 
     Bool (true = attend) or additive float, 2-D ``[Sq, Sk]``, 3-D ``[heads, Sq, Sk]`` or 4-D

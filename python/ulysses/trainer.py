@@ -123,7 +123,8 @@ class SequenceParallel:
     against itself unsharded (:func:`ulysses.hf.verify`) and stop with its error above this
     relative error (DDP or one process; not FSDP2). ``tiled_mlp``, ``tiled_loss``, ``checkpoint``,
     ``mlp_tile_tokens``, ``head_chunks`` and ``recompute_chunks`` are
-    :func:`ulysses.hf.sequence_parallel`'s."""
+    :func:`ulysses.hf.sequence_parallel`'s. ``timeout``: every wait of the library's (a timedelta
+    or seconds); None: ``TrainingArguments.ddp_timeout``, as the Trainer's own collectives."""
 
     ignore_index = hf.IGNORE_INDEX
     _normalises_the_step = True  # compute_loss is SequenceParallel's (the token mean of the step)
@@ -131,9 +132,12 @@ class SequenceParallel:
     def __init__(self, *args: Any, sp_size: int, tiled_mlp: bool = False, tiled_loss: bool = False,
                  checkpoint: str | None = None, mlp_tile_tokens: int | None = None,
                  head_chunks: HeadChunks = 1, recompute_chunks: bool = False,
-                 verify_tolerance: float | None = None, **kwargs: Any) -> None:
+                 verify_tolerance: float | None = None, timeout: G.Timeout = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         trainer: Any = self
+        # Every wait of the job's, the attention's included: the Trainer's own (ddp_timeout, 30
+        # minutes by default) unless the script gives one (Note [One wait] in ulysses/groups.py).
+        self._wait = G.wait(timeout if timeout is not None else trainer.args.ddp_timeout)
         world = trainer.args.world_size
         if not dist.is_initialized():
             raise RuntimeError("ulysses.trainer: torch.distributed is not initialized; launch the script with "
@@ -164,7 +168,7 @@ class SequenceParallel:
         self._step_tokens: torch.Tensor | None = None
 
     def _make_sequence_parallel(self, model: Any, **long: Any) -> None:
-        hf.sequence_parallel(model, self.sequence_mesh["sp"], **long)
+        hf.sequence_parallel(model, self.sequence_mesh["sp"], timeout=self._wait, **long)
 
     # --- FSDP2 where the Trainer does not apply it (CPU) ---------------------------------
 
@@ -303,7 +307,7 @@ class SequenceParallel:
         problem = f"ulysses.trainer: {problem}" if problem else ""
         # One round over every rank before the first collective of the step: a batch wrong on one
         # rank fails all of them alike, not that rank with this error and the others in a timeout.
-        _C.check_together(problem, G.group_name(None), G.timeout_ms(None), "ulysses.trainer batch keys")
+        _C.check_together(problem, G.group_name(None), self._wait.code(), "ulysses.trainer batch keys")
         sp = self.sequence_mesh["sp"]
         text = {k: v for k, v in inputs.items() if k in _SHARDED_KEYS}
         if "position_ids" in text:  # (a VLM's packed rows: Qwen-VL's [4, B, S])
@@ -364,8 +368,8 @@ class SequenceParallel:
                 return self.compute_loss(model, inputs).detach(), None, None
             loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
         sp = self.sequence_mesh["sp"]
-        shard_lens = O.sequence_lengths(outputs.logits, 1, sp)
-        logits = O.all_gather_sequence(outputs.logits.detach(), 1, shard_lens, sp)  # the whole sequence
+        shard_lens = O.sequence_lengths(outputs.logits, 1, sp, self._wait)
+        logits = O.all_gather_sequence(outputs.logits.detach(), 1, shard_lens, sp, self._wait)  # whole sequence
         return loss.detach(), logits, inputs.get("labels")
 
     def _gather_once_per_sequence_group(self, data: Any, use_gather_object: bool = False) -> Any:
@@ -440,7 +444,7 @@ class WholeSequenceLogProbs(SequenceParallel):
             if fused is None:
                 raise ValueError("ulysses.trainer: WholeSequenceLogProbs needs the trainer's fused LM head (TRL's "
                                  f"add_fused_lm_head, as DPOTrainer adds it); {type(m).__name__} has none")
-            hf.sequence_parallel(m, self.sequence_mesh["sp"], **long)
+            hf.sequence_parallel(m, self.sequence_mesh["sp"], timeout=self._wait, **long)
             sharded = m.__dict__["forward"]
 
             def forward(self_: Any, *args: Any, fused_lm_head: bool = False, sharded_: Any = sharded,

@@ -99,7 +99,7 @@ def all_reduce_gradients(model: torch.nn.Module, group: G.GroupLike = None) -> N
     params = [p for p in model.parameters() if p.requires_grad or p.grad is not None]
     # Which parameters have a gradient may differ by rank (an expert no token of this shard chose,
     # a vision tower that encoded no frame here): the C++ rule agrees on them first (sharding.h).
-    grads = _C.gradients_of(params, name, G.timeout_ms(None))
+    grads = _C.gradients_of(params, name, G.Wait().code())
     if grads:  # One flat all-reduce per dtype (C++ sharding.h).
         torch.ops.ulysses.all_reduce_gradients(grads, name, G.group_options(None))
 

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <string>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -14,8 +15,9 @@ namespace ulysses {
 namespace {
 
 void check_options(const GroupOptions& options) {
-  TORCH_CHECK_VALUE(options.timeout.count() > 0, "Group: timeout must be > 0 ms; got ",
-                    options.timeout.count(), " ms");
+  TORCH_CHECK_VALUE(!options.timeout || options.timeout->count() > 0,
+                    "Group: timeout must be > 0 ms (or unset: the group's own); got ",
+                    options.timeout ? options.timeout->count() : 0, " ms");
   TORCH_CHECK_VALUE(options.buffer_cache_bytes >= 0, "Group: buffer_cache_bytes must be >= 0; got ",
                     options.buffer_cache_bytes);
   TORCH_CHECK_VALUE(options.buffer_cache_min_bytes >= 0,
@@ -28,6 +30,23 @@ void check_options(const GroupOptions& options) {
                     options.pipeline_min_bytes, " and ", options.message_bytes);
 }
 
+// The process group's own wait: the longest timeout among its backends' options, else
+// kDefaultTimeout (a backend that keeps no options shows none).
+std::chrono::milliseconds own_timeout(c10d::ProcessGroup* pg) {
+  std::chrono::milliseconds longest{0};
+  if (pg != nullptr) {
+    for (const c10::Device& device : pg->getDeviceTypes()) {
+      try {
+        const auto backend = pg->getBackend(device.type());
+        if (const auto options = backend->getBackendOptions())
+          longest = std::max(longest, options->timeout);
+      } catch (const std::exception&) {
+      }
+    }
+  }
+  return longest.count() > 0 ? longest : kDefaultTimeout;
+}
+
 }  // namespace
 
 Group::Group(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::shared_ptr<GroupRuntime> runtime,
@@ -36,7 +55,8 @@ Group::Group(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::shared_ptr<GroupRun
       runtime_(std::move(runtime)),
       rank_(rank),
       size_(size),
-      options_(options) {}
+      options_(options),
+      timeout_(options.timeout ? *options.timeout : own_timeout(pg_.get())) {}
 
 Group Group::from_process_group(c10::intrusive_ptr<c10d::ProcessGroup> process_group,
                                 const GroupOptions& options) {

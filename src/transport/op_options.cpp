@@ -22,17 +22,23 @@ int64_t transport_number(GroupOptions::Transport transport) {
 }  // namespace
 
 std::vector<int64_t> options_to_ints(const GroupOptions& options) {
-  return {options.timeout.count(), options.pipeline_min_bytes, options.message_bytes,
+  return {options.timeout ? options.timeout->count() : int64_t{-1}, options.pipeline_min_bytes,
+          options.message_bytes,
           options.shared_memory ? int64_t{*options.shared_memory} : int64_t{-1},
           transport_number(options.transport)};
 }
 
 GroupOptions options_from_ints(c10::IntArrayRef values) {
   GroupOptions o;
-  TORCH_CHECK_VALUE(values.size() <= 5, "Group: group_options has at most 5 values ([timeout ms, ",
-                    "pipeline_min_bytes, message_bytes, shared_memory (-1: unset), transport]); ",
-                    "got ", values.size());
-  if (values.size() > 0) o.timeout = std::chrono::milliseconds(values[0]);
+  TORCH_CHECK_VALUE(values.size() <= 5, "Group: group_options has at most 5 values ([timeout ms ",
+                    "(-1: the group's own), pipeline_min_bytes, message_bytes, shared_memory (-1: ",
+                    "unset), transport]); got ", values.size());
+  if (values.size() > 0 && values[0] != -1) {
+    TORCH_CHECK_VALUE(
+        values[0] > 0,
+        "Group: group_options' timeout must be > 0 ms, or -1 for the group's own; got ", values[0]);
+    o.timeout = std::chrono::milliseconds(values[0]);
+  }
   if (values.size() > 1) o.pipeline_min_bytes = values[1];
   if (values.size() > 2) o.message_bytes = values[2];
   if (values.size() > 3 && values[3] >= 0) o.shared_memory = values[3] != 0;

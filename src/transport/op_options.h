@@ -1,8 +1,8 @@
 // The groups the dispatcher ops take: a process group by its torch.distributed name (as torch's
 // functional collectives do; "" is this rank alone) and the handle's GroupOptions as an
-// `int[] group_options`: [timeout ms, pipeline_min_bytes, message_bytes, shared_memory (-1:
-// unset), transport]; a shorter list leaves the rest at their defaults. Python writes the
-// prefix [timeout ms] (ulysses.groups.group_options).
+// `int[] group_options`: [timeout ms (-1: the group's own), pipeline_min_bytes, message_bytes,
+// shared_memory (-1: unset), transport]; a shorter list leaves the rest at their defaults.
+// Python writes the prefix [timeout ms] (ulysses.groups.Wait.options).
 #pragma once
 
 #include <c10/util/ArrayRef.h>

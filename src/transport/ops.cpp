@@ -406,11 +406,9 @@ at::Tensor call_sequence_collective(const at::Tensor& x, int64_t dim, const Sequ
 
 TORCH_LIBRARY_FRAGMENT(ulysses, m) {
   // `group`: a torch.distributed group name ("" for this rank alone); `group_options`:
-  // [timeout ms, pipeline_min_bytes, message_bytes, shared_memory], a shorter list leaving
-  // defaults (transport/op_options.h).
+  // [timeout ms (-1: the group's own), pipeline_min_bytes, message_bytes, shared_memory,
+  // transport], a shorter list leaving defaults (transport/op_options.h).
   const std::vector<at::Tag> pt2{at::Tag::pt2_compliant_tag};
-  // `group`: a torch.distributed group name ("" for this rank alone); `group_options`:
-  // [timeout ms, pipeline_min_bytes, message_bytes], a shorter list leaving defaults.
   m.def("sequence_lengths(Tensor x, int dim, str group, int[] group_options) -> Tensor", pt2);
   // agree: check every rank's call first (the call fingerprint: tensors, head counts, the
   // split, and an attention call's mask, position ids, causal, scale and StepContext use).

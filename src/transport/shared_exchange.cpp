@@ -63,8 +63,8 @@ void wait_for_peers(const Group& g, const SharedMemoryLinks& links, int field, i
                     int64_t number) {
   using Clock = std::chrono::steady_clock;
   const auto begun = Clock::now();
-  const auto first = log_wait_after(g.options());
-  bool logged = first == g.options().timeout;
+  const auto first = log_wait_after(g);
+  bool logged = first == g.timeout();
   auto waiting_for = [&] {
     return ranks_where(g, [&](int j) { return links.peer_field(j, field) < n; });
   };
@@ -85,7 +85,7 @@ void wait_for_peers(const Group& g, const SharedMemoryLinks& links, int field, i
         logged = true;
         log_wait(g, first, "shared-memory exchange", number, waiting_for());
       }
-      if (waited >= g.options().timeout)
+      if (waited >= g.timeout())
         fail_wait(g, "shared-memory exchange", number, "still waiting for ranks " + waiting_for());
     }
   }

@@ -17,12 +17,12 @@ std::string seconds(std::chrono::milliseconds t) {
   return text;
 }
 
-std::chrono::milliseconds log_wait_after(const GroupOptions& options) {
+std::chrono::milliseconds log_wait_after(const Group& g) {
   using std::chrono::milliseconds;
-  const double fraction = options.log_wait_fraction;
-  if (fraction <= 0 || fraction >= 1) return options.timeout;
+  const double fraction = g.options().log_wait_fraction;
+  if (fraction <= 0 || fraction >= 1) return g.timeout();
   return std::max(milliseconds(1),
-                  milliseconds(static_cast<int64_t>(options.timeout.count() * fraction)));
+                  milliseconds(static_cast<int64_t>(g.timeout().count() * fraction)));
 }
 
 std::string ranks_where(const Group& g, const std::function<bool(int)>& waiting) {
@@ -39,22 +39,21 @@ std::string ranks_where(const Group& g, const std::function<bool(int)>& waiting)
 void log_wait(const Group& g, std::chrono::milliseconds waited, const std::string& op,
               int64_t number, const std::string& peers) {
   LOG(WARNING) << "ulysses: rank " << g.rank() << " of " << g.size() << " has waited "
-               << seconds(waited) << " s of its " << seconds(g.options().timeout)
-               << " s timeout in " << op << " #" << number << " of group '" << g.name()
-               << "' for ranks " << peers;
+               << seconds(waited) << " s of its " << seconds(g.timeout()) << " s timeout in " << op
+               << " #" << number << " of group '" << g.name() << "' for ranks " << peers;
 }
 
 void fail_wait(const Group& g, const std::string& op, int64_t number, const std::string& what) {
   TORCH_CHECK(false, "ulysses: collective ", op, " #", number, " failed on rank ", g.rank(), " of ",
-              g.size(), " (timeout ", g.options().timeout.count(),
+              g.size(), " (timeout ", g.timeout().count(),
               " ms; a peer may have died or skipped it): ", what);
 }
 
 void wait(const Group& g, const char* op, const c10::intrusive_ptr<c10d::Work>& work,
           int64_t number, c10::DeviceType device, const std::vector<int64_t>* out_splits,
           const std::vector<int64_t>* in_splits) {
-  const std::chrono::milliseconds timeout = g.options().timeout;
-  const std::chrono::milliseconds first = log_wait_after(g.options());
+  const std::chrono::milliseconds timeout = g.timeout();
+  const std::chrono::milliseconds first = log_wait_after(g);
   try {
     if (!waits_on_host(device)) {
       work->wait();

@@ -55,7 +55,7 @@ std::string seconds(std::chrono::milliseconds t);
 //
 // How long a wait goes before it is logged: GroupOptions::log_wait_fraction of the timeout, or
 // the whole timeout (never logged) when the fraction is not in (0, 1).
-std::chrono::milliseconds log_wait_after(const GroupOptions& options);
+std::chrono::milliseconds log_wait_after(const Group& g);
 // The other ranks of `g` that `waiting(rank)` picks, as "1, 3".
 std::string ranks_where(const Group& g, const std::function<bool(int)>& waiting);
 // Logs that this rank has waited `waited` in `op` #`number` of `g` for ranks `peers` (c10

@@ -57,11 +57,15 @@ def sp_step(model, backend, *args, **kwargs):
     return loss
 
 
+def plain_gqa_model():
+    torch.manual_seed(0)
+    return PlainGQA(VOCAB)
+
+
 def plain_gqa(group, inner):
     import ulysses
 
-    torch.manual_seed(0)
-    model = PlainGQA(VOCAB)
+    model = plain_gqa_model()
     ids, labels, attention_mask = batch()
     ref = reference(model, ids, labels, attention_mask)
     backend = ulysses.autosp(group, inner=inner)
