@@ -197,9 +197,22 @@ def frame_split(grid_thw: torch.Tensor, size: int) -> list[list[tuple[int, int, 
     return runs
 
 
+def _last_linear(merger: torch.nn.Module) -> torch.nn.Linear:
+    """A patch merger's last linear layer: the one that makes its output rows."""
+    return [m for m in merger.modules() if isinstance(m, torch.nn.Linear)][-1]
+
+
 def _merged_width(merger: torch.nn.Module) -> int:
-    """The width of a patch merger's output rows: its last linear layer's."""
-    return [m for m in merger.modules() if isinstance(m, torch.nn.Linear)][-1].out_features
+    """The width of a patch merger's output rows."""
+    return _last_linear(merger).out_features
+
+
+def _merged_dtype(merger: torch.nn.Module, device: torch.device) -> torch.dtype:
+    """The dtype of a patch merger's output rows, as a rank that encodes frames gets them: its
+    last linear layer's output, which autocast (when on for ``device``) makes autocast's dtype."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return _last_linear(merger).weight.dtype
 
 
 def _encoded_once(visual: Any, pixels: torch.Tensor, grid_thw: torch.Tensor | None = None, **kwargs):
@@ -226,9 +239,9 @@ def _encoded_once(visual: Any, pixels: torch.Tensor, grid_thw: torch.Tensor | No
         grid = torch.tensor([[n, *grid_thw[item, 1:].tolist()] for item, _, n, _ in mine], device=grid_thw.device)
         out = type(visual).forward(visual, torch.cat(rows), grid_thw=grid, **kwargs)
         own = torch.cat([out.pooler_output, *(getattr(out, "deepstack_features", None) or [])], dim=1)
-    else:  # no frame here: an empty shard of the embeddings
+    else:  # no frame here: an empty shard of the embeddings, in the dtype the others' come in
         out = None
-        own = pixels.new_zeros(0, sum(widths))
+        own = pixels.new_zeros(0, sum(widths), dtype=_merged_dtype(mergers[0], pixels.device))
         trained = [p for p in visual.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
         if trained:
             # Every trained tower parameter takes part, with a zero gradient: DDP and FSDP2 reduce

@@ -6,6 +6,7 @@ single-process model."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -245,6 +246,52 @@ def test_loss_and_every_gradient_equal_the_unsharded_model(name, kind, P, start)
 
     for got in run_ranks(P, body):
         assert_matches(got, want)
+
+
+def _first_row(batch: dict) -> dict:
+    """``batch``'s first row alone, with its one image: the grid families' first 16 patches and
+    grid row; the others' first image (Idefics3's and SmolVLM's [1, n, ...])."""
+    row = {k: v[:1] for k, v in batch.items() if k not in ("pixel_values", "image_grid_thw")}
+    if "image_grid_thw" in batch:
+        row["image_grid_thw"] = batch["image_grid_thw"][:1]
+        row["pixel_values"] = batch["pixel_values"][:int(batch["image_grid_thw"][0].prod())]
+    else:
+        row.update({k: batch[k][:1] for k in ("pixel_values", "image_sizes", "pixel_attention_mask") if k in batch})
+    return row
+
+
+def _autocast(dtype):
+    return torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("name,P,images", [(name, P, n) for name in CONFIGS for P, n in ((3, 1), (4, 2))])
+def test_ranks_without_an_image_run_exact_under_autocast(name, P, images, dtype):
+    """One image at P = 3 and two at P = 4: some ranks encode no frame (the grid families) or
+    the first image again (the others), under CPU bf16 autocast too, where the frames a rank
+    encodes come out in bf16: an idle rank's empty shard must come in the same dtype, or the
+    gather fails every rank (it once came in fp32). fp32: exact; bf16: the unsharded model under
+    the same autocast, to bf16's rounding."""
+    base = make_model(name)
+    whole = make_image_batch(name, "image", 7) if name in TOKENS_PER_IMAGE else make_batch("image", 7)
+    batch = _first_row(whole) if images == 1 else whole
+    with _autocast(dtype):
+        want = reference(copy.deepcopy(base), batch)
+    models = [copy.deepcopy(base) for _ in range(P)]
+
+    def body(rank, group):
+        with _autocast(dtype):
+            return sharded_step(uhf.sequence_parallel(models[rank], group), batch, group)
+
+    for got in run_ranks(P, body):
+        if dtype == "fp32":
+            assert_matches(got, want)
+        else:
+            loss, grads = got
+            assert abs(loss - want[0]) <= 2e-2 * abs(want[0]), (loss, want[0])
+            largest = max(g.abs().max() for g in want[1].values())
+            worst = max(((grads[n] - g).abs().max() / largest).item() for n, g in want[1].items())
+            assert worst <= 5e-2, worst
 
 
 def test_the_vision_tower_keeps_its_own_attention():
