@@ -22,7 +22,6 @@ ids (RoPE and packed documents need them). Masks are honoured, not dropped:
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import inspect
 import logging
@@ -676,17 +675,30 @@ class Verification:
                 f"{max(self.gradient_errors.values(), default=0.0):.3g}; worst overall: {name} ({error:.3g})")
 
 
-def _unsharded_copy(model: PreTrainedModel) -> PreTrainedModel:
-    """A copy of a sequence-parallel ``model`` that runs as it did before :func:`sequence_parallel`:
-    its own attention, its own forward and MLPs, no ulysses state."""
-    copy_ = copy.deepcopy(model)
-    for module in copy_.modules():
-        for key in [k for k in module.__dict__ if k.startswith("_ulysses_") or k == "forward"]:
+@contextlib.contextmanager
+def _as_before_sequence_parallel(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
+    """Inside, the sequence-parallel ``model`` itself runs as it did before
+    :func:`sequence_parallel` (its own attention, forwards and MLPs, no checkpointing, no ulysses
+    state): what :func:`verify` compares against, on the same parameters, so the device never
+    holds a second copy of the weights. Everything is put back on exit."""
+    kept = []  # (module, its ulysses entries and bound forwards, its checkpointing flag)
+    for module in model.modules():
+        entries = {k: v for k, v in module.__dict__.items() if k.startswith("_ulysses_") or k == "forward"}
+        for key in entries:
             del module.__dict__[key]
+        checkpointing = getattr(module, "gradient_checkpointing", None)
         if isinstance(module, GradientCheckpointingLayer):
             module.gradient_checkpointing = False
-    copy_.set_attn_implementation(model.__dict__.get("_ulysses_unsharded_attention", "eager"))
-    return copy_
+        kept.append((module, entries, checkpointing))
+    model.set_attn_implementation(kept[0][1].get("_ulysses_unsharded_attention", "eager"))
+    try:
+        yield model
+    finally:
+        for module, entries, checkpointing in kept:
+            module.__dict__.update(entries)
+            if isinstance(module, GradientCheckpointingLayer):
+                module.gradient_checkpointing = checkpointing
+        model.set_attn_implementation(model.__dict__.get("_ulysses_implementation", IMPLEMENTATION))
 
 
 def _relative_error(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
@@ -709,11 +721,15 @@ def verify(model: PreTrainedModel, batch: dict, group: G.GroupLike = None, *,
     in place (default: ``all_reduce_gradients``'s one collective); pass another to check a
     reduction of your own. Logs the result at INFO on ``ulysses.hf``; with ``tolerance``, raises
     ``ValueError`` (on every rank alike) naming the worst parameter when it is above it.
-    Models sharded by FSDP are not supported (the copy would be a shard)."""
+    The unsharded run is the model itself with its sequence-parallel state set aside
+    (``_as_before_sequence_parallel``): the device holds the weights once, and two sets of
+    gradients (the reference's and the sharded run's) at the end. The last round runs over the
+    group's CPU side backend where it has none of its own (an NCCL-only group). Models sharded by
+    FSDP are not supported (each rank holds a shard)."""
     name = G.group_name(group)
+    wait = G.wait(model.__dict__.get("_ulysses_timeout"))
+    G.with_cpu_backend(name, wait)  # The errors' round moves host floats, whatever the group's device.
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    reference = _unsharded_copy(model)
-    ref_params = dict(reference.named_parameters())
     whole = torch.ops.ulysses.shard_batch(batch["input_ids"], batch.get("labels"), batch.get("attention_mask"),
                                           batch.get("position_ids"), 0, 1, 1, IGNORE_INDEX)
     text = ("input_ids", "labels", "attention_mask", "position_ids")
@@ -721,12 +737,13 @@ def verify(model: PreTrainedModel, batch: dict, group: G.GroupLike = None, *,
     if extra and not vision.is_vision_language(model):
         raise ValueError(f"ulysses.hf.verify: the batch takes {', '.join(text)} (and a vision-language model's "
                          f"images); got {sorted(extra)} too")
-    logits = reference(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                       position_ids=batch.get("position_ids"), **extra).logits
-    ref_loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), whole[1].flatten(),
-                                                 ignore_index=IGNORE_INDEX)
-    ref_grads = torch.autograd.grad(ref_loss, [ref_params[n] for n, _ in params], allow_unused=True)
-    del reference, logits
+    with _as_before_sequence_parallel(model) as reference:
+        logits = reference(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                           position_ids=batch.get("position_ids"), **extra).logits
+        ref_loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), whole[1].flatten(),
+                                                     ignore_index=IGNORE_INDEX)
+        ref_grads = torch.autograd.grad(ref_loss, [p for _, p in params], allow_unused=True)
+    del logits
     shard = shard_batch({k: v for k, v in batch.items() if k in text}, name)
     if vision.is_vision_language(model):  # the whole batch on every rank (ulysses.vision)
         out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
@@ -742,7 +759,7 @@ def verify(model: PreTrainedModel, batch: dict, group: G.GroupLike = None, *,
     errors += [_relative_error(g, r) for g, r in zip(grads, ref_grads)]
     # Every rank's worst, so every rank returns (and raises) the same.
     size = G.rank_and_size(name)[1]
-    worst = O.all_gather_sequence(torch.tensor([errors], dtype=torch.float64), 0, [1] * size, name).amax(0)
+    worst = O.all_gather_sequence(torch.tensor([errors], dtype=torch.float64), 0, [1] * size, name, wait).amax(0)
     result = Verification(worst[0].item(), {n: e for (n, _), e in zip(params, worst[1:].tolist())})
     _log.info("ulysses.hf.verify: %s", result)
     if tolerance is not None and result.worst[1] > tolerance:

@@ -139,3 +139,29 @@ def _autosp_on_a_device_only_group(rank: int, world_name: str):
 def test_autosp_gives_a_device_only_group_its_cpu_backend_too(tmp_path):
     for devices, name_kept in run_processes(2, _autosp_on_a_device_only_group, tmp_dir=str(tmp_path)):
         assert devices == ["cpu", "cuda"] and name_kept, devices
+
+
+def _verify_on_a_device_only_group(rank: int, world_name: str):
+    """ulysses.hf.verify over a group with no CPU backend of its own (as NCCL's): it gives the group
+    its side backend first, and runs the unsharded reference on the model itself (a forward hook
+    sees which embedding modules ran: a copy of the model would show a second one)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import ulysses.hf as uhf
+
+    dist.Backend.register_backend("ulysses_device_only", _device_only_backend, devices=["cuda"])
+    group = dist.new_group(backend="ulysses_device_only")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = uhf.sequence_parallel(AutoModelForCausalLM.from_config(config).double(), group)
+    ran = set()
+    model.get_input_embeddings().register_forward_hook(lambda module, *_: ran.add(id(module)))
+    gen = torch.Generator().manual_seed(1)
+    result = uhf.verify(model, {"input_ids": torch.randint(0, 16, (2, 11), generator=gen)}, group, tolerance=1e-10)
+    return sorted(d.type for d in group._device_types), ran == {id(model.get_input_embeddings())}, result.worst[1]
+
+
+def test_verify_runs_on_a_device_only_group_without_a_second_model(tmp_path):
+    for devices, one_model, worst in run_processes(2, _verify_on_a_device_only_group, tmp_dir=str(tmp_path)):
+        assert devices == ["cpu", "cuda"] and one_model and worst < 1e-10, (devices, one_model, worst)
