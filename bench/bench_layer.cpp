@@ -15,6 +15,7 @@
 #include "ulysses/collective_recorder.h"
 #include "ulysses/distributed_attention.h"
 #include "ulysses/mesh.h"
+#include "ulysses/partition.h"
 #include "ulysses/ring_attention.h"
 
 namespace ulysses::cli {
@@ -202,6 +203,17 @@ int bench_layer_main(const Argv& argv, const Runtime& runtime) {
   const bool projections = args.has("--projections");
   const int64_t layers = args.integer("--layers");
   const GroupOptions group_opts = group_options(args);
+  const int world = ranks_to_run(nproc);
+  for (int64_t R : rings) {
+    if (world % R != 0)
+      throw UsageError("--ring " + std::to_string(R) + " must divide the " + std::to_string(world) +
+                       " ranks (--nproc)");
+    try {
+      HeadPartition::make(Hq, Hkv, world / R);
+    } catch (const c10::Error& e) {
+      throw UsageError(e.what_without_backtrace());
+    }
+  }
   const int code = relaunch_as_ranks(nproc, runtime.self, {"bench", "layer"}, argv);
   if (code >= 0) return code;
 

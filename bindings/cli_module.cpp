@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,13 @@ namespace py = pybind11;
 
 namespace ulysses {
 namespace {
+
+// The command tables of tools/ and bench/, joined.
+std::vector<cli::Command> all_commands() {
+  std::vector<cli::Command> commands = cli::cli_commands();
+  for (cli::Command& c : cli::bench_commands()) commands.push_back(std::move(c));
+  return commands;
+}
 
 int run_cli(const std::vector<std::string>& argv, const std::vector<std::string>& self,
             const std::function<std::string(int64_t)>& join_world,
@@ -41,18 +49,35 @@ int run_cli(const std::vector<std::string>& argv, const std::vector<std::string>
     return Group::resolve(name);
   };
   py::gil_scoped_release release;
-  std::vector<cli::Command> commands = cli::cli_commands();
-  for (cli::Command& c : cli::bench_commands()) commands.push_back(std::move(c));
-  return cli::run_program(argv, commands, runtime, ULYSSES_VERSION);
+  return cli::run_program(argv, all_commands(), runtime, ULYSSES_VERSION);
+}
+
+// The console command's first try (python/_ulysses_command.py, loaded without torch): runs the
+// command line in a runtime without process groups, so a launcher starts its ranks and a bad
+// command line is refused without importing torch. Returns the exit code, or nullopt where the
+// command needs process groups in this process (then the caller runs it in a runtime that has
+// them; nothing has been started or printed by then).
+std::optional<int> run_cli_without_groups(const std::vector<std::string>& argv,
+                                          const std::vector<std::string>& self) {
+  cli::Runtime runtime;
+  runtime.self = self;
+  runtime.join_world = [](const GroupOptions&) -> Group { throw cli::NeedsProcessGroups{}; };
+  runtime.split = [](const std::vector<std::vector<int>>&) -> Group {
+    throw cli::NeedsProcessGroups{};
+  };
+  py::gil_scoped_release release;
+  try {
+    return cli::run_program(argv, all_commands(), runtime, ULYSSES_VERSION);
+  } catch (const cli::NeedsProcessGroups&) {
+    return std::nullopt;
+  }
 }
 
 // Every command's options with their ranges: {command: [(option, kind, lo, hi, default)]}, kind
 // "integer", "integers", "real", or "" for a flag or text (the tests walk them).
 py::dict option_ranges() {
-  std::vector<cli::Command> commands = cli::cli_commands();
-  for (cli::Command& c : cli::bench_commands()) commands.push_back(std::move(c));
   py::dict out;
-  for (const cli::Command& c : commands) {
+  for (const cli::Command& c : all_commands()) {
     py::list options;
     for (const cli::Option& o : c.options) {
       const char* kind = o.number == cli::Option::Number::kInteger    ? "integer"
@@ -73,5 +98,7 @@ PYBIND11_MODULE(_cli, m) {
   m.doc() = "the ulysses command-line tool (train, plan, demo, bench, launch)";
   m.def("run_cli", &ulysses::run_cli, py::arg("argv"), py::arg("self"), py::arg("join_world"),
         py::arg("split"));
+  m.def("run_cli_without_groups", &ulysses::run_cli_without_groups, py::arg("argv"),
+        py::arg("self"));
   m.def("option_ranges", &ulysses::option_ranges);
 }

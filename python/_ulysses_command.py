@@ -1,11 +1,15 @@
 """The ``ulysses`` console command (pyproject.toml's ``[project.scripts]``).
 
-``--version`` and every ``--help`` are answered from the C++ command table without importing
-torch (about 0.4 s instead of 2-3 s): the table's module, ``ulysses._cli``, is loaded on its own
-after torch's shared libraries, so the package, which imports torch, is not. ``plan`` is
-answered by ``ulysses._plan``, the pure planner built against c10 alone: it loads neither torch
-nor libtorch. Every other command line goes to ``ulysses.__main__``. (A top-level module: any
-module inside the package would run the package's ``__init__`` first.)"""
+Outside a launcher's ranks (no RANK in the environment), every command line first runs from the
+C++ command table without importing torch (about 0.4 s instead of 2-3 s): the table's module,
+``ulysses._cli``, is loaded on its own after torch's shared libraries, so the package, which
+imports torch, is not. That answers ``--version`` and every ``--help``, refuses a bad command
+line (each command's checks that need no rank run before it launches), and is the launcher of
+``--nproc N`` (its ranks run ``python -m ulysses``). A command that needs process groups in this
+process (one rank, or under torchrun) goes to ``ulysses.__main__``. ``plan`` is answered by
+``ulysses._plan``, the pure planner built against c10 alone: it loads neither torch nor
+libtorch. (A top-level module: any module inside the package would run the package's
+``__init__`` first.)"""
 
 from __future__ import annotations
 
@@ -51,10 +55,6 @@ def load_without_torch(module: str, libraries: tuple[str, ...]) -> ModuleType | 
         return None
 
 
-def no_world(*_: object) -> str:
-    raise RuntimeError("ulysses: this command line needs no process group")
-
-
 def load_cli_without_torch() -> ModuleType | None:
     """ulysses._cli (the command table), without importing torch or the package."""
     return load_without_torch("_cli", TORCH_LIBRARIES)
@@ -66,10 +66,13 @@ def main() -> int:
         planner = load_without_torch("_plan", ("libc10.so",))
         if planner is not None:
             return planner.run_plan(argv[1:])
-    if answers_without_torch(argv):
+    if answers_without_torch(argv) or "RANK" not in os.environ:
         cli = load_cli_without_torch()
         if cli is not None:
-            return cli.run_cli(argv, [sys.executable, "-m", "ulysses"], no_world, no_world)
+            code = cli.run_cli_without_groups(argv, [sys.executable, "-m", "ulysses"])
+            if code is not None:  # (None: it needs process groups here, which torch makes)
+                sys.stdout.flush()
+                return code
     from ulysses.__main__ import main as run
 
     return run(argv)

@@ -286,6 +286,11 @@ int launch(const LaunchOptions& options, const Argv& command) {
   return first_failure;
 }
 
+int ranks_to_run(int nproc) {
+  const char* world = std::getenv("WORLD_SIZE");
+  return std::getenv("RANK") != nullptr && world != nullptr ? std::atoi(world) : nproc;
+}
+
 int relaunch_as_ranks(int nproc, const Argv& self, const Argv& subcommand, const Argv& args) {
   if (std::getenv("RANK") != nullptr || nproc <= 1) return -1;
   Argv command = self;

@@ -82,5 +82,16 @@ int launch_main(const Argv& args);
 // environment) and N > 1, re-runs `self <subcommand...> <args...>` on N local ranks and returns
 // the exit code to use; otherwise returns -1 and the caller runs as a rank.
 int relaunch_as_ranks(int nproc, const Argv& self, const Argv& subcommand, const Argv& args);
+// How many ranks a subcommand with --nproc N runs on, known before any starts: WORLD_SIZE when
+// this process is already a rank (torchrun's, or relaunch_as_ranks'), else N. Its checks of
+// sizes against the ranks run with this number before relaunch_as_ranks, so a bad command line
+// is refused at once instead of by every rank after they have started.
+int ranks_to_run(int nproc);
+
+// Thrown by a Runtime that hosts no process groups (the console command's launcher, loaded
+// without torch: python/_ulysses_command.py) when a command asks for one in this process: the
+// host then runs the command line in a runtime that has them. Not an error (no std::exception):
+// run_program lets it through.
+struct NeedsProcessGroups {};
 
 }  // namespace ulysses::cli

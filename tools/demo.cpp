@@ -7,6 +7,7 @@
 #include "args.h"
 #include "commands.h"
 #include "ulysses/all_to_all.h"
+#include "ulysses/partition.h"
 
 namespace ulysses::cli {
 
@@ -27,6 +28,11 @@ int demo_main(const Argv& argv, const Runtime& runtime) {
   const int64_t S = args.integer("--seq-len");
   const int64_t D = args.integer("--head-dim");
   const GroupOptions options = group_options(args);
+  try {
+    HeadPartition::make(hq, hkv, ranks_to_run(nproc));
+  } catch (const c10::Error& e) {
+    throw UsageError(e.what_without_backtrace());
+  }
   const int code = relaunch_as_ranks(nproc, runtime.self, {"demo"}, argv);
   if (code >= 0) return code;
 

@@ -47,27 +47,54 @@ void sync_file(const std::filesystem::path& path) {
   ::close(fd);
 }
 
+// state.txt's head: its format version and step, checked against this run's configuration.
+// `in` is left at the file list. Errors name the file.
+struct StateHead {
+  int version = 0;
+  int64_t step = -1;
+};
+StateHead read_state_head(std::ifstream& in, const TrainOptions& o) {
+  namespace fs = std::filesystem;
+  const fs::path dir(o.resume);
+  std::error_code ec;
+  TORCH_CHECK_VALUE(fs::is_directory(dir, ec), "train: --resume '", o.resume,
+                    "' is not a checkpoint directory (",
+                    fs::exists(dir, ec) ? "not a directory" : "it does not exist",
+                    "); give the --save directory of an earlier run");
+  in.open(dir / "state.txt");
+  TORCH_CHECK_VALUE(in.good(), "train: no checkpoint in '", o.resume, "' (state.txt missing)");
+  std::string magic, key, config;
+  StateHead head;
+  std::getline(in, magic);
+  in >> key >> head.step;
+  std::getline(in, config);  // Rest of the step line.
+  std::getline(in, config);
+  head.version = magic == kCheckpointMagic ? 2 : magic == kCheckpointMagicV1 ? 1 : 0;
+  TORCH_CHECK_VALUE(
+      head.version > 0 && key == "step" && head.step >= 0 && config.rfind("config ", 0) == 0,
+      "train: '", (dir / "state.txt").string(),
+      "' is not a ulysses checkpoint state file (or is corrupted)");
+  config = config.substr(7);
+  TORCH_CHECK_VALUE(config == config_line(o), "train: checkpoint '", o.resume, "' was saved with '",
+                    config, "' but this run has '", config_line(o), "'");
+  if (head.step >= o.steps) {
+    throw UsageError("the checkpoint in '" + o.resume + "' is at step " +
+                     std::to_string(head.step) + ": --steps " + std::to_string(o.steps) +
+                     " leaves nothing to train (pass --steps > " + std::to_string(head.step) + ")");
+  }
+  return head;
+}
+
 // Reads and verifies the checkpoint in o.resume; returns its step. Errors name the file.
 int64_t load_checkpoint(Transformer& model, torch::optim::AdamW& optimizer, const TrainOptions& o) {
   namespace fs = std::filesystem;
   const fs::path dir(o.resume);
-  std::ifstream in(dir / "state.txt");
-  TORCH_CHECK_VALUE(in.good(), "train: no checkpoint in '", o.resume, "' (state.txt missing)");
-  std::string magic, key, config;
-  int64_t step = -1;
-  std::getline(in, magic);
-  in >> key >> step;
-  std::getline(in, config);  // Rest of the step line.
-  std::getline(in, config);
-  const int version = magic == kCheckpointMagic ? 2 : magic == kCheckpointMagicV1 ? 1 : 0;
-  TORCH_CHECK_VALUE(version > 0 && key == "step" && step >= 0 && config.rfind("config ", 0) == 0,
-                    "train: '", (dir / "state.txt").string(),
-                    "' is not a ulysses checkpoint state file (or is corrupted)");
-  config = config.substr(7);
-  TORCH_CHECK_VALUE(config == config_line(o), "train: checkpoint '", o.resume, "' was saved with '",
-                    config, "' but this run has '", config_line(o), "'");
+  std::ifstream in;
+  const StateHead head = read_state_head(in, o);
+  const int version = head.version;
+  const int64_t step = head.step;
   std::vector<fs::path> files;
-  std::string name;
+  std::string key, name;
   uintmax_t size = 0;
   uint64_t hash = 0;
   while (in >> key >> name >> size >> std::hex >> hash >> std::dec && key == "file") {
@@ -126,6 +153,30 @@ void save_checkpoint(Transformer& model, torch::optim::AdamW& optimizer, const T
   }
 }
 
+void check_checkpoint_paths(const TrainOptions& o) {
+  namespace fs = std::filesystem;
+  if (!o.save.empty()) {
+    // The directory is made now (the run makes it anyway), and a file written and removed in
+    // it: what the user may write is what the system lets this process do, root included.
+    const fs::path dir(o.save);
+    std::error_code ec;
+    TORCH_CHECK_VALUE(!fs::exists(dir, ec) || fs::is_directory(dir, ec), "train: --save '", o.save,
+                      "' is a file, not a directory; give a directory for the checkpoint");
+    fs::create_directories(dir, ec);
+    TORCH_CHECK_VALUE(!ec, "train: --save '", o.save, "' cannot be made: ", ec.message(),
+                      "; give a directory you can write");
+    const fs::path probe = dir / ".ulysses-write-check";
+    const bool writable = std::ofstream(probe).good();
+    fs::remove(probe, ec);
+    TORCH_CHECK_VALUE(writable, "train: --save '", o.save,
+                      "' cannot be written by this user; give a directory you can write");
+  }
+  if (!o.resume.empty()) {
+    std::ifstream in;
+    read_state_head(in, o);
+  }
+}
+
 int64_t resume_step(Transformer& model, torch::optim::AdamW& optimizer, const TrainOptions& o,
                     const Group& world) {
   if (o.resume.empty()) return 0;
@@ -134,11 +185,6 @@ int64_t resume_step(Transformer& model, torch::optim::AdamW& optimizer, const Tr
     start = load_checkpoint(model, optimizer, o);
     return std::vector<int64_t>{};
   });
-  if (start >= o.steps) {
-    throw UsageError("the checkpoint in '" + o.resume + "' is at step " + std::to_string(start) +
-                     ": --steps " + std::to_string(o.steps) +
-                     " leaves nothing to train (pass --steps > " + std::to_string(start) + ")");
-  }
   if (world.rank() == 0)
     std::cout << "resumed from " << o.resume << " at step " << start << std::endl;
   return start;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "train_checkpoint.h"
 #include "ulysses/mesh_plan.h"
 #include "ulysses/partition.h"
 
@@ -125,8 +126,7 @@ int sp_size_of(const TrainOptions& o, int world_size) {
 }
 
 Data check_before_launch(const TrainOptions& o) {
-  const char* world_env = std::getenv("WORLD_SIZE");
-  const int world = std::getenv("RANK") && world_env ? std::atoi(world_env) : o.nproc;
+  const int world = ranks_to_run(o.nproc);
   try {
     const int sp = sp_size_of(o, world);
     check_mesh_sizes(world, sp, o.ring, "train");
@@ -134,8 +134,12 @@ Data check_before_launch(const TrainOptions& o) {
     TORCH_CHECK_VALUE(o.model.dim % o.model.q_heads == 0 && o.model.head_dim() % 2 == 0,
                       "train: --dim ", o.model.dim, " must split into ", o.model.q_heads,
                       " heads of an even size");
-    return Data(o.data, o.seq_len, o.pairs, o.shuffle,
-                o.seed);  // The task's rules, or the --data file's.
+    Data data(o.data, o.seq_len, o.pairs, o.shuffle,
+              o.seed);  // The task's rules, or the --data file's.
+    TrainOptions run = o;
+    run.model.vocab = data.vocab();  // (what a checkpoint's configuration line names)
+    check_checkpoint_paths(run);
+    return data;
   } catch (const c10::Error& e) {
     std::string what = e.what_without_backtrace();
     if (what.rfind("train: ", 0) == 0) what.erase(0, 7);

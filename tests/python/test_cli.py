@@ -208,9 +208,10 @@ def test_version_and_help_do_not_import_torch():
     # They print from the C++ command table, loaded without the package (about 0.4 s, not 2-3 s).
     for args in (["--version"], ["--help"], ["train", "--help"], ["bench", "a2a", "-h"], []):
         assert "torch" not in imported_modules(*args), args
-    # A command line that runs something does import it (but plan: the next test), and
-    # `launch`'s command owns its --help.
-    assert "torch" in imported_modules("launch", "-n", "1", "--", sys.executable, "-c", "pass", "--help")
+    # A command that needs a process group in this process does import it (one rank; plan: the
+    # next test). `launch` needs none: its command (which owns its --help) runs in its own process.
+    assert "torch" in imported_modules("demo", "--nproc", "1", "--seq-len", "8", "--head-dim", "2")
+    assert "torch" not in imported_modules("launch", "-n", "1", "--", sys.executable, "-c", "pass", "--help")
 
 
 def test_plan_loads_neither_torch_nor_libtorch():
@@ -322,6 +323,30 @@ def test_static_train_errors_exit_2_before_any_rank_starts(args, message):
     r = run(ULYSSES, "train", *args, "--steps", "1")
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and "[rank" not in r.stdout + r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["train", "--nproc", "0"], "option --nproc must be in [1, 4096]; got 0"),
+    (["bench", "layer", "--nproc", "2", "--ring", "3"], "--ring 3 must divide the 2 ranks (--nproc)"),
+    (["bench", "layer", "--nproc", "4", "--q-heads", "2", "--kv-heads", "1"], "query heads (2) must be >= "),
+    (["demo", "--nproc", "4", "--q-heads", "2", "--kv-heads", "2"], "query heads (2) must be >= "),
+    (["train", "--nproc", "2", "--save", "{file}"], "is a file, not a directory"),
+    (["train", "--nproc", "2", "--save", "{file}/checkpoint"], "cannot be made: Not a directory"),
+    (["train", "--nproc", "2", "--resume", "{empty}"], "(state.txt missing)"),
+    (["train", "--nproc", "2", "--resume", "{empty}/none"], "is not a checkpoint directory (it does not exist)"),
+])
+def test_refusals_come_before_any_rank_starts_and_without_torch(tmp_path, args, message):
+    """Everything a command can check without ranks is refused by the launcher itself, which
+    never imports torch (2-3 s of the 5-7 s a refusal once took) nor starts a rank (30-42 s on a
+    busy machine, when ranks refused it)."""
+    (tmp_path / "file").write_text("")
+    (tmp_path / "empty").mkdir()
+    args = [a.format(file=tmp_path / "file", empty=tmp_path / "empty") for a in args]
+    r = run(ULYSSES, *args, env_extra={"PYTHONPROFILEIMPORTTIME": "1"}, timeout=120)  # (a hang detector)
+    modules = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    said = [line for line in r.stderr.splitlines() if not line.startswith("import time:")]
+    assert r.returncode == 2 and len(said) == 1 and message in said[0], r.stderr[-3000:]
+    assert "[rank" not in r.stdout + r.stderr and "torch" not in modules
 
 
 def _rank_pids(launcher_pid: int) -> dict[int, int]:
