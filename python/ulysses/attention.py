@@ -491,7 +491,7 @@ def _attend_in_head_chunks(q, k, v, mask, positions, q_heads, kv_heads, seq_lens
             and _python_local(q, mask, positions, causal, local, call["ring"], call["window"], call["softcap"], sinks)):
         # Learned once (each chunk's call would learn them again), so that a failure below meets
         # the others' chunk calls where they start: in attention_heads.
-        seq_lens = O.sequence_lengths(q, _C.layout_dims(layout)[0], group, options[0] / 1000)
+        seq_lens = O.sequence_lengths(q, _C.layout_dims(layout)[0], group, G.Wait.of_code(options[0]))
     try:
         chunks, dim = _head_chunks(q_heads, kv_heads, group, count, layout)
     except ValueError as e:
