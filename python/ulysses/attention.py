@@ -167,7 +167,7 @@ class DistributedAttention(nn.Module):
 
     def __init__(self, group: G.GroupLike = None, *, q_heads: int | None = None, kv_heads: int | None = None,
                  layout: str = "BSHD", causal: bool = False, scale: float | None = None,
-                 window: int | None = None, softcap: float | None = None, timeout: G.Timeout = None,
+                 window: int | None = None, softcap: float | None = None, timeout: G.Timeout | G.Wait = None,
                  ring_group: G.GroupLike = None, local: str | LocalAttention = "auto",
                  head_chunks: HeadChunks = 1, recompute_chunks: bool = False) -> None:
         super().__init__()

@@ -281,7 +281,7 @@ class LongSequence:
 
 
 def sequence_parallel(model: PreTrainedModel, group: G.GroupLike = None, *,
-                      timeout: G.Timeout = None, tiled_mlp: bool = False, tiled_loss: bool = False,
+                      timeout: G.Timeout | G.Wait = None, tiled_mlp: bool = False, tiled_loss: bool = False,
                       checkpoint: str | None = None, mlp_tile_tokens: int | None = None,
                       loss_tile_bytes: int = LOSS_TILE_BYTES,
                       local: str | LocalAttention = "auto", head_chunks: HeadChunks = 1,
@@ -681,12 +681,12 @@ def _as_before_sequence_parallel(model: PreTrainedModel) -> Iterator[PreTrainedM
     :func:`sequence_parallel` (its own attention, forwards and MLPs, no checkpointing, no ulysses
     state): what :func:`verify` compares against, on the same parameters, so the device never
     holds a second copy of the weights. Everything is put back on exit."""
-    kept = []  # (module, its ulysses entries and bound forwards, its checkpointing flag)
+    kept: list[tuple[torch.nn.Module, dict, bool]] = []  # (module, its ulysses entries and forwards, checkpointing)
     for module in model.modules():
         entries = {k: v for k, v in module.__dict__.items() if k.startswith("_ulysses_") or k == "forward"}
         for key in entries:
             del module.__dict__[key]
-        checkpointing = getattr(module, "gradient_checkpointing", None)
+        checkpointing = bool(getattr(module, "gradient_checkpointing", False))
         if isinstance(module, GradientCheckpointingLayer):
             module.gradient_checkpointing = False
         kept.append((module, entries, checkpointing))
