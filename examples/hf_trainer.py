@@ -271,7 +271,8 @@ def main() -> None:
                   per_device_eval_batch_size=per_device, gradient_accumulation_steps=a.grad_accum,
                   learning_rate=a.lr, lr_scheduler_type="constant", logging_steps=1, report_to=[],
                   save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
-                  use_cpu=True, bf16=a.bf16, seed=0, ddp_find_unused_parameters=False, dataloader_drop_last=False)
+                  use_cpu=True, bf16=a.bf16, seed=0, ddp_find_unused_parameters=False, dataloader_drop_last=False,
+                  include_num_input_tokens_seen="non_padding")  # logged: each SP group's tokens once
     if a.fsdp and sequence_parallel:  # as on GPUs; on CPU the mixin applies FSDP2 from these arguments
         common.update(fsdp=True,
                       fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer_class(model)]})
@@ -332,7 +333,8 @@ def main() -> None:
                 json.dump({"losses": losses, "eval_loss": metrics.get("eval_loss"),
                            "total_train_batch_size": trainer.get_total_train_batch_size(trainer.args),
                            "held_share": held_share, "wrapped": type(trainer.model_wrapped).__name__,
-                           "verified": None if verification is None else verification.worst}, f)
+                           "verified": None if verification is None else verification.worst,
+                           "logs": trainer.state.log_history}, f)
             torch.save({k: v.detach().clone() for k, v in params.items()}, a.report + ".pt")
     end_process_group()
 

@@ -88,7 +88,8 @@ def main() -> None:
               flush=True)
         if a.report:
             with open(a.report + ".json", "w") as f:
-                json.dump({"losses": losses, "eval_loss": metrics.get("eval_loss")}, f)
+                json.dump({"losses": losses, "eval_loss": metrics.get("eval_loss"),
+                       "logs": trainer.state.log_history}, f)
             torch.save({k: v.detach().clone() for k, v in params.items()}, a.report + ".pt")
     end_process_group()
 

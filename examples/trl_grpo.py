@@ -109,7 +109,7 @@ def main() -> None:
               f"step {max(losses)} loss {losses[max(losses)]:.6f} reward {rewards[-1]:.4f}", flush=True)
         if a.report:
             with open(a.report + ".json", "w") as f:
-                json.dump({"losses": losses, "rewards": rewards}, f)
+                json.dump({"losses": losses, "rewards": rewards, "logs": trainer.state.log_history}, f)
             torch.save({k: v.detach().clone() for k, v in params.items()}, a.report + ".pt")
     end_process_group()
 

@@ -41,11 +41,13 @@ import atexit
 import contextlib
 import functools
 import os
+import sys
 import time
 import types
 from collections.abc import Mapping
 from typing import Any
 
+import accelerate.utils
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -114,6 +116,56 @@ def _let_collectives_settle_at_exit() -> None:
     atexit callbacks run before finalization, so the workers can finish there. Local only: no
     collective, nothing to hang on when a peer has died."""
     atexit.register(time.sleep, 0.2)
+
+
+class _GroupsAsProcesses:
+    """The accelerator as a trainer sees it under sequence parallelism: each SP group one process.
+
+    The ranks of an SP group hold copies of the same whole sequences, so whatever a trainer
+    gathers, reduces or slices by process would count each group ``sp`` times: its logged token
+    counts and metrics, the standard deviations of its rewards. Through this view it counts each
+    group once, as a run without SP counts each process: ``process_index`` and
+    ``num_processes`` are the data-parallel rank and size, and ``gather``, ``gather_for_metrics``,
+    ``reduce`` and ``gather_object`` keep each group's first rank's part. (A loss normaliser such as
+    GRPO's, a gathered count over the process count, comes out the same either way.) Everything
+    else is the real accelerator's; the gradients' reduction (DDP, FSDP2) still spans the world."""
+
+    def __init__(self, accelerator: Any, dp_rank: int, dp_size: int, sp_size: int) -> None:
+        self._accelerator, self._sp = accelerator, sp_size
+        self.process_index, self.num_processes = dp_rank, dp_size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._accelerator, name)
+
+    def _first_of_each_group(self, whole: torch.Tensor) -> torch.Tensor:
+        """The world's gather ``[world x n, ...]`` -> each group's first rank's ``[dp x n, ...]``
+        (consecutive ranks form a group: the mixin's mesh)."""
+        return whole.reshape(self.num_processes, self._sp, -1, *whole.shape[1:])[:, 0].flatten(0, 1)
+
+    def gather(self, data: Any) -> Any:
+        return recursively_apply(lambda t: self._first_of_each_group(accelerate.utils.gather(t)), data)
+
+    def gather_object(self, data: Any) -> list:
+        every = accelerate.utils.gather_object([data])  # each rank's, in rank order
+        return [x for part in every[::self._sp] for x in part]
+
+    def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
+        try:
+            recursively_apply(lambda t: t, data, error_on_other_type=True)
+        except TypeError:
+            use_gather_object = True
+        data = self.gather_object(data) if use_gather_object else self.gather(data)
+        state = self._accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:  # drop what evened out the last batch
+            return data[: state.remainder] if use_gather_object else recursively_apply(
+                lambda t: t[: state.remainder], data)
+        return data
+
+    def reduce(self, tensor: torch.Tensor, reduction: str = "sum", scale: float = 1.0) -> torch.Tensor:
+        if reduction == "none":
+            return tensor * scale
+        every = self.gather(tensor[None])  # [dp, *tensor.shape]
+        return (every.sum(0) if reduction == "sum" else every.mean(0)) * scale
 
 
 class SequenceParallel:
@@ -342,6 +394,9 @@ class SequenceParallel:
         else:
             token_sum = torch.nn.functional.cross_entropy(outputs.logits.float().flatten(0, -2), labels.flatten(),
                                                           ignore_index=self.ignore_index, reduction="sum")
+        if isinstance(getattr(self, "_total_train_tokens", None), int):  # TRL's SFTTrainer: its metrics
+            self._log_token_metrics(None if tiled_loss else outputs.logits, labels, inputs,
+                                    "train" if model.training else "eval")
         if model.training:
             # The step's count comes from get_batch_samples (None only outside the training loop).
             tokens = num_items_in_batch if torch.is_tensor(num_items_in_batch) else None
@@ -356,6 +411,34 @@ class SequenceParallel:
             dist.all_reduce(total, group=self.sequence_mesh["sp"].get_group())
             loss = total[0] / total[1].clamp(min=1)
         return (loss, outputs) if return_outputs else loss
+
+    def _log_token_metrics(self, logits: torch.Tensor | None, labels: torch.Tensor, inputs: Mapping[str, Any],
+                           mode: str) -> None:
+        """TRL SFTTrainer's metrics, which its loss logs and this mixin's loss replaces: the scored
+        tokens' mean entropy and top-1 accuracy (from this rank's shard of the logits, summed over
+        the SP group; none under the tiled loss, which makes no logits) and the tokens seen, each
+        SP group's batch once (_GroupsAsProcesses), as the trainer without SP logs them."""
+        trainer: Any = self
+        view = self._groups_as_processes_view()
+        metrics = trainer._metrics[mode]
+        if logits is not None:
+            valid = labels != self.ignore_index
+            with torch.no_grad():
+                logp = torch.log_softmax(logits.float(), -1)
+                entropy = -(logp.exp() * logp).sum(-1)
+                shard = torch.stack([valid.sum(), (entropy * valid).sum(),
+                                     ((logits.argmax(-1) == labels) & valid).sum()]).double()
+            dist.all_reduce(shard, group=self.sequence_mesh["sp"].get_group())  # the group's tokens
+            count, entropy_sum, correct = (view.gather_for_metrics(x).sum() for x in shard)
+            metrics["entropy"].append((entropy_sum / count).item() if count > 0 else 0.0)
+            metrics["mean_token_accuracy"].append((correct / count).item() if count > 0 else 0.0)
+        if mode == "train":
+            if "attention_mask" in inputs:
+                tokens = inputs["attention_mask"].sum()
+            else:  # TRL's count of a padding-free batch: its row length
+                tokens = torch.tensor(inputs["position_ids"].size(1), device=labels.device)
+            trainer._total_train_tokens += int(view.gather_for_metrics(tokens).sum().item()) // trainer._tp_size
+        metrics["num_tokens"] = [trainer._total_train_tokens]
 
     # --- evaluation ----------------------------------------------------------------------
 
@@ -372,23 +455,55 @@ class SequenceParallel:
         logits = O.all_gather_sequence(outputs.logits.detach(), 1, shard_lens, sp, self._wait)  # whole sequence
         return loss.detach(), logits, inputs.get("labels")
 
-    def _gather_once_per_sequence_group(self, data: Any, use_gather_object: bool = False) -> Any:
-        """accelerate's gather_for_metrics, over one rank of each SP group (its peers hold the
-        same batch): gather over the world, keep each group's first copy, drop the padding that
-        evened out the last batch."""
+    def _groups_as_processes_view(self) -> _GroupsAsProcesses:
         trainer: Any = self
         accelerator = trainer.accelerator
-        dp, sp = self.sequence_mesh["dp"].size(), self.sp_size
+        if isinstance(accelerator, _GroupsAsProcesses):
+            return accelerator
+        dp = self.sequence_mesh["dp"]
+        return _GroupsAsProcesses(accelerator, dp.get_local_rank(), dp.size(), self.sp_size)
 
-        def once(t: torch.Tensor) -> torch.Tensor:
-            whole = accelerator.gather(t)
-            return whole.reshape(dp, sp, -1, *t.shape[1:])[:, 0].flatten(0, 1)
+    @contextlib.contextmanager
+    def _groups_as_processes(self) -> Any:
+        """Within, the trainer's accelerator (and the ``gather`` and ``gather_object`` its
+        classes' modules imported from accelerate, as TRL's do) count each SP group as one
+        process (:class:`_GroupsAsProcesses`). Re-entrant."""
+        trainer: Any = self
+        if isinstance(trainer.accelerator, _GroupsAsProcesses):
+            yield
+            return
+        real, view = trainer.accelerator, self._groups_as_processes_view()
+        patched = []
+        for cls in type(self).__mro__:
+            module = sys.modules.get(cls.__module__)
+            for name in ("gather", "gather_object"):
+                if module is not None and getattr(module, name, None) is getattr(accelerate.utils, name):
+                    patched.append((module, name))
+                    setattr(module, name, getattr(view, name))
+        trainer.accelerator = view
+        try:
+            yield
+        finally:
+            trainer.accelerator = real
+            for module, name in patched:
+                setattr(module, name, getattr(accelerate.utils, name))
 
-        data = recursively_apply(once, data)
-        state = accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            data = recursively_apply(lambda t: t[: state.remainder], data)
-        return data
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        """The Trainer's count of input tokens seen (``include_num_input_tokens_seen``): each SP
+        group's batch once, as one process would count it."""
+        with self._groups_as_processes():
+            super()._track_num_input_tokens(inputs)  # type: ignore[misc]
+
+    def floating_point_ops(self, inputs: dict[str, torch.Tensor | Any]) -> int:
+        """The first rank of an SP group counts the group's batch and its peers, who hold copies,
+        nothing: the Trainer's sum over the world (``total_flos``) counts each batch once."""
+        if self.sequence_mesh["sp"].get_local_rank():
+            return 0
+        return super().floating_point_ops(inputs)  # type: ignore[misc]
+
+    def _gather_once_per_sequence_group(self, data: Any, use_gather_object: bool = False) -> Any:
+        """accelerate's gather_for_metrics, once per SP group (its peers hold the same batch)."""
+        return self._groups_as_processes_view().gather_for_metrics(data, use_gather_object)
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         trainer: Any = self
@@ -466,15 +581,23 @@ class WholeSequenceLogProbs(SequenceParallel):
         dist.broadcast_object_list(out, group=self.sequence_mesh["sp"].get_group(), group_src=0)
         return out[0]
 
-    # The trainer's own steps: its loss runs on whole sequences.
+    # The trainer's own steps: its loss runs on whole sequences. Where it scores, logs and
+    # normalises, each SP group counts as one process (_GroupsAsProcesses), so its metrics are
+    # a run's without SP.
     def get_batch_samples(self, *args: Any, **kwargs: Any) -> Any:
         return super(SequenceParallel, self).get_batch_samples(*args, **kwargs)  # type: ignore[misc]
 
+    def _generate_and_score_completions(self, *args: Any, **kwargs: Any) -> Any:
+        with self._groups_as_processes():  # GRPO's and RLOO's rewards, advantages and metrics
+            return super()._generate_and_score_completions(*args, **kwargs)  # type: ignore[misc]
+
     def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
-        return super(SequenceParallel, self).compute_loss(*args, **kwargs)  # type: ignore[misc]
+        with self._groups_as_processes():
+            return super(SequenceParallel, self).compute_loss(*args, **kwargs)  # type: ignore[misc]
 
     def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
-        return super(SequenceParallel, self).prediction_step(*args, **kwargs)  # type: ignore[misc]
+        with self._groups_as_processes():
+            return super(SequenceParallel, self).prediction_step(*args, **kwargs)  # type: ignore[misc]
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         return super(SequenceParallel, self).evaluation_loop(*args, **kwargs)  # type: ignore[misc]

@@ -49,7 +49,31 @@ def _train(out: Path, nproc: int, *args: str, example: Path = EXAMPLE, steps: in
     return result
 
 
+# What a Trainer logs that is a clock's, not the run's; and its FLOPs estimate, which counts
+# padding, and one process pads the whole global batch where DP ranks pad their own parts.
+_NOT_COMPARED = ("_runtime", "_per_second", "step_time", "total_flos")
+
+
+def _assert_same_logs(got: list[dict], want: list[dict]) -> None:
+    """Every metric the trainer logged in training (losses, token counts, rewards and their
+    deviations, accuracies, entropies, norms) as the run without SP logged it: the same entries,
+    the same keys, the same values to TOLERANCE. (Evaluations: eval_loss, compared by the caller,
+    where both runs evaluated.)"""
+    got, want = ([e for e in logs if not any(k.startswith("eval_") for k in e)] for logs in (got, want))
+    assert [sorted(e) for e in got] == [sorted(e) for e in want], (got, want)
+    for g, w in zip(got, want):
+        for key, value in w.items():
+            if any(t in key for t in _NOT_COMPARED) or not isinstance(value, (int, float)):
+                continue
+            # (Floor 0.1: a difference of two metrics, DPO's reward margin, carries its parts'
+            # rounding; a count twice over or a deviation of duplicates misses by far more.)
+            assert abs(g[key] - value) <= TOLERANCE * max(abs(value), 0.1), \
+                f"step {w.get('step')} {key}: {g[key]} vs {value}"
+
+
 def _assert_same_run(got: dict, want: dict, steps: list[int] | None = None) -> None:
+    if steps is None:
+        _assert_same_logs(got["logs"], want["logs"])
     steps = steps or sorted(int(k) for k in want["losses"])
     for step in steps:
         g, w = got["losses"][str(step)], want["losses"][str(step)]
@@ -79,8 +103,12 @@ def test_sp2_matches_one_process_and_evaluates(runs):
     want = runs("plain", 1, "--sp", "1", "--eval")
     got = runs("sp2", 2, "--sp", "2", "--eval", "--save-steps", "4")
     _assert_same_run(got, want)
-    # The Trainer counts sequences per step over data-parallel groups, not SP ranks.
+    # The Trainer counts sequences per step over data-parallel groups, not SP ranks, and its
+    # FLOPs estimate (one process and one SP group pad the batch alike) and tokens seen once.
     assert got["total_train_batch_size"] == want["total_train_batch_size"] == 8
+    summary = [next(e for e in r["logs"] if "total_flos" in e) for r in (got, want)]
+    assert summary[0]["total_flos"] == summary[1]["total_flos"]
+    assert summary[0]["num_input_tokens_seen"] == summary[1]["num_input_tokens_seen"] > 0
     # A guard: the test can fail (a run with another learning rate does not pass it).
     with pytest.raises(AssertionError):
         _assert_same_run(runs("plain_other_lr", 1, "--sp", "1", "--lr", "2e-3"), want)
