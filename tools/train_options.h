@@ -26,7 +26,7 @@ struct TrainOptions {
   int64_t batch = 16;               // --batch: sequences per DP rank and step, >= 1.
   int64_t steps = 400;              // --steps: optimiser steps in all, >= 0.
   int64_t pairs = 16;               // --pairs: key/value pairs per retrieval sequence, >= 1.
-  double lr = 5e-3;                 // --lr: peak learning rate, in [0, 10].
+  double lr = 2.5e-3;               // --lr: peak learning rate, in [0, 10].
   double clip = 1.0;                // --clip: gradient-norm clip, >= 0; 0: none.
   double weight_decay = 0.01;       // --weight-decay: AdamW's, >= 0.
   int64_t warmup = 50;              // --warmup: linear warm-up steps, >= 0.
