@@ -208,7 +208,8 @@ def _trainer_waits(rank: int, group: str, ddp_timeout: int, timeout):
     return trainer._wait, waits, loss.item(), want
 
 
-@pytest.mark.parametrize("timeout,want", [(None, G.Wait(5000)), (9, G.Wait(9000))])
+@pytest.mark.parametrize("timeout,want", [(None, G.Wait(5000)), (9, G.Wait(9000)), (9.5, G.Wait(9500)),
+                                          (datetime.timedelta(seconds=8), G.Wait(8000))])
 def test_the_trainer_waits_as_long_as_its_ddp_timeout_unless_told(tmp_path, timeout, want):
     """The Trainer's ddp_timeout (5 s here, 30 minutes by default) bounds every wait of the
     library's, the attention's included; an explicit timeout wins. A rank 1.3 s late finishes."""
