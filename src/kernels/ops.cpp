@@ -1,12 +1,6 @@
 // torch.ops.ulysses, the kernels floor: the fused flash attention and local attention on
 // the kernel the rule picks.
-//
-// Each op takes its process group as the torch.distributed group name (a string, as torch's
-// functional collectives do) and the group handle's options as integers
-// (transport/op_options.h), so torch.compile can trace calls to it. Kernels run without
-// autograd and return outputs that never alias their inputs (a dispatcher op contract); the
-// autograd kernels run the kernel below autograd and record the adjoint op as the backward
-// (Note [One autograd], transport/ops.h). Fake kernels live in python/ulysses/ops.py.
+// Every ops file's conventions: Note [Op files] in transport/ops.h.
 #include "kernels/ops.h"
 
 #include <ATen/ATen.h>

@@ -6,6 +6,14 @@
 // functions (scatter_heads, rebuild_mask, flash_attention, ...) call these ops, as Python does,
 // so one formula serves both, and torch.compile traces every step through the ops' fake
 // kernels. The kernels below run without autograd.
+//
+// Note [Op files]: each floor registers its ops in its own ops.cpp, alike. Each op takes its
+// process group as the torch.distributed group name (a string, as torch's functional
+// collectives do) and the group handle's options as integers (transport/op_options.h), so
+// torch.compile can trace calls to it. Kernels run without autograd and return outputs that
+// never alias their inputs (a dispatcher op contract); the autograd kernels run the kernel below
+// autograd and record the adjoint op as the backward (Note [One autograd]). Fake kernels live in
+// python/ulysses/fake_kernels.py.
 #pragma once
 
 #include <ATen/ATen.h>
