@@ -37,7 +37,7 @@ ExchangePlan ExchangePlan::seq_to_heads(const HeadPartition& heads, const Sequen
   TORCH_CHECK_VALUE(
       seq.sp_size() == P && rank >= 0 && rank < P && tensor_heads.size() == elements.size(),
       "ExchangePlan: ", heads, " and ", seq, " on rank ", rank, " with ", tensor_heads.size(),
-      " head tensor_heads and ", elements.size(), " element counts");
+      " tensors' head kinds and ", elements.size(), " element counts");
   ExchangePlan p;
   p.send_splits_.assign(P, 0);
   p.recv_splits_.assign(P, 0);
