@@ -1,9 +1,12 @@
 """Hybrid models' token mixers under sequence parallelism: transformers' gated delta-nets
-(Qwen3-Next, Qwen3.5) and short convolutions (LFM2), exact, each with the model's own kernels.
+(Qwen3-Next, Qwen3.5), Mamba-2 layers (Bamba, Nemotron-H, Granite 4) and short convolutions
+(LFM2), exact, each with the model's own kernels.
 
 A gated delta-net is independent across its value heads, as attention is across its query
 heads, and its key heads serve groups of value heads as kv heads serve query heads. So it runs
-through the same exchange and partition as attention (Note [Head partition], partition.h):
+through the same exchange and partition as attention (Note [Head partition], partition.h); a
+Mamba-2 layer likewise, its heads as the value heads and its B/C groups as the key heads
+(``mamba2_forward``):
 
 - the projections run on this rank's tokens; the value heads' inputs (v, b, a) go out as the
   "q" tensor and the key heads' (q, k) as the "kv" tensor, in one ``scatter_heads``: key heads
