@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <iostream>
 #include <thread>
@@ -57,7 +58,16 @@ int train_main(const Argv& argv, const Runtime& runtime) {
   const int64_t setup_rss = proc_status_bytes("VmRSS");
   ProgressLog progress(mesh, o.batch * o.seq_len * mesh.dp.size());
   const int64_t longest = longest_shard(seq);
+#ifdef ULYSSES_TEST_HOOKS
+  // Test hook (builds with the tests only): the last rank starts step 3 this many milliseconds
+  // late, as a rank held up by a checkpoint or an evaluation would.
+  const char* late_ms = std::getenv("ULYSSES_TEST_LAST_RANK_LATE_MS");
+#endif
   for (int64_t step = start; step < o.steps; ++step) {
+#ifdef ULYSSES_TEST_HOOKS
+    if (late_ms != nullptr && step == 2 && world.rank() == world.size() - 1)
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::atoll(late_ms)));
+#endif
     for (auto& group : optimizer.param_groups())
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(o, step));
     optimizer.zero_grad();

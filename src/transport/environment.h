@@ -6,8 +6,11 @@
 //   ULYSSES_OVERLAP_CHUNKS 1 | 0 | auto: whether recomputed head chunks run a chunk's kernel
 //                          while the next chunk's exchange runs (Note [Overlapped chunks],
 //                          partition.h); auto (or unset): where CPU exchanges wait on links.
-// The CLI's one, in test builds only (tools/train_checkpoint.cpp):
-//   ULYSSES_TEST_CRASH_BEFORE_COMMIT  set: `ulysses train --save` dies before its commit point.
+// The CLI's, in test builds only (its test hooks, read where they act):
+//   ULYSSES_TEST_CRASH_BEFORE_COMMIT  set: `ulysses train --save` dies before its commit point
+//                                     (tools/train_checkpoint.cpp).
+//   ULYSSES_TEST_LAST_RANK_LATE_MS    ms: the last rank of `ulysses train` starts step 3 this
+//                                     late (tools/train.cpp).
 #pragma once
 
 #include <optional>
