@@ -220,3 +220,43 @@ def test_the_trainer_waits_as_long_as_its_ddp_timeout_unless_told(tmp_path, time
     # Each rank's loss is its shard's share of the mean, times the world (DDP averages).
     mean = sum(loss for _, _, loss, _ in results) / 2
     assert abs(mean - results[0][3]) <= 1e-5 * results[0][3], (mean, results[0][3])
+
+
+def _dpo_with_a_late_rank(rank: int, group: str):
+    """One DPO step at SP 2 (WholeSequenceLogProbs: the policy's and the reference model's
+    whole-sequence passes) per form of the wait, rank 1 late at the policy's first layer."""
+    import sys
+    import tempfile
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from trl import DPOConfig
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+    from hf_trainer import word_tokenizer
+    from trl_dpo import SequenceParallelDPOTrainer, preference_rows
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    losses = {}
+    for form, timeout in TIMEOUTS.items():
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="ulysses")
+        with tempfile.TemporaryDirectory() as out:
+            args = DPOConfig(output_dir=out, max_steps=1, per_device_train_batch_size=2, logging_steps=1,
+                             report_to=[], use_cpu=True, bf16=False, seed=0, save_strategy="no")
+            trainer = SequenceParallelDPOTrainer(model=model, ref_model=copy.deepcopy(model), args=args,
+                                                 train_dataset=Dataset.from_list(preference_rows(2, 32, seed=1)),
+                                                 processing_class=word_tokenizer(32), sp_size=2, timeout=timeout)
+            _late_before(model.model.layers[0], rank)
+            trainer.train()
+        losses[form] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    return losses
+
+
+def test_a_late_rank_inside_the_timeout_trains_dpo(tmp_path):
+    pytest.importorskip("trl", reason="DPO is TRL's trainer (pip install trl)")
+    ranks = run_processes(2, _dpo_with_a_late_rank, tmp_dir=str(tmp_path))
+    assert ranks[0] == ranks[1], ranks  # every rank of the group logs the group's loss
+    assert len({tuple(v) for v in ranks[0].values()}) == 1, ranks  # the same step in each form
